@@ -1,0 +1,1 @@
+"""Bundled YAML topologies (default, redis, cluster, regional)."""

@@ -1,0 +1,387 @@
+"""YAML topology -> typed, validated configuration.
+
+Every error names the file, the field path (``tiers[2].options.url``) and what
+was expected. ``TIERCACHE_*`` environment variables override fields before
+validation: ``TIERCACHE_TIERS__REDIS__OPTIONS__URL=redis://h:6379`` sets the
+``options.url`` of the tier named ``redis``; path parts are separated by ``__``,
+list items are addressed by index or by their ``name``, and values are parsed as
+YAML scalars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.resources
+import inspect
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tiercache.layout import KVLayout
+from tiercache.policies import POLICIES, policy_class
+from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, tier_class
+
+ENV_PREFIX = "TIERCACHE_"
+
+
+class ConfigError(ValueError):
+    """A configuration problem: where (file, field) and what was expected."""
+
+    def __init__(self, source: str, field_path: str, expected: str, got: Any = dataclasses.MISSING):
+        self.source = source
+        self.field_path = field_path
+        self.expected = expected
+        got_text = "" if got is dataclasses.MISSING else f", got {got!r}"
+        super().__init__(f"{source}: {field_path or '<top level>'}: expected {expected}{got_text}")
+
+
+class WritePolicy(enum.Enum):
+    """How a tier is filled from the tier above it."""
+
+    WRITE_THROUGH = "write_through"
+    """Copy down as soon as the block is in the tier above."""
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    """Copy down once the block has been hit ``admit_after_hits`` times (admission control)."""
+    WRITE_BACK = "write_back"
+    """Copy down only when the tier above evicts the block."""
+
+
+class PrefetchPolicy(enum.Enum):
+    """How long a load waits for slow tiers."""
+
+    BEST_EFFORT = "best_effort"
+    """Report what has arrived when polled; the engine recomputes the rest."""
+    WAIT_COMPLETE = "wait_complete"
+    """The load finishes when every block has arrived or failed."""
+    TIMEOUT = "timeout"
+    """Like wait_complete, but give up after a deadline that grows with the tokens."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The namespace: what must match for engines to share entries."""
+
+    id: str
+    tp_rank: int = 0
+    tenant: str | None = None
+    lora: str | None = None
+
+
+@dataclass
+class TierConfig:
+    """One tier of the hierarchy, fastest first."""
+
+    type: str
+    name: str | None = None
+    capacity_blocks: int | None = None
+    capacity_bytes: int | str | None = None
+    policy: str = "lru"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    admit_after_hits: int = 2
+    options: Any = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """Concurrency and back-pressure of the transfer queue, and the prefetch policy."""
+
+    transfer_concurrency: int = 8
+    max_pending_stores: int = 1024
+    batch_blocks: int = 64
+    prefetch: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE
+    prefetch_timeout_ms: float = 50.0
+    prefetch_timeout_ms_per_1k_tokens: float = 20.0
+    remote_lookup_timeout_ms: float = 200.0
+
+
+@dataclass
+class TierCacheConfig:
+    """A validated topology."""
+
+    model: ModelConfig
+    layout: KVLayout
+    tiers: list[TierConfig]
+    exclusive: bool = False
+    queues: QueueConfig = field(default_factory=QueueConfig)
+    source: str = "<dict>"
+
+    def tier(self, name: str) -> TierConfig:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(name)
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """``4GiB``, ``512 MB`` or a plain integer -> bytes (ValueError if malformed)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE_PATTERN.match(str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any value"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
+    """Check ``value`` against the type hint ``tp`` and convert (enums, dataclasses)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _convert(option, value, source, path)
+            except ConfigError:
+                continue
+        raise ConfigError(source, path, _type_name(tp), value)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(source, path, "null", value)
+    if dataclasses.is_dataclass(tp):
+        return build_dataclass(tp, value, source, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(source, path, _type_name(tp), value) from None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(source, path, "a list", value)
+        (item_type,) = typing.get_args(tp) or (Any,)
+        return [_convert(item_type, item, source, f"{path}[{i}]") for i, item in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(source, path, "a mapping", value)
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(source, path, "true or false", value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(source, path, "an integer", value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(source, path, "a number", value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(source, path, "a string", value)
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(source, path, _type_name(tp), value)
+
+
+def build_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
+    """Build dataclass ``cls`` from a mapping: unknown keys, missing fields and wrong types are errors."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, path, "a mapping", data)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    prefix = f"{path}." if path else ""
+    for key in data:
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(source, f"{prefix}{key}", f"one of the known fields ({allowed})", "unknown field")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], source, f"{prefix}{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(source, f"{prefix}{name}", f"a value ({_type_name(hints[name])}); it is required")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(source, path, str(error)) from None
+
+
+def _validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) -> None:
+    path = f"tiers[{index}]"
+    if tier.type not in TIER_TYPES:
+        raise ConfigError(source, f"{path}.type", f"one of {sorted(TIER_TYPES)}", tier.type)
+    tier.name = tier.name or tier.type
+    if tier.policy not in POLICIES:
+        raise ConfigError(source, f"{path}.policy", f"one of {sorted(POLICIES)}", tier.policy)
+    accepted = inspect.signature(policy_class(tier.policy)).parameters
+    for option in tier.policy_options:
+        if option == "capacity" or option not in accepted:
+            known = sorted(p for p in accepted if p != "capacity")
+            raise ConfigError(source, f"{path}.policy_options.{option}", f"one of {known}", "unknown option")
+    if tier.admit_after_hits < 1:
+        raise ConfigError(source, f"{path}.admit_after_hits", "an integer >= 1", tier.admit_after_hits)
+    if tier.capacity_bytes is not None:
+        try:
+            tier.capacity_bytes = parse_size(tier.capacity_bytes)
+        except ValueError:
+            raise ConfigError(
+                source, f"{path}.capacity_bytes", "a size such as 4GiB or an integer", tier.capacity_bytes
+            ) from None
+        if tier.capacity_bytes <= 0:
+            raise ConfigError(source, f"{path}.capacity_bytes", "a positive size", tier.capacity_bytes)
+    if tier.capacity_blocks is not None and tier.capacity_blocks <= 0:
+        raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer", tier.capacity_blocks)
+    if tier.capacity_blocks is not None and tier.capacity_bytes is not None:
+        raise ConfigError(source, f"{path}", "capacity_blocks or capacity_bytes, not both")
+    if tier.type in LOCAL_TIER_TYPES:
+        if tier.capacity_blocks is None and tier.capacity_bytes is None:
+            raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required")
+        if tier.capacity_blocks is None:
+            tier.capacity_blocks = tier.capacity_bytes // layout.bytes_per_block
+            if tier.capacity_blocks <= 0:
+                raise ConfigError(
+                    source, f"{path}.capacity_bytes",
+                    f"at least one block ({layout.bytes_per_block} bytes)", tier.capacity_bytes,
+                )
+    options_type = getattr(tier_class(tier.type), "Options", None)
+    if options_type is not None:
+        tier.options = build_dataclass(options_type, tier.options or {}, source, f"{path}.options")
+    elif tier.options:
+        raise ConfigError(source, f"{path}.options", f"no options for tier type {tier.type!r}", tier.options)
+
+
+def _validate_hierarchy(config: TierCacheConfig) -> None:
+    source, tiers = config.source, config.tiers
+    if not tiers:
+        raise ConfigError(source, "tiers", "a non-empty list of tiers, the first of type 'gpu'", tiers)
+    if tiers[0].type != "gpu":
+        raise ConfigError(source, "tiers[0].type", "'gpu' (the first tier is the GPU pool)", tiers[0].type)
+    for index, tier in enumerate(tiers[1:], start=1):
+        if tier.type == "gpu":
+            raise ConfigError(source, f"tiers[{index}].type", "only one 'gpu' tier, and it must be first", tier.type)
+        if tier.type == "cpu" and index != 1:
+            raise ConfigError(source, f"tiers[{index}].type", "the 'cpu' tier directly after 'gpu'", tier.type)
+    if len(tiers) > 2 and tiers[1].type != "cpu":
+        raise ConfigError(source, "tiers[1].type", "'cpu' (remote tiers stage through the pinned-CPU tier)", tiers[1].type)
+    seen: set[str] = set()
+    for index, tier in enumerate(tiers):
+        if tier.name in seen:
+            raise ConfigError(source, f"tiers[{index}].name", "a name not used by another tier", tier.name)
+        seen.add(tier.name)
+    if config.queues.transfer_concurrency < 1:
+        raise ConfigError(source, "queues.transfer_concurrency", "an integer >= 1", config.queues.transfer_concurrency)
+    if config.queues.max_pending_stores < 0:
+        raise ConfigError(source, "queues.max_pending_stores", "an integer >= 0", config.queues.max_pending_stores)
+    if config.queues.batch_blocks < 1:
+        raise ConfigError(source, "queues.batch_blocks", "an integer >= 1", config.queues.batch_blocks)
+
+
+def _set_path(data: dict, parts: list[str], value: Any, variable: str) -> None:
+    node: Any = data
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            target = None
+            if part.isdigit() and int(part) < len(node):
+                target = int(part)
+            else:
+                target = next(
+                    (i for i, item in enumerate(node)
+                     if isinstance(item, Mapping) and str(item.get("name", item.get("type"))).lower() == part),
+                    None,
+                )
+            if target is None:
+                raise ConfigError(variable, ".".join(parts[: depth + 1]), "an existing list index or tier name", part)
+            if last:
+                node[target] = value
+            else:
+                node = node[target]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ConfigError(variable, ".".join(parts[:depth]), "a mapping or list to override into", node)
+
+
+def apply_env_overrides(data: dict, environ: Mapping[str, str] | None = None) -> dict:
+    """Apply ``TIERCACHE_A__B__C=value`` overrides onto the raw mapping."""
+    environ = os.environ if environ is None else environ
+    for variable, text in sorted(environ.items()):
+        if not variable.startswith(ENV_PREFIX) or variable == "TIERCACHE_CONFIG":
+            continue
+        parts = [p.lower() for p in variable[len(ENV_PREFIX):].split("__") if p]
+        if not parts:
+            continue
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        _set_path(data, parts, value, f"environment variable {variable}")
+    return data
+
+
+def config_from_dict(
+    data: Any, source: str = "<dict>", environ: Mapping[str, str] | None = None
+) -> TierCacheConfig:
+    """Validate a raw mapping (as loaded from YAML) into a ``TierCacheConfig``."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, "", "a mapping with model, layout and tiers", data)
+    data = apply_env_overrides(dict(data), environ)
+    config = build_dataclass(TierCacheConfig, {**data, "source": source}, source, "")
+    for index, tier in enumerate(config.tiers):
+        _validate_tier(tier, index, source, config.layout)
+    _validate_hierarchy(config)
+    return config
+
+
+def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> TierCacheConfig:
+    """Read and validate a YAML topology file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ConfigError(source, "", "a readable YAML file", error.strerror) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "document"
+        raise ConfigError(source, where, "valid YAML", str(getattr(error, "problem", error))) from None
+    return config_from_dict(data, source, environ)
+
+
+def default_config_path() -> Path:
+    """The embedded default topology (GPU pool + pinned CPU, no server needed)."""
+    return Path(str(importlib.resources.files("tiercache.configs").joinpath("default.yaml")))

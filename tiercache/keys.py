@@ -1,0 +1,83 @@
+"""Chained block keys: h_i = H(h_{i-1}, tokens of block i, extra), stable across machines.
+
+The chain makes "longest cached prefix" equal to "first missing key", and the
+namespace seed keeps models, layouts, tensor-parallel ranks, tenants and LoRA
+adapters apart. BLAKE2b (16-byte digests) is used rather than Python's
+``hash()``: it is deterministic everywhere and collision-resistant, so a
+crafted prompt cannot alias another tenant's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_BYTES = 16
+_TOKEN_DTYPE = np.dtype("<i8")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two engines to share a block's KV."""
+
+    model_id: str
+    layout_fingerprint: str
+    tp_rank: int = 0
+    tenant_salt: str | None = None
+    lora_id: str | None = None
+
+    def root(self) -> bytes:
+        """The seed h_{-1} of every chain in this namespace."""
+        fields = (
+            "tiercache-v1",
+            self.model_id,
+            self.layout_fingerprint,
+            str(self.tp_rank),
+            self.tenant_salt or "",
+            self.lora_id or "",
+        )
+        encoded = b"\x1f".join(f.encode() for f in fields)
+        return hashlib.blake2b(encoded, digest_size=KEY_BYTES).digest()
+
+
+class BlockHasher:
+    """Turns a token sequence into the chained keys of its full blocks."""
+
+    def __init__(self, namespace: Namespace, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.namespace = namespace
+        self.block_size = block_size
+        self._root = namespace.root()
+
+    def num_full_blocks(self, num_tokens: int) -> int:
+        return num_tokens // self.block_size
+
+    def keys(
+        self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None
+    ) -> list[bytes]:
+        """Keys of every full block of ``tokens``; a trailing partial block gets none.
+
+        ``extra`` (e.g. a multimodal content hash) is mixed into every block's key.
+        """
+        array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+        if array.ndim != 1:
+            raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
+        num_blocks = len(array) // self.block_size
+        buffer = memoryview(array[: num_blocks * self.block_size].tobytes())
+        stride = self.block_size * _TOKEN_DTYPE.itemsize
+        salt = extra.encode() if isinstance(extra, str) else (extra or b"")
+        blake2b = hashlib.blake2b
+        keys: list[bytes] = []
+        previous = self._root
+        for start in range(0, num_blocks * stride, stride):
+            digest = blake2b(previous, digest_size=KEY_BYTES)
+            digest.update(buffer[start : start + stride])
+            if salt:
+                digest.update(salt)
+            previous = digest.digest()
+            keys.append(previous)
+        return keys
