@@ -1,0 +1,49 @@
+"""Shared fixtures: real Redis servers (single, several, a 3-node cluster).
+
+``redis_server`` yields one started ``RedisServer`` (host, port, url, ``kill()``,
+``stop()``/``cont()``, ``restart()``, ``cli()``); ``redis_factory(**kwargs)``
+starts as many as a test needs (e.g. central + two regions); ``redis_cluster``
+yields a started ``RedisClusterNodes``. All of them are torn down even when the
+test fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from redis_servers import RedisClusterNodes, RedisServer
+
+
+@pytest.fixture
+def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RedisServer]]:
+    """Call it to start a server: ``redis_factory(maxmemory="64mb", extra_args=[...])``."""
+    servers: list[RedisServer] = []
+
+    def start(**kwargs: object) -> RedisServer:
+        server = RedisServer(tmp_path_factory.mktemp("redis"), **kwargs)
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.fixture
+def redis_server(redis_factory: Callable[..., RedisServer]) -> RedisServer:
+    """One empty server (maxmemory 512mb, allkeys-lru), killed after the test."""
+    return redis_factory()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    """A 3-master Redis Cluster (full coverage not required, so one node can go down)."""
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
