@@ -103,8 +103,8 @@ class Codec:
         """Validate everything the header alone can tell."""
         if len(value) < HEADER_SIZE:
             return DecodeStatus.TRUNCATED
-        magic, fmt, flags, _, fingerprint, stored_key, version, stored_len, raw_len, checksum = (
-            HEADER.unpack_from(value)
+        magic, fmt, flags, _, fingerprint, stored_key, version, stored_len, raw_len, checksum = HEADER.unpack_from(
+            value
         )
         if magic != MAGIC:
             return DecodeStatus.BAD_MAGIC

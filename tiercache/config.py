@@ -122,9 +122,16 @@ class TierCacheConfig:
 
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -265,13 +272,17 @@ def _validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) 
         raise ConfigError(source, f"{path}", "capacity_blocks or capacity_bytes, not both")
     if tier.type in LOCAL_TIER_TYPES:
         if tier.capacity_blocks is None and tier.capacity_bytes is None:
-            raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required")
+            raise ConfigError(
+                source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required"
+            )
         if tier.capacity_blocks is None:
             tier.capacity_blocks = tier.capacity_bytes // layout.bytes_per_block
             if tier.capacity_blocks <= 0:
                 raise ConfigError(
-                    source, f"{path}.capacity_bytes",
-                    f"at least one block ({layout.bytes_per_block} bytes)", tier.capacity_bytes,
+                    source,
+                    f"{path}.capacity_bytes",
+                    f"at least one block ({layout.bytes_per_block} bytes)",
+                    tier.capacity_bytes,
                 )
     options_type = getattr(tier_class(tier.type), "Options", None)
     if options_type is not None:
@@ -292,7 +303,9 @@ def _validate_hierarchy(config: TierCacheConfig) -> None:
         if tier.type == "cpu" and index != 1:
             raise ConfigError(source, f"tiers[{index}].type", "the 'cpu' tier directly after 'gpu'", tier.type)
     if len(tiers) > 2 and tiers[1].type != "cpu":
-        raise ConfigError(source, "tiers[1].type", "'cpu' (remote tiers stage through the pinned-CPU tier)", tiers[1].type)
+        raise ConfigError(
+            source, "tiers[1].type", "'cpu' (remote tiers stage through the pinned-CPU tier)", tiers[1].type
+        )
     seen: set[str] = set()
     for index, tier in enumerate(tiers):
         if tier.name in seen:
@@ -316,8 +329,11 @@ def _set_path(data: dict, parts: list[str], value: Any, variable: str) -> None:
                 target = int(part)
             else:
                 target = next(
-                    (i for i, item in enumerate(node)
-                     if isinstance(item, Mapping) and str(item.get("name", item.get("type"))).lower() == part),
+                    (
+                        i
+                        for i, item in enumerate(node)
+                        if isinstance(item, Mapping) and str(item.get("name", item.get("type"))).lower() == part
+                    ),
                     None,
                 )
             if target is None:
@@ -341,7 +357,7 @@ def apply_env_overrides(data: dict, environ: Mapping[str, str] | None = None) ->
     for variable, text in sorted(environ.items()):
         if not variable.startswith(ENV_PREFIX) or variable == "TIERCACHE_CONFIG":
             continue
-        parts = [p.lower() for p in variable[len(ENV_PREFIX):].split("__") if p]
+        parts = [p.lower() for p in variable[len(ENV_PREFIX) :].split("__") if p]
         if not parts:
             continue
         try:
@@ -352,9 +368,7 @@ def apply_env_overrides(data: dict, environ: Mapping[str, str] | None = None) ->
     return data
 
 
-def config_from_dict(
-    data: Any, source: str = "<dict>", environ: Mapping[str, str] | None = None
-) -> TierCacheConfig:
+def config_from_dict(data: Any, source: str = "<dict>", environ: Mapping[str, str] | None = None) -> TierCacheConfig:
     """Validate a raw mapping (as loaded from YAML) into a ``TierCacheConfig``."""
     if not isinstance(data, Mapping):
         raise ConfigError(source, "", "a mapping with model, layout and tiers", data)

@@ -56,9 +56,7 @@ class BlockHasher:
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size
 
-    def keys(
-        self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None
-    ) -> list[bytes]:
+    def keys(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None) -> list[bytes]:
         """Keys of every full block of ``tokens``; a trailing partial block gets none.
 
         ``extra`` (e.g. a multimodal content hash) is mixed into every block's key.

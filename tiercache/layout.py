@@ -93,8 +93,7 @@ class KVLayout:
     def fingerprint(self) -> str:
         """A stable short id of everything that decides a block's bytes."""
         text = (
-            f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/"
-            f"{self.dtype}/{self.block_size}/{self.memory.value}"
+            f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.block_size}/{self.memory.value}"
         )
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -107,10 +106,7 @@ class KVLayout:
 
     def allocate_pool(self, num_blocks: int, device: str | torch.device) -> list[torch.Tensor]:
         """Zeroed pool tensors on ``device``."""
-        return [
-            torch.zeros(shape, dtype=self.torch_dtype, device=device)
-            for shape in self.pool_shapes(num_blocks)
-        ]
+        return [torch.zeros(shape, dtype=self.torch_dtype, device=device) for shape in self.pool_shapes(num_blocks)]
 
     def validate_pool(self, tensors: Sequence[torch.Tensor]) -> int:
         """Check tensors handed in by an engine; return their number of blocks."""
@@ -120,8 +116,7 @@ class KVLayout:
         expected = self.pool_shapes(num_blocks)
         if len(tensors) != len(expected):
             raise ValueError(
-                f"pool tensors: expected {len(expected)} tensor(s) for {self.memory.value}, "
-                f"got {len(tensors)}"
+                f"pool tensors: expected {len(expected)} tensor(s) for {self.memory.value}, got {len(tensors)}"
             )
         device = tensors[0].device
         for index, (tensor, shape) in enumerate(zip(tensors, expected, strict=True)):

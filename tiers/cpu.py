@@ -1,1 +1,51 @@
-"""Placeholder replaced below."""
+"""The pinned-CPU swap space: fixed block slots in one page-locked allocation.
+
+Pinned (page-locked) memory lets the GPU copy engines DMA straight into it; with
+no CUDA present it is ordinary memory. Slots hold a block's serialized bytes in
+the pool's order (see ``tiercache.layout``), so a remote read lands directly in a
+slot and a slot is handed to a remote write without another copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tiercache.policies import EvictionPolicy
+
+from tiercache.layout import KVLayout
+from tiercache.slots import SlotTable
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """``pin_memory``: null = pin when CUDA is available; true/false to force."""
+
+    pin_memory: bool | None = None
+
+
+class CpuTier:
+    """One ``[slots, bytes_per_block]`` uint8 buffer plus its SlotTable."""
+
+    Options = CpuOptions
+
+    def __init__(
+        self, name: str, layout: KVLayout, num_slots: int, policy: EvictionPolicy, options: CpuOptions
+    ) -> None:
+        self.name = name
+        self.layout = layout
+        self.num_slots = num_slots
+        pin = torch.cuda.is_available() if options.pin_memory is None else options.pin_memory
+        self.buffer = torch.empty((num_slots, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin)
+        self.pinned = pin
+        self.typed = self.buffer.view(layout.torch_dtype).view(num_slots, *layout.block_shape)
+        self._array = self.buffer.numpy()
+        self.table = SlotTable(num_slots, policy)
+
+    def view(self, slot: int) -> memoryview:
+        """A writable byte view of one slot (for remote reads and writes)."""
+        return memoryview(self._array[slot]).cast("B")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.layout.bytes_per_block

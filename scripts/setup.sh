@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtualenv with the CPU build of torch, tiercache with its
+# test extras, and redis-server (Debian's package) when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+TORCH_VERSION=2.13.0
+
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+    echo "setup: installing redis-server from Debian's packages" >&2
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server redis-tools >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+
+stamp="$VENV/.tiercache-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # torch first: the pinned CPU build satisfies the package's range, so pip
+    # never pulls a multi-GB CUDA build.
+    "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    echo "$want" > "$stamp"
+fi

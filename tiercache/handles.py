@@ -1,0 +1,83 @@
+"""What the manager hands the engine: ``Lookup`` results and ``Transfer`` handles."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Lookup:
+    """The cached prefix of a prompt, tier by tier.
+
+    ``gpu_block_ids`` are the GPU blocks already holding the first blocks; when
+    ``pending`` is False they are pinned for the caller, who hands them back with
+    ``release``. ``pending`` is True while a remote tier's answer is in flight:
+    call ``lookup`` again later (nothing is pinned meanwhile).
+    """
+
+    keys: list[bytes]
+    block_size: int
+    tier_blocks: dict[str, int]
+    gpu_block_ids: list[int]
+    pending: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the longest cached prefix, over all tiers."""
+        return sum(self.tier_blocks.values())
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_lower_blocks(self) -> int:
+        """Blocks that ``load`` would bring into the GPU pool."""
+        return self.num_blocks - len(self.gpu_block_ids)
+
+
+class TransferKind(enum.Enum):
+    LOAD = "load"
+    STORE = "store"
+
+
+@dataclass(eq=False)
+class Transfer:
+    """A load or store moving in the background.
+
+    ``done()`` polls, ``await transfer`` waits from an asyncio engine, ``result()``
+    returns the tokens loaded (load: a prefix of those asked for, the rest to be
+    recomputed) or indexed (store). ``cancel()`` stops a load early; what it had
+    already loaded stays valid and is reported.
+    """
+
+    kind: TransferKind
+    num_blocks: int
+    block_size: int
+    gpu_block_ids: list[int] = field(default_factory=list)
+    future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
+    progress_blocks: int = 0
+    settling: bool = False
+    on_cancel: Callable[[], None] | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> int:
+        """Tokens moved; blocks until done (call after ``done()`` in a scheduler loop)."""
+        return self.future.result(timeout)
+
+    def cancel(self) -> None:
+        """Finish as soon as the copy in flight lands, with what has arrived."""
+        if not self.settling:
+            self.settling = True
+            if self.on_cancel is not None:
+                self.on_cancel()
+
+    def __await__(self) -> Generator[Any, None, int]:
+        return asyncio.wrap_future(self.future).__await__()

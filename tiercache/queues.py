@@ -1,0 +1,127 @@
+"""The asyncio machinery under the manager: a background event-loop thread and priority limiters.
+
+The engine's scheduler calls the manager synchronously; every remote I/O and
+every wait on a copy runs as a coroutine on one background loop, so the
+scheduler never blocks. ``PriorityLimiter`` bounds the requests in flight to
+one tier and always admits a waiting load before a waiting store: a load is on
+a request's critical path, a store is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import heapq
+import itertools
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class Priority(enum.IntEnum):
+    """Lower is served first."""
+
+    LOAD = 0
+    STORE = 1
+
+
+class PriorityLimiter:
+    """A semaphore whose waiters are admitted by priority, then arrival order."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.active = 0
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return sum(not future.done() for _, _, future in self._waiters)
+
+    async def acquire(self, priority: Priority) -> None:
+        if self.active < self.limit and not self._waiters:
+            self.active += 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (int(priority), next(self._order), future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release()
+            raise
+
+    def release(self) -> None:
+        self.active -= 1
+        while self._waiters and self.active < self.limit:
+            _, _, future = heapq.heappop(self._waiters)
+            if not future.done():
+                self.active += 1
+                future.set_result(None)
+
+    async def run(self, priority: Priority, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run ``operation()`` inside the limit."""
+        await self.acquire(priority)
+        try:
+            return await operation()
+        finally:
+            self.release()
+
+
+class EventLoopThread:
+    """One daemon thread running an asyncio loop; coroutines are submitted from any thread."""
+
+    def __init__(self, name: str = "tiercache-io") -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(self._log_exception)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    @staticmethod
+    def _log_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        log.error("tiercache background task failed: %s", context.get("message"), exc_info=context.get("exception"))
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    @property
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coroutine: Awaitable[T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coroutine`` on the loop; the returned future is thread-safe."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)  # type: ignore[arg-type]
+
+    def call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(callback, *args)
+
+    def stop(self) -> None:
+        """Stop the loop and join the thread (pending tasks are cancelled first)."""
+        if not self._started or self.loop.is_closed():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.submit(cancel_all()).result()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()

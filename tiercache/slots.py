@@ -1,0 +1,209 @@
+"""SlotTable: fixed slots, a key index and the ref-count protocol that makes eviction safe.
+
+Both local tiers (the GPU block pool and the pinned-CPU swap space) keep one. Each
+slot is in one of these states:
+
+* free: on the free list;
+* held: owned by a caller (ref >= 1) and not yet bound to a key (a GPU block the
+  engine is computing into);
+* writing: bound to a key whose bytes are still arriving (ref == WRITING); not
+  readable, not evictable;
+* cached: bound and readable; evictable at ref == 0, pinned at ref > 0.
+
+The eviction policy tracks cached keys only. ``allocate`` is all-or-nothing: it
+checks that enough slots are free or evictable before touching anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiercache.policies import EvictionPolicy
+
+WRITING = -1
+
+
+class CapacityError(RuntimeError):
+    """Not enough free or evictable slots; nothing was changed."""
+
+
+class SlotTable:
+    """Slot bookkeeping for one local tier (not thread-safe: the manager holds a lock)."""
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+        self.num_slots = num_slots
+        self.policy = policy
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._ref = [0] * num_slots
+        self._key: list[bytes | None] = [None] * num_slots
+        self._slot: dict[bytes, int] = {}
+        self._evictable = 0
+        self.evictions = 0
+
+    # ---- queries -------------------------------------------------------------------
+    def __contains__(self, key: bytes) -> bool:
+        """Whether ``key`` is bound here, readable or still being written."""
+        return key in self._slot
+
+    def readable(self, key: bytes) -> int | None:
+        """The slot of ``key`` if its bytes are complete, else None."""
+        slot = self._slot.get(key)
+        if slot is None or self._ref[slot] == WRITING:
+            return None
+        return slot
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self._slot.get(key)
+
+    def key_of(self, slot: int) -> bytes | None:
+        return self._key[slot]
+
+    def ref(self, slot: int) -> int:
+        return self._ref[slot]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return self._evictable
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._slot)
+
+    def touch(self, key: bytes) -> None:
+        """Record a hit on a readable key with the policy."""
+        self.policy.access(key)
+
+    # ---- state changes -------------------------------------------------------------
+    def allocate(self, count: int, on_evict: Callable[[bytes, int], None] | None = None) -> list[int]:
+        """``count`` held slots (ref 1, unbound), evicting cached ref-0 keys as needed.
+
+        ``on_evict(key, slot)`` runs for each victim before its slot is reused (the
+        manager demotes the bytes there). Raises CapacityError, changing nothing,
+        when free plus evictable slots are fewer than ``count``.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        shortfall = count - len(self._free)
+        if shortfall > self._evictable:
+            raise CapacityError(
+                f"need {count} slots: {len(self._free)} free and {self._evictable} evictable "
+                f"of {self.num_slots} (the rest are pinned or being written)"
+            )
+        victims = [self._evict_one() for _ in range(max(shortfall, 0))]
+        if on_evict is not None:
+            for key, slot in victims:
+                on_evict(key, slot)
+        slots = [self._free.pop() for _ in range(count - len(victims))]
+        slots.extend(slot for _, slot in victims)
+        for slot in slots:
+            self._ref[slot] = 1
+        return slots
+
+    def _evict_one(self) -> tuple[bytes, int]:
+        key = self.policy.evict(self._is_evictable)
+        slot = self._slot.pop(key)
+        self._key[slot] = None
+        self._evictable -= 1
+        self.evictions += 1
+        return key, slot
+
+    def _is_evictable(self, key: bytes) -> bool:
+        return self._ref[self._slot[key]] == 0
+
+    def bind(self, slot: int, key: bytes) -> None:
+        """Bind a held slot to ``key`` and make it readable (the caller keeps its pin)."""
+        if self._ref[slot] < 1 or self._key[slot] is not None:
+            raise ValueError(f"slot {slot} is not held unbound (ref {self._ref[slot]})")
+        if key in self._slot:
+            raise ValueError(f"key already bound to slot {self._slot[key]}")
+        self._key[slot] = key
+        self._slot[key] = slot
+        if not self.policy.access(key):
+            self.policy.insert(key)
+
+    def begin_write(self, key: bytes, on_evict: Callable[[bytes, int], None] | None = None) -> int:
+        """A slot bound to ``key`` in the writing state (raises CapacityError)."""
+        if key in self._slot:
+            raise ValueError("key already present")
+        (slot,) = self.allocate(1, on_evict)
+        self._key[slot] = key
+        self._slot[key] = slot
+        self._ref[slot] = WRITING
+        return slot
+
+    def commit_write(self, slot: int) -> None:
+        """The slot's bytes are complete: it becomes cached and evictable."""
+        if self._ref[slot] != WRITING:
+            raise ValueError(f"slot {slot} is not being written")
+        self._ref[slot] = 0
+        self._evictable += 1
+        key = self._key[slot]
+        if not self.policy.access(key):
+            self.policy.insert(key)
+
+    def abort_write(self, slot: int) -> None:
+        """Drop a write that failed: the slot returns to the free list."""
+        if self._ref[slot] != WRITING:
+            raise ValueError(f"slot {slot} is not being written")
+        del self._slot[self._key[slot]]
+        self._key[slot] = None
+        self._ref[slot] = 0
+        self._free.append(slot)
+
+    def pin(self, slot: int) -> None:
+        """Add a reader; a pinned slot is never evicted."""
+        ref = self._ref[slot]
+        if ref == WRITING:
+            raise ValueError(f"slot {slot} is being written")
+        if ref == 0:
+            if self._key[slot] is None:
+                raise ValueError(f"slot {slot} is free")
+            self._evictable -= 1
+        self._ref[slot] = ref + 1
+
+    def unpin(self, slot: int) -> None:
+        """Drop a reader; an unbound slot returns to the free list at ref 0."""
+        ref = self._ref[slot]
+        if ref < 1:
+            raise ValueError(f"slot {slot} is not pinned (ref {ref})")
+        self._ref[slot] = ref - 1
+        if ref == 1:
+            if self._key[slot] is None:
+                self._free.append(slot)
+            else:
+                self._evictable += 1
+
+    def discard(self, key: bytes) -> bool:
+        """Forget an evictable key (exclusive promotion, invalidation); False if pinned or absent."""
+        slot = self._slot.get(key)
+        if slot is None or self._ref[slot] != 0:
+            return False
+        del self._slot[key]
+        self._key[slot] = None
+        self._evictable -= 1
+        self.policy.remove(key)
+        self._free.append(slot)
+        return True
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (used by tests)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "slot on the free list twice"
+        evictable = 0
+        for slot in range(self.num_slots):
+            key, ref = self._key[slot], self._ref[slot]
+            if slot in free:
+                assert key is None and ref == 0, f"free slot {slot} has key or ref {ref}"
+                continue
+            if key is None:
+                assert ref >= 1, f"unbound slot {slot} is neither free nor held"
+                continue
+            assert self._slot[key] == slot, f"index disagrees for slot {slot}"
+            if ref == 0:
+                evictable += 1
+        assert evictable == self._evictable, f"evictable count {self._evictable} != {evictable}"
+        assert len(self._slot) == sum(k is not None for k in self._key)
