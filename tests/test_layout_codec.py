@@ -1,0 +1,102 @@
+"""KVLayout sizes and validation; the value codec rejects every kind of bad value."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+
+from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
+from tiercache.layout import KVLayout, MemoryOrder
+
+FINGERPRINT = bytes(range(16))
+KEY = b"k" * 16
+
+
+def test_layout_sizes_and_shapes() -> None:
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16)
+    assert layout.bytes_per_block == 2 * 32 * 16 * 8 * 128 * 2
+    assert layout.layer_piece_bytes == 64 * 1024
+    assert layout.pool_shapes(10) == [(10, 2, 32, 16, 8, 128)]
+    layer_major = KVLayout(32, 8, 128, "bfloat16", 16, MemoryOrder.LAYER_MAJOR)
+    assert layer_major.pool_shapes(10) == [(10, 2, 16, 8, 128)] * 32
+    assert layer_major.block_shape == (32, 2, 16, 8, 128)
+    assert layout.fingerprint() != layer_major.fingerprint()
+    assert layout.fingerprint() == KVLayout(32, 8, 128, "bfloat16", 16).fingerprint()
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "block_size"])
+def test_layout_rejects_non_positive(field: str) -> None:
+    values = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
+    values[field] = 0
+    with pytest.raises(ValueError, match=field):
+        KVLayout(**values)
+
+
+def test_validate_pool_rejects_wrong_tensors() -> None:
+    layout = KVLayout(2, 2, 8, "float16", 4, MemoryOrder.LAYER_MAJOR)
+    good = layout.allocate_pool(6, "cpu")
+    assert layout.validate_pool(good) == 6
+    with pytest.raises(ValueError, match="expected 2 tensor"):
+        layout.validate_pool(good[:1])
+    with pytest.raises(ValueError, match="dtype"):
+        layout.validate_pool([t.float() for t in good])
+    with pytest.raises(ValueError, match="shape"):
+        layout.validate_pool([good[0], torch.zeros(6, 2, 4, 2, 9, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="contiguous"):
+        layout.validate_pool([good[0], good[1].transpose(3, 4).contiguous().transpose(3, 4)])
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_codec_roundtrip(compress: bool) -> None:
+    codec = Codec(FINGERPRINT, compress=compress)
+    payload = bytes(4096) + os.urandom(4096)
+    value = codec.encode_value(KEY, payload, version=7)
+    if compress:
+        assert len(value) < HEADER_SIZE + len(payload)
+    dest = bytearray(len(payload))
+    decoded = codec.decode_into(KEY, value, memoryview(dest))
+    assert decoded.ok and decoded.version == 7
+    assert bytes(dest) == payload
+
+
+def corrupt(value: bytes, offset: int) -> bytes:
+    data = bytearray(value)
+    data[offset] ^= 0xFF
+    return bytes(data)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_codec_rejects_bad_values(compress: bool) -> None:
+    codec = Codec(FINGERPRINT, compress=compress)
+    payload = bytes(2048) + os.urandom(2048)
+    value = codec.encode_value(KEY, payload)
+    dest = memoryview(bytearray(len(payload)))
+    cases = {
+        DecodeStatus.TRUNCATED: [value[:10], value[:-1]],
+        DecodeStatus.BAD_MAGIC: [corrupt(value, 0), os.urandom(len(value))],
+        DecodeStatus.BAD_FORMAT: [corrupt(value, 4)],
+        DecodeStatus.WRONG_NAMESPACE: [Codec(bytes(16), compress=compress).encode_value(KEY, payload)],
+        DecodeStatus.WRONG_KEY: [codec.encode_value(b"x" * 16, payload)],
+        DecodeStatus.BAD_LENGTH: [value + b"!", codec.encode_value(KEY, payload[:-8])],
+        DecodeStatus.BAD_CHECKSUM: [corrupt(value, HEADER_SIZE + 5), corrupt(value, len(value) - 1)],
+    }
+    for status, values in cases.items():
+        for bad in values:
+            assert codec.decode_into(KEY, bad, dest).status is status
+
+
+def test_codec_rejects_a_corrupt_lz4_stream_with_a_valid_checksum() -> None:
+    codec = Codec(FINGERPRINT, compress=True)
+    payload = bytes(8192)
+    _, stored = codec.encode(KEY, payload)
+    garbage = b"\xff" * len(stored)
+    forged_header, _ = Codec(FINGERPRINT, compress=False).encode(KEY, garbage)
+    forged = bytearray(forged_header + garbage)
+    forged[5] = 1
+    struct.pack_into("<Q", forged, HEADER_SIZE - 16, len(payload))
+    assert codec.decode_into(KEY, bytes(forged), memoryview(bytearray(len(payload)))).status is (
+        DecodeStatus.BAD_COMPRESSION
+    )
