@@ -107,7 +107,7 @@ class TierManager:
             tier_class(tc.type)(RemoteContext(tc.name, codec, self.layout.bytes_per_block), tc.options)
             for tc in self.remote_configs
         ]
-        self.swapper = TorchSwapper(self.layout, self.gpu.tensors, self.cpu.typed) if self.cpu else None
+        self.swapper = TorchSwapper(self.layout, self.gpu.tensors, self.cpu.buffer) if self.cpu else None
         self._on_cuda = self.gpu.device.type == "cuda"
 
         queues = config.queues

@@ -74,28 +74,33 @@ def contiguous_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class TorchSwapper:
-    """Batched gather/scatter with torch ops; works for both memory orders."""
+    """Batched gather/scatter with torch ops; works for both memory orders.
+
+    Everything is moved as bytes (``uint8`` views), so any dtype works, fp8
+    included, and ``host`` is the CPU tier's ``[slots, bytes_per_block]`` buffer.
+    """
 
     def __init__(self, layout: KVLayout, pool: list[torch.Tensor], host: torch.Tensor) -> None:
         self.layout = layout
-        self.pool = pool
+        self.pool = [tensor.view(torch.uint8).view(tensor.shape[0], -1) for tensor in pool]
         self.host = host
         self.device = pool[0].device
         self.on_cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
 
     def _gather_device(self, ids: torch.Tensor) -> torch.Tensor:
-        """The selected blocks as one contiguous ``[n, *block_shape]`` tensor on the device."""
+        """The selected blocks as one contiguous ``[n, bytes_per_block]`` tensor on the device."""
         if self.layout.block_major:
             return self.pool[0].index_select(0, ids)
-        return torch.stack([layer.index_select(0, ids) for layer in self.pool], dim=1)
+        return torch.cat([layer.index_select(0, ids) for layer in self.pool], dim=1)
 
     def _scatter_device(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
         if self.layout.block_major:
             self.pool[0].index_copy_(0, ids, blocks)
-        else:
-            for layer_index, layer in enumerate(self.pool):
-                layer.index_copy_(0, ids, blocks[:, layer_index])
+            return
+        piece = self.layout.layer_piece_bytes
+        for layer_index, layer in enumerate(self.pool):
+            layer.index_copy_(0, ids, blocks[:, layer_index * piece : (layer_index + 1) * piece])
 
     def to_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> SwapHandle:
         if not gpu_ids:
@@ -127,7 +132,7 @@ class TorchSwapper:
         assert self.stream is not None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            staging = torch.empty((len(gpu_ids), *self.layout.block_shape), dtype=self.host.dtype, device=self.device)
+            staging = torch.empty((len(gpu_ids), self.layout.bytes_per_block), dtype=torch.uint8, device=self.device)
             for position, first, length in contiguous_runs(cpu_slots):
                 staging[position : position + length].copy_(self.host[first : first + length], non_blocking=True)
             ids = torch.as_tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)

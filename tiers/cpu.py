@@ -38,7 +38,6 @@ class CpuTier:
         pin = torch.cuda.is_available() if options.pin_memory is None else options.pin_memory
         self.buffer = torch.empty((num_slots, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin)
         self.pinned = pin
-        self.typed = self.buffer.view(layout.torch_dtype).view(num_slots, *layout.block_shape)
         self._array = self.buffer.numpy()
         self.table = SlotTable(num_slots, policy)
 
