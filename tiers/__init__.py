@@ -7,6 +7,7 @@ import importlib
 TIER_TYPES: dict[str, str] = {
     "gpu": "tiercache.tiers.gpu:GpuTier",
     "cpu": "tiercache.tiers.cpu:CpuTier",
+    "simulated": "tiercache.tiers.simulated:SimulatedTier",
 }
 """Local tiers (``gpu``, ``cpu``) first; every other type is a ``RemoteTier``."""
 
