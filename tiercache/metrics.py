@@ -1,17 +1,32 @@
 """Counters and latency histograms per tier, read by ``TierManager.stats()``.
 
-Kept dependency-free; an optional Prometheus exposition reads the same numbers.
+The core is dependency-free. ``TierCacheCollector`` / ``render_prometheus`` expose
+``TierManager.stats()`` in the Prometheus text format (the optional ``metrics``
+extra, ``prometheus-client``), and ``StatsServer`` serves both JSON and that text
+on a loopback port so ``tiercache stats`` (or a Prometheus scrape) can read a
+running manager.
 """
 
 from __future__ import annotations
 
 import bisect
+import http.server
+import json
 import math
+import re
+import threading
+import urllib.request
 from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
 
 LATENCY_BUCKETS_MS: tuple[float, ...] = tuple(round(0.01 * 2**i, 4) for i in range(22))
 """Upper bounds from 10 µs doubling to about 21 s."""
+MS_PER_SECOND = 1000.0
+LOOPBACK = "127.0.0.1"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass
@@ -70,3 +85,171 @@ class Metrics:
             }
             for tier in sorted(tiers)
         }
+
+
+GAUGE_FIELDS = frozenset(
+    {"capacity_blocks", "cached_blocks", "free_blocks", "evictable_blocks", "breaker_state", "pending_stores"}
+)
+"""Fields that go up and down; every other number in ``stats()`` is a monotonic counter."""
+METRIC_PREFIX = "tiercache"
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def _metric_name(*parts: str) -> str:
+    return _NAME_UNSAFE.sub("_", "_".join((METRIC_PREFIX, *parts)))
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float))
+
+
+class TierCacheCollector:
+    """A Prometheus collector over ``TierManager.stats()`` (and, when given, the raw histograms).
+
+    Each scrape calls ``stats`` once, so the exposition is a consistent snapshot of
+    per-tier hits, misses, bytes, evictions, drops, breaker state and queue depths.
+    Latency histograms come from ``metrics`` with their real buckets (milliseconds
+    converted to seconds); without it, only the summaries in ``stats()`` are exported.
+    Needs ``prometheus-client`` (the ``metrics`` extra), imported on first use.
+    """
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], metrics: Metrics | None = None) -> None:
+        self._stats = stats
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        snapshot = self._stats()
+        families: dict[str, Any] = {}
+
+        def family(stat: str, kind: type, documentation: str, labels: list[str]) -> Any:
+            name = _metric_name("tier", stat)
+            if name not in families:
+                families[name] = kind(name, documentation, labels=labels)
+            return families[name]
+
+        for tier, values in snapshot.get("tiers", {}).items():
+            for stat, value in values.items():
+                if isinstance(value, Mapping):
+                    if self._metrics is None and "mean_ms" in value:
+                        for statistic in ("mean_ms", "p50_ms", "p99_ms"):
+                            family(
+                                f"{stat}_{statistic}", GaugeMetricFamily, f"{stat} {statistic}", ["tier"]
+                            ).add_metric([tier], float(value.get(statistic, 0.0)))
+                    continue
+                if isinstance(value, str):
+                    family(f"{stat}_info", GaugeMetricFamily, f"{stat} as text", ["tier", stat]).add_metric(
+                        [tier, value], 1.0
+                    )
+                elif _is_number(value):
+                    if stat in GAUGE_FIELDS:
+                        family(stat, GaugeMetricFamily, f"{stat} (gauge)", ["tier"]).add_metric([tier], float(value))
+                    else:
+                        family(stat, CounterMetricFamily, f"{stat} (counter)", ["tier"]).add_metric(
+                            [tier], float(value)
+                        )
+        queues = snapshot.get("queues", {})
+        for stat, value in queues.items():
+            name = _metric_name("queue", stat)
+            if isinstance(value, Mapping):
+                gauge = GaugeMetricFamily(name, f"transfer queue {stat} per remote tier", labels=["tier"])
+                for tier, depth in value.items():
+                    gauge.add_metric([tier], float(depth))
+                families[name] = gauge
+            elif _is_number(value):
+                families[name] = GaugeMetricFamily(name, f"transfer queue {stat}", value=float(value))
+        if self._metrics is not None:
+            name = _metric_name("latency_seconds")
+            histogram = HistogramMetricFamily(name, "operation latency per tier", labels=["tier", "operation"])
+            for tier, operations in sorted(self._metrics.latency.items()):
+                for operation, recorded in sorted(operations.items()):
+                    buckets, seen = [], 0
+                    for bound, count in zip(LATENCY_BUCKETS_MS, recorded.counts, strict=False):
+                        seen += count
+                        buckets.append((repr(bound / MS_PER_SECOND), seen))
+                    buckets.append(("+Inf", recorded.count))
+                    histogram.add_metric([tier, operation], buckets, recorded.total_ms / MS_PER_SECOND)
+            families[name] = histogram
+        yield from families.values()
+
+
+def prometheus_registry(stats: Callable[[], Mapping[str, Any]], metrics: Metrics | None = None) -> Any:
+    """A fresh ``prometheus_client.CollectorRegistry`` holding one ``TierCacheCollector``."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TierCacheCollector(stats, metrics))
+    return registry
+
+
+def render_prometheus(stats: Mapping[str, Any], metrics: Metrics | None = None) -> str:
+    """Prometheus text exposition of one ``stats()`` snapshot."""
+    from prometheus_client import generate_latest
+
+    return generate_latest(prometheus_registry(lambda: stats, metrics)).decode()
+
+
+class StatsServer:
+    """Serves a running manager's stats on a loopback port, for ``tiercache stats`` and Prometheus.
+
+    ``GET /stats`` answers ``stats()`` as JSON, ``GET /metrics`` the Prometheus
+    text. It binds 127.0.0.1 only (the numbers are not secret, but a cache should
+    not open a port to the network by default); port 0 picks a free one. Runs on
+    a daemon thread; each request takes the manager's lock briefly through ``stats``.
+    """
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], metrics: Metrics | None = None, port: int = 0) -> None:
+        self._stats = stats
+        self._metrics = metrics
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                route = self.path.split("?", 1)[0]
+                if route == "/stats":
+                    body, kind = json.dumps(server._stats(), default=str).encode(), "application/json"
+                elif route == "/metrics":
+                    body, kind = render_prometheus(server._stats(), server._metrics).encode(), PROMETHEUS_CONTENT_TYPE
+                else:
+                    self.send_error(HTTPStatus.NOT_FOUND, "try /stats or /metrics")
+                    return
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+        self._server = http.server.ThreadingHTTPServer((LOOPBACK, port), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tiercache-stats", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> StatsServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving and free the port (safe whether or not it was started)."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join()
+        self._server.server_close()
+
+    def __enter__(self) -> StatsServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def fetch_stats(url: str, timeout: float = 2.0) -> dict[str, Any]:
+    """``GET {url}/stats`` from a ``StatsServer`` (raises ``OSError`` when unreachable)."""
+    with urllib.request.urlopen(f"{url.rstrip('/')}/stats", timeout=timeout) as response:
+        return json.loads(response.read())
