@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiercache.tiers.simulated import SimulatedStore
 
 from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.layout import KVLayout
@@ -91,7 +92,9 @@ def prefill_and_store(manager: TierManager, prompt: list[int]) -> None:
     manager.release(ids)
 
 
-def continue_from_cache(manager: TierManager, prompt: list[int], source: str) -> tuple[list[int], list[torch.Tensor]]:
+def continue_from_cache(
+    manager: TierManager, prompt: list[int], source: str, force_latest: bool = False
+) -> tuple[list[int], list[torch.Tensor]]:
     """The second request: look up, load the prefix from ``source``, generate."""
     hit = manager.lookup(prompt)
     for _ in range(LOOKUP_ATTEMPTS):
@@ -103,7 +106,11 @@ def continue_from_cache(manager: TierManager, prompt: list[int], source: str) ->
     assert hit.tier_blocks.get(source) == PREFIX_BLOCKS, hit.tier_blocks
     held = list(hit.gpu_block_ids)
     fresh = manager.allocate(blocks_for(len(prompt) + DECODE_STEPS) - len(held))
-    loaded = manager.load(hit, fresh[: hit.num_lower_blocks]).result() if hit.num_lower_blocks else 0
+    loaded = (
+        manager.load(hit, fresh[: hit.num_lower_blocks], force_latest=force_latest).result()
+        if hit.num_lower_blocks
+        else 0
+    )
     start = len(held) * BLOCK_SIZE + loaded
     assert start == PREFIX_BLOCKS * BLOCK_SIZE
     table = held + fresh
@@ -168,3 +175,26 @@ def test_corrupted_prefix_changes_logits() -> None:
         got = continue_from_cache(manager, prompt, "gpu")
     expected = recompute(topology(memory).layout, prompt)
     assert not all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True))
+
+
+def continue_through_remote(
+    memory: str, remote: dict[str, Any], prompt: list[int], force_latest: bool = False
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Engine A computes and writes the prefix down; a fresh engine B (empty GPU and CPU) loads it."""
+    with TierManager(topology(memory, [remote])) as first:
+        prefill_and_store(first, prompt)
+    with TierManager(topology(memory, [remote])) as second:
+        return continue_from_cache(second, prompt, remote["name"], force_latest=force_latest)
+
+
+@pytest.mark.parametrize("memory", MEMORY_ORDERS)
+def test_simulated_remote_continues_bitwise(memory: str) -> None:
+    store = f"e2e-{memory}"
+    SimulatedStore.forget(store)
+    remote = {"name": "simulated", "type": "simulated", "options": {"store": store, "latency_ms": 0.2}}
+    prompt = make_prompt(seed=4)
+    try:
+        got = continue_through_remote(memory, remote, prompt)
+    finally:
+        SimulatedStore.forget(store)
+    assert_same(recompute(topology(memory).layout, prompt), got)
