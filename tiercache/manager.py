@@ -30,7 +30,7 @@ from tiercache.handles import Lookup, Transfer, TransferKind
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.metrics import Metrics
 from tiercache.policies import make_policy
-from tiercache.queues import EventLoopThread, Priority, PriorityLimiter
+from tiercache.queues import EventLoopThread, Priority, PriorityLimiter, prefetch_deadline_s
 from tiercache.slots import CapacityError
 from tiercache.swap import CudaEventCopy, SwapHandle, TorchSwapper
 from tiercache.tiers import tier_class
@@ -314,10 +314,9 @@ class TierManager:
         queues = self.config.queues
         deadline = None
         if queues.prefetch is PrefetchPolicy.TIMEOUT:
-            tokens = len(plan) * self.block_size
-            deadline = (
-                queues.prefetch_timeout_ms + queues.prefetch_timeout_ms_per_1k_tokens * tokens / 1000
-            ) / MS_PER_SECOND
+            deadline = prefetch_deadline_s(
+                queues.prefetch_timeout_ms, queues.prefetch_timeout_ms_per_1k_tokens, len(plan) * self.block_size
+            )
         task = self._io.submit(self._run_load(transfer, plan, force_latest, deadline))
         self._track(task)
         if queues.prefetch is PrefetchPolicy.BEST_EFFORT:
@@ -338,8 +337,9 @@ class TierManager:
         for transfer in settle:
             transfer.cancel()
         finished = []
-        while self._completed:
-            finished.append(self._completed.popleft())
+        with self._lock:
+            while self._completed:
+                finished.append(self._completed.popleft())
         return finished
 
     def stats(self) -> dict[str, Any]:
@@ -576,9 +576,11 @@ class TierManager:
         """Complete ``transfer`` with ``tokens`` once ``work`` (if any) is done."""
 
         def complete(_: object = None) -> None:
-            if not transfer.future.done():
-                transfer.future.set_result(tokens)
-                self._completed.append(transfer)
+            # Under the lock, so a poll() that runs once the transfer is done sees it.
+            with self._lock:
+                if not transfer.future.done():
+                    transfer.future.set_result(tokens)
+                    self._completed.append(transfer)
 
         if work is None:
             complete()
@@ -618,8 +620,9 @@ class TierManager:
             for block in blocks:
                 self.gpu.table.unpin(block)
             follow = self._write_through(keys) if ok else None
-        if follow is not None:
-            await asyncio.wrap_future(follow)
+        # Deferred store: the block is safe in the CPU tier, so the store is acknowledged
+        # now; the remote writes go on in the background (tracked, drained by close()).
+        self._track(follow)
 
     async def _put(self, index: int, keys: list[bytes], views: list[memoryview], slots: list[int]) -> None:
         tier = self.remotes[index]
@@ -781,7 +784,7 @@ class TierManager:
             for fetch in fetches:
                 fetch.add_done_callback(lambda _f, chunk_items=plan: self._unpin_unused(chunk_items))
             self._unpin_unused(plan)
-        if transfer.settling and loaded < len(plan):
+        if settle.is_set() and loaded < len(plan):
             self.metrics.add("all", "loads_cut_short")
         self.metrics.add("all", "loaded_blocks", loaded)
         self._finish(transfer, None, loaded * self.block_size)

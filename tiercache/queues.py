@@ -4,7 +4,9 @@ The engine's scheduler calls the manager synchronously; every remote I/O and
 every wait on a copy runs as a coroutine on one background loop, so the
 scheduler never blocks. ``PriorityLimiter`` bounds the requests in flight to
 one tier and always admits a waiting load before a waiting store: a load is on
-a request's critical path, a store is not.
+a request's critical path, a store is not. Stores may also hold at most
+``limit - LOAD_RESERVED_SLOTS`` of the slots, so slow stores in flight never
+leave an arriving load waiting for one of them to finish.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+LOAD_RESERVED_SLOTS = 1
+"""Slots of a limiter that only loads may take (when the limit leaves room for stores)."""
+MS_PER_SECOND = 1000.0
+TOKENS_PER_K = 1000.0
+
 
 class Priority(enum.IntEnum):
     """Lower is served first."""
@@ -31,13 +38,22 @@ class Priority(enum.IntEnum):
 
 
 class PriorityLimiter:
-    """A semaphore whose waiters are admitted by priority, then arrival order."""
+    """A semaphore whose waiters are admitted by priority, then arrival order.
 
-    def __init__(self, limit: int) -> None:
+    Stores hold at most ``store_limit`` slots (default: all but
+    ``LOAD_RESERVED_SLOTS``, at least one), so a load always finds a slot free
+    of stores.
+    """
+
+    def __init__(self, limit: int, store_limit: int | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
+        self.store_limit = max(1, limit - LOAD_RESERVED_SLOTS) if store_limit is None else store_limit
+        if not 1 <= self.store_limit <= limit:
+            raise ValueError(f"store_limit must be in [1, {limit}], got {store_limit}")
         self.active = 0
+        self.active_stores = 0
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
 
@@ -45,26 +61,49 @@ class PriorityLimiter:
     def waiting(self) -> int:
         return sum(not future.done() for _, _, future in self._waiters)
 
+    def _admits(self, priority: int) -> bool:
+        if self.active >= self.limit:
+            return False
+        return priority != Priority.STORE or self.active_stores < self.store_limit
+
+    def _take(self, priority: int) -> None:
+        self.active += 1
+        if priority == Priority.STORE:
+            self.active_stores += 1
+
     async def acquire(self, priority: Priority) -> None:
-        if self.active < self.limit and not self._waiters:
-            self.active += 1
+        if self._admits(priority) and not self._waiters:
+            self._take(priority)
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (int(priority), next(self._order), future))
+        self._dispatch()
         try:
             await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
-                self.release()
+                self.release(priority)
             raise
 
-    def release(self) -> None:
+    def release(self, priority: Priority = Priority.LOAD) -> None:
+        """Give back a slot taken with ``priority`` and admit waiters in order."""
         self.active -= 1
-        while self._waiters and self.active < self.limit:
-            _, _, future = heapq.heappop(self._waiters)
-            if not future.done():
-                self.active += 1
-                future.set_result(None)
+        if priority == Priority.STORE:
+            self.active_stores -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Admit waiters from the head of the queue while their priority has room."""
+        while self._waiters:
+            waiter_priority, _, future = self._waiters[0]
+            if future.done():
+                heapq.heappop(self._waiters)
+                continue
+            if not self._admits(waiter_priority):
+                break
+            heapq.heappop(self._waiters)
+            self._take(waiter_priority)
+            future.set_result(None)
 
     async def run(self, priority: Priority, operation: Callable[[], Awaitable[T]]) -> T:
         """Run ``operation()`` inside the limit."""
@@ -72,7 +111,12 @@ class PriorityLimiter:
         try:
             return await operation()
         finally:
-            self.release()
+            self.release(priority)
+
+
+def prefetch_deadline_s(timeout_ms: float, timeout_ms_per_1k_tokens: float, tokens: int) -> float:
+    """The ``timeout`` prefetch policy's deadline: a base plus a share that grows with the tokens."""
+    return (timeout_ms + timeout_ms_per_1k_tokens * tokens / TOKENS_PER_K) / MS_PER_SECOND
 
 
 class EventLoopThread:
