@@ -5,6 +5,7 @@ temporary directory, persists nothing (``--save '' --appendonly no``) and dies
 with the test process (``PR_SET_PDEATHSIG``, an ``atexit`` hook, and the
 fixtures' own teardown), so a failing or interrupted test leaves no stray
 servers. A missing ``redis-server`` binary is an error, never a silent skip.
+Also the test data helpers of the remote-tier tests (random blocks, buffers).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
+from tiercache.tiers.base import RemoteContext
+
+from tiercache.codec import Codec
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -160,7 +166,7 @@ class RedisServer:
                     last_error = self._log_tail()
                     break
                 with contextlib.suppress(OSError):
-                    if _command(self.host, self.port, "PING").startswith(b"+PONG"):
+                    if _command(self.host, self.port, "PING"):  # PONG, or NOAUTH with ACLs
                         return self
                 time.sleep(POLL_INTERVAL_S)
             self._reap()
@@ -313,3 +319,25 @@ class RedisClusterNodes:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+FINGERPRINT = b"tiercache-test-1"
+OTHER_FINGERPRINT = b"another-model-02"
+
+
+def remote_context(block_bytes: int, name: str = "remote") -> RemoteContext:
+    """What the manager would pass a remote tier, with a test namespace."""
+    return RemoteContext(name, Codec(FINGERPRINT), block_bytes)
+
+
+def random_blocks(count: int, block_bytes: int, seed: int = 0) -> tuple[list[bytes], list[memoryview]]:
+    """``count`` random 16-byte keys and random payloads (byte views)."""
+    rng = np.random.default_rng(seed)
+    keys = [rng.bytes(16) for _ in range(count)]
+    payloads = [memoryview(rng.integers(0, 256, block_bytes, dtype=np.uint8)).cast("B") for _ in keys]
+    return keys, payloads
+
+
+def empty_dests(count: int, block_bytes: int) -> list[memoryview]:
+    """Writable destination buffers, like pinned-CPU slots."""
+    return [memoryview(np.zeros(block_bytes, dtype=np.uint8)).cast("B") for _ in range(count)]

@@ -8,6 +8,8 @@ TIER_TYPES: dict[str, str] = {
     "gpu": "tiercache.tiers.gpu:GpuTier",
     "cpu": "tiercache.tiers.cpu:CpuTier",
     "simulated": "tiercache.tiers.simulated:SimulatedTier",
+    "redis": "tiercache.tiers.redis:RedisTier",
+    "file": "tiercache.tiers.file:FileTier",
 }
 """Local tiers (``gpu``, ``cpu``) first; every other type is a ``RemoteTier``."""
 
