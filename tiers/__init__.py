@@ -8,6 +8,7 @@ TIER_TYPES: dict[str, str] = {
     "gpu": "tiercache.tiers.gpu:GpuTier",
     "cpu": "tiercache.tiers.cpu:CpuTier",
     "simulated": "tiercache.tiers.simulated:SimulatedTier",
+    "regional": "tiercache.tiers.regional:RegionalTier",
     "redis": "tiercache.tiers.redis:RedisTier",
     "file": "tiercache.tiers.file:FileTier",
 }

@@ -1,0 +1,247 @@
+"""Central/regional sync against three real redis-servers: central plus regions A and B."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from manager_helpers import TINY_LAYOUT, topology
+from redis_servers import RedisServer
+from tiercache.tiers.base import RemoteContext
+from tiercache.tiers.regional import RegionalOptions, RegionalTier
+
+from tiercache.codec import Codec
+from tiercache.demo import block_kv, read_block, write_block
+from tiercache.manager import TierManager
+from tiercache.sync import SyncMode, value_version
+
+BLOCK_BYTES = 256
+FINGERPRINT = bytes(range(16, 32))
+WAIT_STEP_S = 0.005
+WAIT_STEPS = 2000
+"""``eventually`` gives background work up to 10 s before failing (never a timing assertion)."""
+FAST_RETRIES = {"replication_retries": 2, "retry_backoff_ms": 5.0, "socket_timeout_ms": 300.0}
+
+
+async def eventually(condition: Callable[[], Any]) -> None:
+    for _ in range(WAIT_STEPS):
+        if await condition():
+            return
+        await asyncio.sleep(WAIT_STEP_S)
+    raise AssertionError("condition not reached")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def payload(tag: int) -> memoryview:
+    return memoryview(bytes([tag % 256]) * BLOCK_BYTES)
+
+
+def buffers(count: int) -> list[memoryview]:
+    return [memoryview(bytearray(BLOCK_BYTES)) for _ in range(count)]
+
+
+class Topology:
+    """Central plus two regions, and a tier factory over them."""
+
+    def __init__(self, factory: Callable[..., RedisServer]) -> None:
+        self.central, self.region_a, self.region_b = factory(), factory(), factory()
+        self.tiers: list[RegionalTier] = []
+
+    async def tier(self, region: RedisServer | None, codec: Codec | None = None, **options: Any) -> RegionalTier:
+        mode = SyncMode.REGIONAL if region is not None else SyncMode.CENTRAL
+        opts = RegionalOptions(
+            central_url=self.central.url, region_url=region.url if region else "", mode=mode, **options
+        )
+        tier = RegionalTier(RemoteContext("regional", codec or Codec(FINGERPRINT), BLOCK_BYTES), opts)
+        await tier.start()
+        if tier.invalidator is not None:
+            await eventually(lambda: _true(tier.invalidator.subscribed.is_set()))
+        self.tiers.append(tier)
+        return tier
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+@pytest.fixture
+async def sites(redis_factory: Callable[..., RedisServer]) -> AsyncIterator[Topology]:
+    topo = Topology(redis_factory)
+    try:
+        yield topo
+    finally:
+        for tier in topo.tiers:
+            await tier.close()
+
+
+async def read(tier: RegionalTier, keys: list[bytes], *, force_latest: bool = False) -> list[bytes | None]:
+    dests = buffers(len(keys))
+    oks = await tier.get_into(keys, dests, force_latest=force_latest)
+    return [bytes(d) if ok else None for d, ok in zip(dests, oks, strict=True)]
+
+
+async def test_read_your_writes_before_and_after_replication(sites: Topology) -> None:
+    a = await sites.tier(sites.region_a)
+    b = await sites.tier(sites.region_b)
+    a.pause_replication()
+    assert await a.put([key(1)], [payload(1)]) == [True]
+    assert await read(a, [key(1)], force_latest=True) == [bytes(payload(1))]
+    assert await a.central.versions([key(1)]) == [0]
+    assert await read(b, [key(1)], force_latest=True) == [None]
+    assert await read(b, [key(1)]) == [None]
+    a.resume_replication()
+    await a.flush()
+    (version,) = await a.central.versions([key(1)])
+    assert version > 0
+    assert value_version((await a.region.read([key(1)]))[0]) == version
+    assert await read(b, [key(1)], force_latest=True) == [bytes(payload(1))]
+    assert value_version((await b.region.read([key(1)]))[0]) == version
+    assert a.stats()["own_unreplicated"] == 0
+
+
+async def test_force_latest_sees_a_write_from_the_other_region(sites: Topology) -> None:
+    a = await sites.tier(sites.region_a, invalidate=False)
+    b = await sites.tier(sites.region_b)
+    await a.put([key(2)], [payload(10)])
+    await a.flush()
+    assert await read(b, [key(2)]) == [bytes(payload(10))]
+    await b.put([key(2)], [payload(20)])
+    await b.flush()
+    assert await read(a, [key(2)]) == [bytes(payload(10))]
+    assert await read(a, [key(2)], force_latest=True) == [bytes(payload(20))]
+    assert a.stats()["refreshed"] == 1
+    assert await read(a, [key(2)]) == [bytes(payload(20))]
+    (central_version,) = await a.central.versions([key(2)])
+    assert value_version((await a.region.read([key(2)]))[0]) == central_version
+
+
+async def test_central_publishes_and_regions_drop_stale_copies(sites: Topology) -> None:
+    a = await sites.tier(sites.region_a)
+    b = await sites.tier(sites.region_b)
+    await a.put([key(3)], [payload(30)])
+    await a.flush()
+    await b.put([key(3)], [payload(31)])
+    await b.flush()
+
+    async def dropped() -> bool:
+        return a.stats()["invalidated"] >= 1 and (await a.region.read([key(3)])) == [None]
+
+    await eventually(dropped)
+    assert await read(a, [key(3)]) == [bytes(payload(31))]
+    assert a.stats()["read_through"] == 1
+
+
+async def test_replication_lag_and_its_bounded_queue(sites: Topology) -> None:
+    a = await sites.tier(sites.region_a, replication_queue_blocks=4)
+    b = await sites.tier(sites.region_b)
+    a.pause_replication()
+    keys = [key(100 + i) for i in range(6)]
+    assert await a.put(keys, [payload(i) for i in range(6)]) == [True] * 6
+    stats = a.stats()
+    assert stats["replication_dropped"] == 2
+    assert await read(b, keys, force_latest=True) == [None] * 6
+    a.resume_replication()
+    await a.flush()
+    stats = a.stats()
+    assert (stats["replicated"], stats["replication_queue"]) == (4, 0)
+    assert stats["replication_lag_ms_max"] > 0
+    assert await read(b, keys, force_latest=True) == [bytes(payload(i)) for i in range(4)] + [None, None]
+    # The dropped ones stay readable in their region, unversioned.
+    assert await read(a, keys[4:]) == [bytes(payload(4)), bytes(payload(5))]
+
+
+async def test_central_down_regions_serve_what_they_hold_but_not_as_latest(sites: Topology) -> None:
+    a = await sites.tier(sites.region_a, **FAST_RETRIES)
+    await a.put([key(4)], [payload(40)])
+    await a.flush()
+    sites.central.kill()
+    assert await read(a, [key(4)]) == [bytes(payload(40))]
+    assert await read(a, [key(4)], force_latest=True) == [None]
+    assert a.stats()["latest_unavailable"] == 1
+    assert await a.put([key(5)], [payload(50)]) == [True]
+    await a.flush()
+    assert a.stats()["replication_failed"] == 1
+    assert await read(a, [key(5)]) == [bytes(payload(50))]
+    assert await read(a, [key(5)], force_latest=True) == [None]
+
+
+async def test_region_down_reads_and_writes_go_through_central(sites: Topology) -> None:
+    a = await sites.tier(sites.region_a, **FAST_RETRIES)
+    b = await sites.tier(sites.region_b)
+    await a.put([key(6)], [payload(60)])
+    await a.flush()
+    sites.region_a.kill()
+    assert await read(a, [key(6)]) == [bytes(payload(60))]
+    assert await read(a, [key(6)], force_latest=True) == [bytes(payload(60))]
+    assert await a.put([key(7)], [payload(70)]) == [True]
+    await a.flush()
+    assert await read(b, [key(7)], force_latest=True) == [bytes(payload(70))]
+
+
+async def test_central_mode_versions_are_monotonic_even_across_a_restart(sites: Topology) -> None:
+    c = await sites.tier(None)
+    await c.put([key(8)], [payload(1)])
+    (first,) = await c.central.versions([key(8)])
+    await c.put([key(8)], [payload(2)])
+    (second,) = await c.central.versions([key(8)])
+    assert second > first > 0
+    assert await read(c, [key(8)], force_latest=True) == [bytes(payload(2))]
+    sites.central.restart()
+
+    async def rewritten() -> bool:
+        # The first request after the restart may fail on a dropped pooled connection.
+        return await c.put([key(8)], [payload(3)]) == [True]
+
+    await eventually(rewritten)
+    (third,) = await c.central.versions([key(8)])
+    assert third > second
+    assert await read(c, [key(8)]) == [bytes(payload(3))]
+
+
+async def test_manager_force_latest_bypasses_its_cpu_copy(sites: Topology) -> None:
+    remote = {
+        "type": "regional",
+        "name": "regional",
+        "options": {"central_url": sites.central.url, "region_url": sites.region_a.url, "invalidate": False},
+    }
+    block = TINY_LAYOUT["block_size"]
+    tokens = np.arange(2 * block)
+    async with TierManager(topology(4, 16, remotes=[remote])) as manager:
+        keys = manager.hasher.keys(tokens)
+        ids = manager.allocate(2)
+        for k, b in zip(keys, ids, strict=True):
+            write_block(manager, b, block_kv(manager, k))
+        await manager.store(tokens, ids)
+        manager.release(ids)
+        tier = manager.remotes[0]
+        assert isinstance(tier, RegionalTier)
+
+        async def replicated() -> bool:
+            return tier.stats().get("replicated", 0) == 2
+
+        await eventually(replicated)
+        other = await sites.tier(sites.region_b, codec=Codec(manager.namespace.root()))
+        other.block_bytes = manager.layout.bytes_per_block
+        newer = [torch.full(manager.layout.block_shape, float(i + 7)) for i in range(2)]
+        await other.put(keys, [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in newer])
+        await other.flush()
+
+        async def load(force_latest: bool) -> list[torch.Tensor]:
+            manager.release(manager.allocate(4))
+            hit = manager.lookup(tokens)
+            assert hit.tier_blocks["cpu"] == 2
+            fresh = manager.allocate(2)
+            assert await manager.load(hit, fresh, force_latest=force_latest) == 2 * block
+            blocks = [read_block(manager, b) for b in fresh]
+            manager.release(fresh)
+            return blocks
+
+        assert all(torch.equal(x, block_kv(manager, k)) for x, k in zip(await load(False), keys, strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(await load(True), newer, strict=True))
