@@ -121,9 +121,9 @@ def format_report(manager: TierManager, report: RunReport) -> str:
             f"{tier.get('cached_blocks', '-'):>15}{moved_in:>16.1f}{moved_out:>17.1f}"
         )
     total_reused = sum(report.reused_tokens.values())
+    verdict = "OK" if report.mismatched_blocks == 0 else f"{report.mismatched_blocks} MISMATCHED blocks"
     lines.append(
         f"reused {total_reused} of {report.prompt_tokens} prompt tokens "
-        f"({total_reused / max(report.prompt_tokens, 1):.1%}); "
-        f"KV verified against recompute: {'OK' if report.mismatched_blocks == 0 else f'{report.mismatched_blocks} MISMATCHED blocks'}"
+        f"({total_reused / max(report.prompt_tokens, 1):.1%}); KV verified against recompute: {verdict}"
     )
     return "\n".join(lines)
