@@ -5,7 +5,10 @@ the GPU pool) prefills a prompt's prefix into tiercache pool blocks and stores
 them. The prefix is then made to live only in the tier under test, a request
 for the same prompt loads it from there, and greedy generation continues from
 it. Every logit must equal, bit for bit, those of a model that recomputed the
-prefix in a private pool. Both memory orders are covered.
+prefix in a private pool. Both memory orders are covered. Tiers: the GPU pool,
+the pinned-CPU tier, and (written by one engine, loaded by a fresh one) the
+simulated remote, Redis, Redis Cluster, the file tier, and a regional store read
+with ``force_latest`` from another region through central (real redis-servers).
 """
 
 from __future__ import annotations
@@ -197,4 +200,42 @@ def test_simulated_remote_continues_bitwise(memory: str) -> None:
         got = continue_through_remote(memory, remote, prompt)
     finally:
         SimulatedStore.forget(store)
+    assert_same(recompute(topology(memory).layout, prompt), got)
+
+
+@pytest.mark.parametrize("memory", MEMORY_ORDERS)
+def test_redis_continues_bitwise(memory: str, redis_server: Any) -> None:
+    remote = {"name": "redis", "type": "redis", "options": {"url": redis_server.url}}
+    prompt = make_prompt(seed=5)
+    assert_same(recompute(topology(memory).layout, prompt), continue_through_remote(memory, remote, prompt))
+
+
+@pytest.mark.parametrize("memory", MEMORY_ORDERS)
+def test_redis_cluster_continues_bitwise(memory: str, redis_cluster: Any) -> None:
+    remote = {"name": "cluster", "type": "redis", "options": {"url": redis_cluster.url, "cluster": True}}
+    prompt = make_prompt(seed=6)
+    assert_same(recompute(topology(memory).layout, prompt), continue_through_remote(memory, remote, prompt))
+
+
+@pytest.mark.parametrize("memory", MEMORY_ORDERS)
+def test_file_continues_bitwise(memory: str, tmp_path: Any) -> None:
+    remote = {"name": "file", "type": "file", "options": {"path": str(tmp_path / "kv"), "max_blocks": CPU_BLOCKS}}
+    prompt = make_prompt(seed=7)
+    assert_same(recompute(topology(memory).layout, prompt), continue_through_remote(memory, remote, prompt))
+
+
+@pytest.mark.parametrize("memory", MEMORY_ORDERS)
+def test_regional_force_latest_continues_bitwise(memory: str, redis_factory: Any) -> None:
+    """Engine A writes through region 1 (replicated to central); engine B in region 2 reads with force_latest."""
+    central, region_one, region_two = redis_factory(), redis_factory(), redis_factory()
+    prompt = make_prompt(seed=8)
+
+    def regional(region: Any) -> dict[str, Any]:
+        options = {"central_url": central.url, "region_url": region.url, "mode": "regional"}
+        return {"name": "regional", "type": "regional", "options": options}
+
+    with TierManager(topology(memory, [regional(region_one)])) as first:
+        prefill_and_store(first, prompt)
+    with TierManager(topology(memory, [regional(region_two)])) as second:
+        got = continue_from_cache(second, prompt, "regional", force_latest=True)
     assert_same(recompute(topology(memory).layout, prompt), got)
