@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: a virtualenv with the CPU build of torch, tiercache with its
-# test extras, and redis-server (Debian's package) when it is missing.
+# Idempotent set-up: a virtualenv with the CPU build of torch, tiercache with its test,
+# bench and metrics extras, and redis-server (Debian's package) when it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +27,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # torch first: the pinned CPU build satisfies the package's range, so pip
     # never pulls a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    "$VENV/bin/python" -m pip install -q -e ".[test,bench,metrics]"
     echo "$want" > "$stamp"
 fi
