@@ -608,9 +608,13 @@ class RedisTier(RemoteTier):
             if not isinstance(reply, list):
                 continue
             slots: list[_Node | None] = [None] * CLUSTER_SLOT_COUNT
-            for first, last, master, *_replicas in reply:
-                owner = self._node(master[0].decode() or node.host, int(master[1]))
-                slots[first : last + 1] = [owner] * (last - first + 1)
+            try:
+                for first, last, master, *_replicas in reply:
+                    owner = self._node(master[0].decode() or node.host, int(master[1]))
+                    slots[first : last + 1] = [owner] * (last - first + 1)
+            except (TypeError, ValueError, IndexError, AttributeError):
+                logger.warning("redis tier %s: malformed CLUSTER SLOTS from %s", self.name, node.address)
+                continue
             self._slots = slots
             self._counts["cluster_refreshes"] += 1
             return True
