@@ -9,6 +9,9 @@ from tiercache.policies.base import EvictionPolicy
 
 POLICIES: dict[str, str] = {
     "lru": "tiercache.policies.lru:LRUPolicy",
+    "arc": "tiercache.policies.arc:ARCPolicy",
+    "s3fifo": "tiercache.policies.s3fifo:S3FIFOPolicy",
+    "twoq": "tiercache.policies.twoq:TwoQPolicy",
 }
 
 
