@@ -457,21 +457,29 @@ class TierManager:
                 self._pending_stores += 1
                 self._track(self._io.submit(self._put(index, [key], [memoryview(snapshot)], [])))
 
-    def _demote_from_gpu(self, victims: list[tuple[bytes, int]]) -> None:
-        """Copy evicted GPU blocks to the CPU tier before the engine reuses them."""
-        if self.cpu is None or self.swapper is None:
-            return
+    def _reserve_cpu_writes(
+        self, pairs: list[tuple[bytes, int]], dropped_counter: str
+    ) -> tuple[list[bytes], list[int], list[int]]:
+        """Begin CPU writes for the (key, GPU block) pairs the CPU tier lacks; count those with no room."""
+        assert self.cpu is not None
         keys, blocks, slots = [], [], []
-        for key, block in victims:
+        for key, block in pairs:
             if key in self.cpu.table:
                 continue
             try:
                 slots.append(self._begin_cpu_write(key))
             except CapacityError:
-                self.metrics.add(self.cpu.name, "demotions_dropped")
+                self.metrics.add(self.cpu.name, dropped_counter)
                 continue
             keys.append(key)
             blocks.append(block)
+        return keys, blocks, slots
+
+    def _demote_from_gpu(self, victims: list[tuple[bytes, int]]) -> None:
+        """Copy evicted GPU blocks to the CPU tier before the engine reuses them."""
+        if self.cpu is None or self.swapper is None:
+            return
+        keys, blocks, slots = self._reserve_cpu_writes(victims, "demotions_dropped")
         if not keys:
             return
         self.metrics.add(self.cpu.name, "demotions", len(keys))
@@ -487,18 +495,9 @@ class TierManager:
     def _copy_to_cpu(self, pairs: list[tuple[bytes, int]]) -> concurrent.futures.Future[None] | None:
         """Start GPU->CPU copies of freshly indexed blocks (write-through)."""
         assert self.cpu is not None and self.swapper is not None
-        keys, blocks, slots = [], [], []
-        for key, block in pairs:
-            if key in self.cpu.table:
-                continue
-            try:
-                slots.append(self._begin_cpu_write(key))
-            except CapacityError:
-                self.metrics.add(self.cpu.name, "writes_dropped")
-                continue
+        keys, blocks, slots = self._reserve_cpu_writes(pairs, "writes_dropped")
+        for block in blocks:
             self.gpu.table.pin(block)
-            keys.append(key)
-            blocks.append(block)
         if not keys:
             return None
         self._count_move(self.gpu.name, self.cpu.name, len(keys))
