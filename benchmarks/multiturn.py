@@ -1,0 +1,158 @@
+"""Multi-turn chat through several topologies and eviction policies, side by side, in one run.
+
+The workload: many users in sessions of several rounds that share a few system
+prompts, think between rounds (simulated time), and one-off long documents that
+arrive now and then (a scan that a policy should not let flush the hot set). Each
+configuration gets a fresh manager and the same requests; every reused block is
+checked against recomputation.
+
+Reported per configuration: tokens reused per tier, prefill tokens saved, a TTFT
+model (computed tokens x the reference transformer's measured prefill cost per
+token on this machine + loaded blocks x each tier's measured transfer cost per
+block) and throughput (wall clock of the run, and prefill tokens per modeled
+second). Writes ``multiturn.json`` next to this file, and with matplotlib (the
+``bench`` extra) ``multiturn_hit_ratio.png`` and ``multiturn_ttft.png``.
+
+Configurations: every policy registered in ``tiercache.policies.POLICIES`` on a
+small GPU pool over a pinned-CPU tier; a GPU-only pool (no lower tier); and the
+GPU+CPU topology over a ``simulated`` remote with a Redis-like link (the latency
+and bandwidth are options of the simulated tier, not a measurement of Redis).
+With ``--redis-url`` a real Redis tier is added as one more configuration.
+
+    .venv/bin/python benchmarks/multiturn.py            # default: about two minutes on 2 cores
+    .venv/bin/python benchmarks/multiturn.py --quick    # a smaller workload
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tiercache.policies import POLICIES
+
+from tiercache.cli import (
+    Progress,
+    SessionWorkload,
+    SimulationResult,
+    measure_prefill_cost,
+    simulate,
+    summary_table,
+    timed_requests,
+    write_plots,
+)
+from tiercache.config import config_from_dict
+from tiercache.manager import TierManager
+from tiercache.workload import ChatWorkload
+
+HERE = Path(__file__).resolve().parent
+LAYOUT = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 16}
+GPU_BLOCKS = 384
+"""Small enough that the sessions' working set does not fit, so the lower tiers matter."""
+CPU_BLOCKS = 1536
+SIMULATED_REMOTE = {"latency_ms": 0.3, "bandwidth_mb_s": 550.0, "seed": 0}
+"""A Redis-like link: ~0.55 GB/s is what DESIGN.md reports for a redis-py pipeline on loopback."""
+WORKLOAD = SessionWorkload(
+    ChatWorkload(
+        users=40,
+        rounds=5,
+        system_prompts=4,
+        system_tokens=512,
+        user_tokens=64,
+        reply_tokens=128,
+        document_every=12,
+        document_tokens=2048,
+        seed=0,
+    ),
+    think_time_s=30.0,
+    arrival_spread_s=120.0,
+)
+QUICK_WORKLOAD = SessionWorkload(
+    ChatWorkload(users=12, rounds=3, system_prompts=2, system_tokens=256, document_every=10, document_tokens=1024),
+    think_time_s=10.0,
+    arrival_spread_s=30.0,
+)
+
+
+def topology(name: str, policy: str, lower: bool, remote: dict[str, Any] | None = None) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = [
+        {"name": "gpu", "type": "gpu", "capacity_blocks": GPU_BLOCKS, "policy": policy, "options": {"device": "auto"}}
+    ]
+    if lower:
+        tiers.append({"name": "cpu", "type": "cpu", "capacity_blocks": CPU_BLOCKS, "policy": policy})
+    if remote is not None:
+        tiers.append(remote)
+    return {"model": {"id": f"multiturn-{name}"}, "layout": LAYOUT, "tiers": tiers}
+
+
+def configurations(redis_url: str | None) -> dict[str, dict[str, Any]]:
+    """Name -> raw topology: the policy comparison first, then the topology comparison."""
+    runs = {f"gpu+cpu {policy}": topology(policy, policy, lower=True) for policy in POLICIES}
+    runs["gpu only lru"] = topology("gpu-only", "lru", lower=False)
+    simulated = {"name": "remote", "type": "simulated", "write_policy": "write_back", "options": SIMULATED_REMOTE}
+    runs["gpu+cpu+simulated lru"] = topology("simulated", "lru", lower=True, remote=simulated)
+    if redis_url:
+        redis = {"name": "redis", "type": "redis", "write_policy": "write_back", "options": {"url": redis_url}}
+        runs["gpu+cpu+redis lru"] = topology("redis", "lru", lower=True, remote=redis)
+    return runs
+
+
+def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool) -> list[SimulationResult]:
+    requests = timed_requests(workload)
+    configs = configurations(redis_url)
+    layout = config_from_dict(next(iter(configs.values())), environ={}).layout
+    prefill = measure_prefill_cost(layout)
+    print(
+        f"{len(requests)} requests, {sum(len(r.tokens) for r in requests)} prompt tokens; "
+        f"{len(configs)} configurations; prefill {1000 * prefill:.3f} ms/token (reference model)"
+    )
+    results = []
+    for name, raw in configs.items():
+        config = config_from_dict(copy.deepcopy(raw), source=name, environ={})
+        with TierManager(config) as manager:
+            progress = Progress(len(requests), f"{name:<24}")
+            results.append(
+                simulate(manager, requests, name=name, prefill_s_per_token=prefill, progress=progress.update)
+            )
+    print(summary_table(results))
+    document = {
+        "benchmark": "multiturn",
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": platform.python_version(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "workload": {"chat": vars(workload.chat), **{k: v for k, v in vars(workload).items() if k != "chat"}},
+        "topologies": configs,
+        "runs": [result.to_json() for result in results],
+    }
+    out.write_text(json.dumps(document, indent=1, default=str))
+    print(f"wrote {out}")
+    if plots:
+        for path in write_plots(results, out.with_suffix("")):
+            print(f"wrote {path}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a smaller workload (about 20 s)")
+    parser.add_argument("--redis-url", help="add a configuration with a real Redis tier, e.g. redis://127.0.0.1:6379")
+    parser.add_argument("--out", type=Path, default=HERE / "multiturn.json")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    results = run(QUICK_WORKLOAD if args.quick else WORKLOAD, args.redis_url, args.out, not args.no_plots)
+    return 0 if all(result.mismatched_blocks == 0 for result in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
