@@ -29,6 +29,7 @@ import libcachesim as lcs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from policy_traces import TRACES, Trace, write_oracle_general
+
 from tiercache.policies import make_policy
 
 POLICY_NAMES = ("lru", "arc", "s3fifo", "twoq")

@@ -39,6 +39,7 @@ import redis.cluster
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from redis_servers import RedisClusterNodes, RedisServer, remote_context
+
 from tiercache.tiers.file import FileOptions, FileTier
 from tiercache.tiers.redis import RedisOptions, RedisTier
 

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import write_result
 from redis_servers import RedisServer
-from tiercache.tiers.base import RemoteContext
-from tiercache.tiers.regional import RegionalOptions, RegionalTier
 
 from tiercache.codec import Codec
 from tiercache.sync import SyncMode
+from tiercache.tiers.base import RemoteContext
+from tiercache.tiers.regional import RegionalOptions, RegionalTier
 
 BLOCK_BYTES = 64 * 1024
 BATCH = 32

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from tiercache.tiers.base import RemoteContext
 
 from tiercache.codec import Codec
+from tiercache.tiers.base import RemoteContext
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0

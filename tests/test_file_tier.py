@@ -8,12 +8,12 @@ import time
 
 import pytest
 from redis_servers import OTHER_FINGERPRINT, empty_dests, random_blocks, remote_context
-from tiercache.tiers import tier_class
-from tiercache.tiers.file import STALE_TEMP_AGE_S, FileOptions, FileTier
 
 from tiercache.breaker import BreakerState, CircuitBreaker
 from tiercache.codec import HEADER_SIZE, Codec
 from tiercache.config import ConfigError, build_dataclass
+from tiercache.tiers import tier_class
+from tiercache.tiers.file import STALE_TEMP_AGE_S, FileOptions, FileTier
 
 BLOCK = 32 * 1024
 FILE_BYTES = BLOCK + HEADER_SIZE

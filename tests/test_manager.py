@@ -15,6 +15,7 @@ from manager_helpers import TINY_LAYOUT, topology
 
 from tiercache.demo import block_kv, read_block, write_block
 from tiercache.manager import TierManager
+from tiercache.policies import POLICIES
 from tiercache.slots import CapacityError
 
 BLOCK = TINY_LAYOUT["block_size"]
@@ -120,14 +121,22 @@ ManagerMachine.TestCase.settings = settings(
 TestManagerMachine = ManagerMachine.TestCase
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("memory", ["block_major", "layer_major"])
 @pytest.mark.parametrize("exclusive", [False, True])
 @pytest.mark.parametrize("cpu_write", ["write_through", "write_back", "write_through_selective"])
-def test_scheduler_simulation_with_overlapping_prefixes(memory: str, exclusive: bool, cpu_write: str) -> None:
+def test_scheduler_simulation_with_overlapping_prefixes(
+    policy: str, memory: str, exclusive: bool, cpu_write: str
+) -> None:
     """Many requests in flight at once, sharing system prompts; every reused block is exact."""
     config = topology(
-        12, 40, layout={**TINY_LAYOUT, "memory": memory}, cpu={"write_policy": cpu_write}, exclusive=exclusive
+        12,
+        40,
+        layout={**TINY_LAYOUT, "memory": memory},
+        cpu={"write_policy": cpu_write, "policy": policy},
+        exclusive=exclusive,
     )
+    config.tiers[0].policy = policy
     rng = random.Random(3)
     systems = [[rng.randrange(1000) for _ in range(4 * BLOCK)] for _ in range(3)]
     with TierManager(config) as manager:

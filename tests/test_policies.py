@@ -17,6 +17,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from policy_traces import TRACES, Trace, write_oracle_general
+
 from tiercache.policies import POLICIES, EvictionPolicy, make_policy, policy_class
 from tiercache.policies.arc import ARCPolicy
 from tiercache.policies.base import Key

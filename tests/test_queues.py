@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, topology
-from tiercache.tiers.simulated import SimulatedTier
 
 from tiercache.demo import block_kv, read_block, write_block
 from tiercache.manager import TierManager
 from tiercache.queues import Priority, PriorityLimiter, prefetch_deadline_s
+from tiercache.tiers.simulated import SimulatedTier
 
 BLOCK = TINY_LAYOUT["block_size"]
 WAIT_STEP_S = 0.002

@@ -7,6 +7,7 @@ import time
 
 import redis
 from redis_servers import empty_dests, random_blocks, remote_context
+
 from tiercache.tiers.redis import RedisOptions, RedisTier, key_slot
 
 BLOCK = 16 * 1024

@@ -8,11 +8,11 @@ import pytest
 import redis
 from redis.crc import key_slot as redis_key_slot
 from redis_servers import empty_dests, random_blocks, remote_context
-from tiercache.tiers import tier_class
-from tiercache.tiers.redis import RedisOptions, RedisTier, key_slot
 
 from tiercache.codec import HEADER_SIZE
 from tiercache.config import ConfigError, build_dataclass
+from tiercache.tiers import tier_class
+from tiercache.tiers.redis import RedisOptions, RedisTier, key_slot
 
 BLOCK = 64 * 1024
 SHORT = {"timeout_s": 0.5, "connect_timeout_s": 0.5}

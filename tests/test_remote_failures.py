@@ -15,9 +15,9 @@ from redis_servers import (
     random_blocks,
     remote_context,
 )
-from tiercache.tiers.redis import RedisOptions, RedisTier
 
 from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 64 * 1024
 FAST = {

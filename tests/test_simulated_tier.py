@@ -6,12 +6,12 @@ import asyncio
 import statistics
 
 import pytest
-from tiercache.tiers import tier_class
-from tiercache.tiers.base import RemoteContext
-from tiercache.tiers.simulated import SimulatedOptions, SimulatedStore, SimulatedTier
 
 from tiercache.codec import Codec
 from tiercache.config import ConfigError
+from tiercache.tiers import tier_class
+from tiercache.tiers.base import RemoteContext
+from tiercache.tiers.simulated import SimulatedOptions, SimulatedStore, SimulatedTier
 
 BLOCK_BYTES = 256
 FINGERPRINT = bytes(range(16))

@@ -11,13 +11,13 @@ import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, topology
 from redis_servers import RedisServer
-from tiercache.tiers.base import RemoteContext
-from tiercache.tiers.regional import RegionalOptions, RegionalTier
 
 from tiercache.codec import Codec
 from tiercache.demo import block_kv, read_block, write_block
 from tiercache.manager import TierManager
 from tiercache.sync import SyncMode, value_version
+from tiercache.tiers.base import RemoteContext
+from tiercache.tiers.regional import RegionalOptions, RegionalTier
 
 BLOCK_BYTES = 256
 FINGERPRINT = bytes(range(16, 32))

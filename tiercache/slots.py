@@ -78,12 +78,15 @@ class SlotTable:
         self.policy.access(key)
 
     # ---- state changes -------------------------------------------------------------
-    def allocate(self, count: int, on_evict: Callable[[bytes, int], None] | None = None) -> list[int]:
+    def allocate(
+        self, count: int, on_evict: Callable[[bytes, int], None] | None = None, incoming: bytes | None = None
+    ) -> list[int]:
         """``count`` held slots (ref 1, unbound), evicting cached ref-0 keys as needed.
 
         ``on_evict(key, slot)`` runs for each victim before its slot is reused (the
         manager demotes the bytes there). Raises CapacityError, changing nothing,
-        when free plus evictable slots are fewer than ``count``.
+        when free plus evictable slots are fewer than ``count``. ``incoming`` is the
+        key the room is made for, when known (ARC's REPLACE depends on it).
         """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
@@ -93,7 +96,7 @@ class SlotTable:
                 f"need {count} slots: {len(self._free)} free and {self._evictable} evictable "
                 f"of {self.num_slots} (the rest are pinned or being written)"
             )
-        victims = [self._evict_one() for _ in range(max(shortfall, 0))]
+        victims = [self._evict_one(incoming) for _ in range(max(shortfall, 0))]
         if on_evict is not None:
             for key, slot in victims:
                 on_evict(key, slot)
@@ -103,8 +106,8 @@ class SlotTable:
             self._ref[slot] = 1
         return slots
 
-    def _evict_one(self) -> tuple[bytes, int]:
-        key = self.policy.evict(self._is_evictable)
+    def _evict_one(self, incoming: bytes | None) -> tuple[bytes, int]:
+        key = self.policy.evict(self._is_evictable, incoming)
         slot = self._slot.pop(key)
         self._key[slot] = None
         self._evictable -= 1
@@ -129,7 +132,7 @@ class SlotTable:
         """A slot bound to ``key`` in the writing state (raises CapacityError)."""
         if key in self._slot:
             raise ValueError("key already present")
-        (slot,) = self.allocate(1, on_evict)
+        (slot,) = self.allocate(1, on_evict, incoming=key)
         self._key[slot] = key
         self._slot[key] = slot
         self._ref[slot] = WRITING

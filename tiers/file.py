@@ -37,10 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
-
 from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
 from tiercache.config import parse_size
+from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 
 logger = logging.getLogger(__name__)
 

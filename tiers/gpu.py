@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tiercache.policies import EvictionPolicy
 
 from tiercache.layout import KVLayout
+from tiercache.policies import EvictionPolicy
 from tiercache.slots import SlotTable
 
 AUTO_DEVICE = "auto"

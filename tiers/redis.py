@@ -65,10 +65,10 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import xxhash
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
+from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 
 logger = logging.getLogger(__name__)
 

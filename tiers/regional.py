@@ -31,8 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
-
 from tiercache.codec import Codec, Decoded
 from tiercache.sync import (
     CentralStore,
@@ -45,6 +43,7 @@ from tiercache.sync import (
     value_checksum,
     value_version,
 )
+from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 
 MS_PER_SECOND = 1000.0
 

@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
-
 from tiercache.codec import HEADER_SIZE
+from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 
 MS_PER_SECOND = 1000.0
 BYTES_PER_MB = 1e6
