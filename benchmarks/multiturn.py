@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tiercache.policies import POLICIES
 
 from tiercache.cli import (
     Progress,
@@ -49,6 +48,7 @@ from tiercache.cli import (
 )
 from tiercache.config import config_from_dict
 from tiercache.manager import TierManager
+from tiercache.policies import POLICIES
 from tiercache.workload import ChatWorkload
 
 HERE = Path(__file__).resolve().parent
