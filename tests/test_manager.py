@@ -218,3 +218,17 @@ async def test_asyncio_engine_awaits_transfers() -> None:
         done = manager.poll()
         assert [t.kind.value for t in done].count("load") == 1
         await asyncio.sleep(0)
+
+
+def test_calls_before_start_or_after_close_are_refused() -> None:
+    manager = TierManager(topology(4, 4))
+    tokens = np.arange(2 * BLOCK)
+    with pytest.raises(RuntimeError, match="not started"):
+        manager.lookup(tokens)
+    manager.start_blocking()
+    ids = manager.allocate(2)
+    manager.store(tokens, ids).result(5)
+    manager.release(ids)
+    manager.close_blocking()
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.store(tokens, ids)

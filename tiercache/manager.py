@@ -202,6 +202,7 @@ class TierManager:
     # ---- the engine-facing API -----------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None) -> Lookup:
         """The longest cached prefix of ``tokens`` in every tier (see ``Lookup``)."""
+        self._require_running()
         keys = self.hasher.keys(tokens, extra)
         with self._lock:
             table = self.gpu.table
@@ -266,6 +267,7 @@ class TierManager:
         ``ids`` are the request's GPU blocks in prompt order (a trailing id for a
         partial block is ignored). The transfer's result is the tokens indexed.
         """
+        self._require_running()
         keys = self.hasher.keys(tokens, extra)[: len(ids)]
         ids = list(ids[: len(keys)])
         transfer = Transfer(TransferKind.STORE, len(keys), self.block_size, ids)
@@ -298,6 +300,7 @@ class TierManager:
         With ``force_latest`` a versioned remote is asked for the newest copy instead
         of trusting the local CPU copy.
         """
+        self._require_running()
         start = len(hit.gpu_block_ids)
         keys = hit.keys[start : start + min(len(ids), hit.num_lower_blocks)]
         ids = list(ids[: len(keys)])
@@ -377,6 +380,12 @@ class TierManager:
             }
 
     # ---- internals: bookkeeping (caller holds the lock) ----------------------------------
+    def _require_running(self) -> None:
+        """Transfers run on the background loop: refuse work before ``start`` or after ``close``."""
+        if not self._started or self._closed:
+            state = "closed" if self._closed else "not started (call start() or start_blocking() first)"
+            raise RuntimeError(f"TierManager is {state}")
+
     def _cpu_policy(self) -> WritePolicy | None:
         return self.cpu_config.write_policy if self.cpu_config else None
 
