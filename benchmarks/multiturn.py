@@ -36,7 +36,10 @@ from typing import Any
 
 import torch
 
-from tiercache.cli import (
+from tiercache.config import config_from_dict
+from tiercache.manager import TierManager
+from tiercache.policies import POLICIES
+from tiercache.simulate import (
     Progress,
     SessionWorkload,
     SimulationResult,
@@ -46,9 +49,6 @@ from tiercache.cli import (
     timed_requests,
     write_plots,
 )
-from tiercache.config import config_from_dict
-from tiercache.manager import TierManager
-from tiercache.policies import POLICIES
 from tiercache.workload import ChatWorkload
 
 HERE = Path(__file__).resolve().parent

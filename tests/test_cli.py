@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 import yaml
 
-from tiercache.cli import (
+from tiercache.cli import main
+from tiercache.config import ConfigError, config_from_dict
+from tiercache.manager import TierManager
+from tiercache.metrics import StatsServer
+from tiercache.simulate import (
     PRESETS,
     Progress,
     SessionWorkload,
     load_workload,
-    main,
     simulate,
     timed_requests,
 )
-from tiercache.config import ConfigError, config_from_dict
-from tiercache.manager import TierManager
-from tiercache.metrics import StatsServer
 from tiercache.workload import ChatWorkload
 
 SMALL_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float16", "block_size": 8}

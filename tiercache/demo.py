@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tiercache.manager import TierManager
+from tiercache.manager import CapacityError, TierManager
 from tiercache.workload import ChatWorkload
 
 LOOKUP_RETRY_SECONDS = 0.0005
 """Pause between lookups while a remote tier's answer is pending."""
+ALLOCATE_RETRY_SECONDS = 0.001
+"""Pause between allocation attempts while the GPU pool is full of pinned blocks."""
 
 
 def block_kv(manager: TierManager, key: bytes) -> torch.Tensor:
@@ -59,43 +61,78 @@ class RunReport:
     seconds: float = 0.0
 
 
-def serve(manager: TierManager, tokens: np.ndarray, report: RunReport) -> None:
-    """One request: look up, load, compute the rest, store, verify, release."""
+@dataclass(frozen=True)
+class Served:
+    """One request: tokens reused per tier, tokens computed, seconds its load took, blocks that were wrong."""
+
+    reused: dict[str, int]
+    computed_tokens: int
+    load_seconds: float
+    mismatched_blocks: int
+
+
+def _allocate(manager: TierManager, count: int, attempts: int) -> list[int]:
+    """A full pool may be waiting for write-through copies to unpin blocks: retry a while."""
+    for attempt in range(attempts):
+        try:
+            return manager.allocate(count)
+        except CapacityError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(ALLOCATE_RETRY_SECONDS)
+    raise ValueError(f"attempts must be >= 1, got {attempts}")
+
+
+def serve(manager: TierManager, tokens: np.ndarray, allocate_attempts: int = 1) -> Served:
+    """One request as an engine serves it: look up, load, check, compute the rest, store, release.
+
+    Raises ``CapacityError`` (holding nothing) when the GPU pool has no room after
+    ``allocate_attempts`` tries.
+    """
     block_size = manager.block_size
     hit = manager.lookup(tokens)
     while hit.pending:
         time.sleep(LOOKUP_RETRY_SECONDS)
         hit = manager.lookup(tokens)
-    num_blocks = len(hit.keys)
     held = list(hit.gpu_block_ids)
-    report.reused_tokens[manager.gpu.name] += len(held) * block_size
-    fresh = manager.allocate(num_blocks - len(held))
-    loaded_blocks = 0
+    try:
+        fresh = _allocate(manager, len(hit.keys) - len(held), allocate_attempts)
+    except CapacityError:
+        manager.release(held)
+        raise
+    reused = {manager.gpu.name: len(held) * block_size}
+    loaded_blocks, load_seconds = 0, 0.0
     if hit.num_lower_blocks:
-        loaded_tokens = manager.load(hit, fresh[: hit.num_lower_blocks]).result()
-        loaded_blocks = loaded_tokens // block_size
+        started = time.perf_counter()
+        loaded_blocks = manager.load(hit, fresh[: hit.num_lower_blocks]).result() // block_size
+        load_seconds = time.perf_counter() - started
         remaining = loaded_blocks
         for name, count in list(hit.tier_blocks.items())[1:]:
             take = min(count, remaining)
-            report.reused_tokens[name] += take * block_size
+            reused[name] = take * block_size
             remaining -= take
+    mismatched = 0
     for position, block in enumerate(held + fresh[:loaded_blocks]):
         if not torch.equal(read_block(manager, block), block_kv(manager, hit.keys[position])):
-            report.mismatched_blocks += 1
+            mismatched += 1
     for offset, block in enumerate(fresh[loaded_blocks:]):
         write_block(manager, block, block_kv(manager, hit.keys[len(held) + loaded_blocks + offset]))
-    report.computed_tokens += len(tokens) - (len(held) + loaded_blocks) * block_size
     manager.store(tokens, held + fresh)
     manager.release(held + fresh)
-    report.requests += 1
-    report.prompt_tokens += len(tokens)
+    computed = len(tokens) - (len(held) + loaded_blocks) * block_size
+    return Served(reused, computed, load_seconds, mismatched)
 
 
 def run_workload(manager: TierManager, workload: ChatWorkload) -> RunReport:
     report = RunReport()
     started = time.perf_counter()
     for _, tokens in workload.requests():
-        serve(manager, tokens, report)
+        served = serve(manager, tokens)
+        report.requests += 1
+        report.prompt_tokens += len(tokens)
+        report.reused_tokens.update(served.reused)
+        report.computed_tokens += served.computed_tokens
+        report.mismatched_blocks += served.mismatched_blocks
         manager.poll()
     report.seconds = time.perf_counter() - started
     return report
