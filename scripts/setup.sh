@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtualenv with the CPU build of torch, tiercache with its test,
-# bench and metrics extras, and redis-server (Debian's package) when it is missing.
+# bench and metrics extras, and redis-server and openssl (Debian's packages) when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,12 +8,16 @@ PYTHON=${PYTHON:-python3}
 VENV=.venv
 TORCH_VERSION=2.13.0
 
-if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
-    echo "setup: installing redis-server from Debian's packages" >&2
+missing=""
+command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+command -v redis-cli >/dev/null 2>&1 || missing="$missing redis-tools"
+command -v openssl >/dev/null 2>&1 || missing="$missing openssl"   # the TLS tests' certificates
+if [ -n "$missing" ]; then
+    echo "setup: installing$missing from Debian's packages" >&2
     SUDO=""
     [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server redis-tools >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
