@@ -232,3 +232,23 @@ def test_calls_before_start_or_after_close_are_refused() -> None:
     manager.close_blocking()
     with pytest.raises(RuntimeError, match="closed"):
         manager.store(tokens, ids)
+
+
+def test_engine_supplied_pool_and_path_constructor(tmp_path) -> None:
+    """An engine may hand its own paged KV tensors over; ``mgr.gpu[i]`` is a pool tensor."""
+    config = topology(4, 8, layout={**TINY_LAYOUT, "memory": "layer_major"})
+    pool = config.layout.allocate_pool(5, "cpu")
+    with TierManager(config, gpu_tensors=pool) as manager:
+        assert manager.gpu.num_blocks == 5 and len(manager.gpu) == TINY_LAYOUT["num_layers"]
+        assert all(a is b for a, b in zip(manager.gpu, pool, strict=True)) and manager.gpu[1] is pool[1]
+        ids = manager.allocate(2)
+        kv = torch.randn(manager.layout.block_shape)
+        write_block(manager, ids[1], kv)
+        assert torch.equal(pool[1][ids[1]], kv[1]), "the manager must work on the engine's tensors"
+        manager.release(ids)
+    with pytest.raises(ValueError, match="dtype"):
+        TierManager(config, gpu_tensors=[t.half() for t in pool])
+    path = tmp_path / "t.yaml"
+    path.write_text("model: {id: m}\nlayout: {num_layers: 1, num_kv_heads: 1, head_dim: 2}\n"
+                    "tiers: [{type: gpu, capacity_blocks: 2, options: {device: cpu}}]\n")
+    assert TierManager(str(path)).gpu.num_blocks == 2

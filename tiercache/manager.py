@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -69,7 +70,16 @@ class _LoadItem:
 class TierManager:
     """Stacks the tiers of one topology and moves blocks between them in the background."""
 
-    def __init__(self, config: TierCacheConfig, *, gpu_tensors: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, config: TierCacheConfig | str | os.PathLike[str], *, gpu_tensors: list[torch.Tensor] | None = None
+    ) -> None:
+        """``config``: a validated topology, or the path of a YAML one.
+
+        ``gpu_tensors``: the engine's own pool tensors to manage (validated against
+        the layout); by default the manager allocates them on the GPU tier's device.
+        """
+        if not isinstance(config, TierCacheConfig):
+            config = load_config(config)
         self.config = config
         self.layout = config.layout
         self.block_size = config.layout.block_size

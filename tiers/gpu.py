@@ -8,6 +8,7 @@ which block holds which key and moves blocks to and from the pinned-CPU tier.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,3 +66,14 @@ class GpuTier:
     @property
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.layout.bytes_per_block
+
+    def __len__(self) -> int:
+        """Number of pool tensors: 1 block-major, or one per layer."""
+        return len(self.tensors)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """``mgr.gpu[i]``: the i-th pool tensor (the whole pool, or layer i)."""
+        return self.tensors[index]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.tensors)
