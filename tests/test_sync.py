@@ -245,3 +245,29 @@ async def test_manager_force_latest_bypasses_its_cpu_copy(sites: Topology) -> No
 
         assert all(torch.equal(x, block_kv(manager, k)) for x, k in zip(await load(False), keys, strict=True))
         assert all(torch.equal(x, y) for x, y in zip(await load(True), newer, strict=True))
+
+
+async def test_frozen_central_opens_the_breaker_and_recovers(sites: Topology) -> None:
+    """A hung central costs a few timeouts, then force_latest reads are misses at once; it comes back by itself."""
+    a = await sites.tier(
+        sites.region_a, **FAST_RETRIES, breaker_failures=2, breaker_backoff_s=0.05, breaker_backoff_max_s=0.05
+    )
+    await a.put([key(30)], [payload(3)])
+    await a.flush()
+    sites.central.stop()
+    try:
+        for _ in range(6):
+            assert await read(a, [key(30)], force_latest=True) == [None]
+        stats = a.stats()
+        assert stats["central_breaker_opened"] >= 1
+        assert stats["central_breaker_rejected"] >= 1, "an open breaker must refuse calls instead of waiting"
+        assert stats["region_breaker_open"] == 0
+        assert await read(a, [key(30)]) == [bytes(payload(3))], "the region keeps serving plain reads"
+    finally:
+        sites.central.cont()
+    await eventually(lambda: _latest_is(a, key(30), bytes(payload(3))))
+    assert a.stats()["central_breaker_open"] == 0
+
+
+async def _latest_is(tier: RegionalTier, block: bytes, expected: bytes) -> bool:
+    return await read(tier, [block], force_latest=True) == [expected]

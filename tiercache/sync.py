@@ -33,15 +33,19 @@ import enum
 import logging
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from tiercache.breaker import BreakerState, CircuitBreaker
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 VERSION_OFFSET = struct.calcsize("<4sBBH16s16s")
 """Byte offset of the u64 version in a ``tiercache.codec`` header."""
@@ -160,6 +164,53 @@ def value_checksum(value: bytes) -> bytes:
     return bytes(value[CHECKSUM_OFFSET : CHECKSUM_OFFSET + U64.size])
 
 
+class GuardedClient:
+    """A Redis client behind a circuit breaker.
+
+    Once a server is found dead, calls fail at once (misses upstream) instead of
+    each waiting for its socket timeout; after a back-off one probe goes through,
+    and a server that answers again is used again without a restart.
+    """
+
+    def __init__(self, client: aioredis.Redis, breaker: CircuitBreaker) -> None:
+        self.client = client
+        self.breaker = breaker
+
+    async def call(self, operation: Callable[[aioredis.Redis], Awaitable[T]], failed: T) -> T:
+        """``operation(client)``, or ``failed`` when the breaker refuses or the server fails."""
+        if not self.breaker.allow():
+            return failed
+        try:
+            result = await operation(self.client)
+        except asyncio.CancelledError:
+            self.breaker.abandon()
+            raise
+        except (RedisError, OSError):
+            self.breaker.failure()
+            return failed
+        self.breaker.success()
+        return result
+
+    def stats(self, prefix: str) -> dict[str, float]:
+        breaker = self.breaker
+        return {
+            f"{prefix}_breaker_state": float(breaker.state),
+            f"{prefix}_breaker_open": float(breaker.state is not BreakerState.CLOSED),
+            f"{prefix}_breaker_opened": float(breaker.opened),
+            f"{prefix}_breaker_rejected": float(breaker.rejected),
+        }
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+async def _pipelined(client: aioredis.Redis, queue: Callable[[object], None]) -> list[object]:
+    """Run the commands ``queue(pipe)`` adds in one non-transactional pipeline; errors stay in the list."""
+    async with client.pipeline(transaction=False) as pipe:
+        queue(pipe)
+        return await pipe.execute(raise_on_error=False)
+
+
 class _Keys:
     """Redis key names: ``{prefix}{hex}`` hash tags keep a value and its version in one slot."""
 
@@ -177,8 +228,8 @@ class _Keys:
 class CentralStore:
     """The central store: version assignment, version lookups, reads, the update channel."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str, channel: str) -> None:
-        self.client = client
+    def __init__(self, server: GuardedClient, prefix: str, channel: str) -> None:
+        self.server = server
         self.keys = _Keys(prefix)
         self.channel = channel
 
@@ -186,62 +237,59 @@ class CentralStore:
         """Store each (key, value) with a fresh version; the version, or None where it failed."""
         if not items:
             return []
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for key, value in items:
-                    pipe.eval(
-                        COMMIT_SCRIPT,
-                        3,
-                        self.keys.clock,
-                        self.keys.value(key),
-                        self.keys.version(key),
-                        value,
-                        self.channel,
-                        key,
-                        CLOCK_TICKS_PER_MS,
-                    )
-                replies = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError):
+
+        def queue(pipe) -> None:
+            for key, value in items:
+                pipe.eval(
+                    COMMIT_SCRIPT,
+                    3,
+                    self.keys.clock,
+                    self.keys.value(key),
+                    self.keys.version(key),
+                    value,
+                    self.channel,
+                    key,
+                    CLOCK_TICKS_PER_MS,
+                )
+
+        replies = await self.server.call(lambda client: _pipelined(client, queue), None)
+        if replies is None:
             return [None] * len(items)
         return [None if isinstance(reply, Exception) else int(reply) for reply in replies]
 
     async def versions(self, keys: Sequence[bytes]) -> list[int] | None:
         """The committed version of each key (0: none), or None when central is unreachable."""
-        try:
-            replies = await self.client.mget([self.keys.version(key) for key in keys])
-        except (RedisError, OSError):
+        names = [self.keys.version(key) for key in keys]
+        replies = await self.server.call(lambda client: client.mget(names), None)
+        if replies is None:
             return None
         return [int(reply) if reply is not None else 0 for reply in replies]
 
     async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
-        try:
-            return await self.client.mget([self.keys.value(key) for key in keys])
-        except (RedisError, OSError):
-            return None
+        names = [self.keys.value(key) for key in keys]
+        return await self.server.call(lambda client: client.mget(names), None)
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
-        return await _exists(self.client, [self.keys.value(key) for key in keys])
+        return await _exists(self.server, [self.keys.value(key) for key in keys])
 
     async def delete(self, keys: Sequence[bytes]) -> None:
-        with contextlib.suppress(RedisError, OSError):
-            await self.client.delete(*(self.keys.value(key) for key in keys))
+        names = [self.keys.value(key) for key in keys]
+        await self.server.call(lambda client: client.delete(*names), None)
 
 
 class RegionStore:
     """A region's copies of central's values (and its own writes awaiting a version)."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
-        self.client = client
+    def __init__(self, server: GuardedClient, prefix: str) -> None:
+        self.server = server
         self.keys = _Keys(prefix)
 
     async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
-        try:
-            return await self.client.mget([self.keys.value(key) for key in keys])
-        except (RedisError, OSError):
-            return None
+        names = [self.keys.value(key) for key in keys]
+        return await self.server.call(lambda client: client.mget(names), None)
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
-        return await _exists(self.client, [self.keys.value(key) for key in keys])
+        return await _exists(self.server, [self.keys.value(key) for key in keys])
 
     async def write(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         return await self._pipeline(items, lambda pipe, key, value: pipe.set(self.keys.value(key), value))
@@ -262,35 +310,34 @@ class RegionStore:
         )
 
     async def drop_older(self, key: bytes, version: int) -> bool:
-        try:
-            return bool(await self.client.eval(DROP_OLDER_SCRIPT, 1, self.keys.value(key), version))
-        except (RedisError, OSError):
-            return False
+        name = self.keys.value(key)
+        return bool(await self.server.call(lambda client: client.eval(DROP_OLDER_SCRIPT, 1, name, version), False))
 
     async def delete(self, keys: Sequence[bytes]) -> None:
-        with contextlib.suppress(RedisError, OSError):
-            await self.client.delete(*(self.keys.value(key) for key in keys))
+        names = [self.keys.value(key) for key in keys]
+        await self.server.call(lambda client: client.delete(*names), None)
 
     async def _pipeline(self, items: Sequence[tuple], queue: Callable[..., object]) -> list[bool]:
         if not items:
             return []
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for item in items:
-                    queue(pipe, *item)
-                replies = await pipe.execute(raise_on_error=False)
-        except (RedisError, OSError):
+
+        def queue_all(pipe) -> None:
+            for item in items:
+                queue(pipe, *item)
+
+        replies = await self.server.call(lambda client: _pipelined(client, queue_all), None)
+        if replies is None:
             return [False] * len(items)
         return [not isinstance(reply, Exception) and bool(reply) for reply in replies]
 
 
-async def _exists(client: aioredis.Redis, names: list[str]) -> list[bool] | None:
-    try:
-        async with client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.exists(name)
-            replies = await pipe.execute()
-    except (RedisError, OSError):
+async def _exists(server: GuardedClient, names: list[str]) -> list[bool] | None:
+    def queue(pipe) -> None:
+        for name in names:
+            pipe.exists(name)
+
+    replies = await server.call(lambda client: _pipelined(client, queue), None)
+    if replies is None or any(isinstance(reply, Exception) for reply in replies):
         return None
     return [bool(reply) for reply in replies]
 

@@ -31,9 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from tiercache.breaker import CircuitBreaker
 from tiercache.codec import Codec, Decoded
 from tiercache.sync import (
     CentralStore,
+    GuardedClient,
     Invalidator,
     RegionStore,
     ReplicationItem,
@@ -68,6 +70,10 @@ class RegionalOptions:
     retry_backoff_ms: float = 20.0
     """First retry pause; doubles per attempt."""
     socket_timeout_ms: float = 500.0
+    breaker_failures: int = 3
+    """Consecutive failures after which calls to that server fail at once (misses) for a back-off."""
+    breaker_backoff_s: float = 0.5
+    breaker_backoff_max_s: float = 30.0
     close_flush_ms: float = 2000.0
     """How long ``close`` lets queued replications finish."""
     compress: bool = False
@@ -80,6 +86,8 @@ class RegionalOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.replication_retries < 0:
             raise ValueError(f"replication_retries must be >= 0, got {self.replication_retries}")
+        if self.breaker_failures < 1 or not 0 < self.breaker_backoff_s <= self.breaker_backoff_max_s:
+            raise ValueError("need breaker_failures >= 1 and 0 < breaker_backoff_s <= breaker_backoff_max_s")
         for name in ("retry_backoff_ms", "socket_timeout_ms", "close_flush_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -119,11 +127,10 @@ class RegionalTier(RemoteTier):
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         options = self.options
-        timeout_s = options.socket_timeout_ms / MS_PER_SECOND
-        self.central = CentralStore(connect(options.central_url, timeout_s), options.key_prefix, options.channel)
+        self.central = CentralStore(self._server(options.central_url), options.key_prefix, options.channel)
         if self.mode is SyncMode.CENTRAL:
             return
-        self.region = RegionStore(connect(options.region_url, timeout_s), options.key_prefix)
+        self.region = RegionStore(self._server(options.region_url), options.key_prefix)
         self.replicator = Replicator(
             self.central,
             self.region,
@@ -137,6 +144,11 @@ class RegionalTier(RemoteTier):
         if options.invalidate:
             self.invalidator = Invalidator(options.central_url, options.channel, self.region)
 
+    def _server(self, url: str) -> GuardedClient:
+        options = self.options
+        breaker = CircuitBreaker(options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s)
+        return GuardedClient(connect(url, options.socket_timeout_ms / MS_PER_SECOND), breaker)
+
     async def close(self) -> None:
         if self.replicator is not None:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -146,7 +158,7 @@ class RegionalTier(RemoteTier):
             await self.invalidator.close()
         for store in (self.central, self.region):
             if store is not None:
-                await store.client.aclose()
+                await store.server.aclose()
 
     async def flush(self) -> None:
         """Wait until this node's queued replications have been committed or given up."""
@@ -304,6 +316,10 @@ class RegionalTier(RemoteTier):
 
     def stats(self) -> dict[str, float]:
         stats = {**self.counters, "own_unreplicated": len(self._own)}
+        if self.central is not None:
+            stats.update(self.central.server.stats("central"))
+        if self.region is not None:
+            stats.update(self.region.server.stats("region"))
         if self.replicator is not None:
             stats.update(self.replicator.counters)
             stats["replication_queue"] = self.replicator.queue.qsize()
