@@ -97,6 +97,11 @@ def test_bad_config_names_file_field_and_expectation(tmp_path: Path, label, chan
     assert expected in message, message
 
 
+def test_a_misspelt_field_gets_a_suggestion(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capcity_blocks: .*did you mean 'capacity_blocks'"):
+        load_config(write(tmp_path, mutated(lambda d: d["tiers"][0].update(capcity_blocks=3))), environ={})
+
+
 def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text("model:\n  id: [unclosed\n")

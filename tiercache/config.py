@@ -11,6 +11,7 @@ YAML scalars.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import importlib.resources
 import inspect
@@ -230,7 +231,11 @@ def build_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
     for key in data:
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise ConfigError(source, f"{prefix}{key}", f"one of the known fields ({allowed})", "unknown field")
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                source, f"{prefix}{key}", f"one of the known fields ({allowed}){hint}", "unknown field"
+            )
     kwargs = {}
     for name, f in fields.items():
         if name in data:
