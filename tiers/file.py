@@ -141,8 +141,8 @@ class FileTier(RemoteTier):
                 await self._gc_task
             self._gc_task = None
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+            executor, self._executor = self._executor, None
+            await asyncio.to_thread(executor.shutdown, wait=True)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
