@@ -39,7 +39,7 @@ import torch
 from tiercache.config import config_from_dict
 from tiercache.manager import TierManager
 from tiercache.policies import POLICIES
-from tiercache.simulate import (
+from tiercache.tools.simulate import (
     Progress,
     SessionWorkload,
     SimulationResult,
@@ -49,7 +49,7 @@ from tiercache.simulate import (
     timed_requests,
     write_plots,
 )
-from tiercache.workload import ChatWorkload
+from tiercache.tools.workload import ChatWorkload
 
 HERE = Path(__file__).resolve().parent
 LAYOUT = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 16}

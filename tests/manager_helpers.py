@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tiercache.config import TierCacheConfig, config_from_dict
+from tiercache.manager import TierManager
 
 TINY_LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "block_size": 2}
 
@@ -27,3 +30,29 @@ def topology(
     tiers.extend(remotes or [])
     data = {"model": {"id": "test-model"}, "layout": layout or TINY_LAYOUT, "tiers": tiers, **top}
     return config_from_dict(data, environ={})
+
+
+def block_kv(manager: TierManager, key: bytes) -> torch.Tensor:
+    """The KV a toy model computes for the block with ``key``: pseudo-random, seeded by the key."""
+    generator = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+    values = torch.randn(manager.layout.block_shape, generator=generator, dtype=torch.float32)
+    return values.to(manager.layout.torch_dtype)
+
+
+def write_block(manager: TierManager, block: int, kv: torch.Tensor) -> None:
+    """Write one block's KV (in serialized order) into the pool."""
+    pool = manager.gpu.tensors
+    kv = kv.to(pool[0].device)
+    if manager.layout.block_major:
+        pool[0][block].copy_(kv)
+    else:
+        for layer, tensor in enumerate(pool):
+            tensor[block].copy_(kv[layer])
+
+
+def read_block(manager: TierManager, block: int) -> torch.Tensor:
+    """One block's KV from the pool, on the CPU, in serialized order."""
+    pool = manager.gpu.tensors
+    if manager.layout.block_major:
+        return pool[0][block].cpu()
+    return torch.stack([tensor[block].cpu() for tensor in pool])

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tiercache.cli import main
 from tiercache.config import ConfigError, config_from_dict
 from tiercache.manager import TierManager
 from tiercache.metrics import StatsServer
-from tiercache.simulate import (
+from tiercache.tools.cli import main
+from tiercache.tools.simulate import (
     PRESETS,
     Progress,
     SessionWorkload,
@@ -22,7 +22,7 @@ from tiercache.simulate import (
     simulate,
     timed_requests,
 )
-from tiercache.workload import ChatWorkload
+from tiercache.tools.workload import ChatWorkload
 
 SMALL_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float16", "block_size": 8}
 PREFILL_S_PER_TOKEN = 0.001

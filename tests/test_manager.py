@@ -11,9 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from manager_helpers import TINY_LAYOUT, topology
+from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 
-from tiercache.demo import block_kv, read_block, write_block
 from tiercache.manager import TierManager
 from tiercache.policies import POLICIES
 from tiercache.slots import CapacityError

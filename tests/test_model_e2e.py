@@ -23,8 +23,8 @@ import torch
 from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.layout import KVLayout
 from tiercache.manager import TierManager
-from tiercache.reference_model import ModelSpec, PagedKV, ReferenceModel
 from tiercache.tiers.simulated import SimulatedStore
+from tiercache.tools.reference_model import ModelSpec, PagedKV, ReferenceModel
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 2, 16, 4
 GPU_BLOCKS, CPU_BLOCKS = 16, 64

@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from manager_helpers import TINY_LAYOUT, topology
+from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 
-from tiercache.demo import block_kv, read_block, write_block
 from tiercache.manager import TierManager
 from tiercache.queues import Priority, PriorityLimiter, prefetch_deadline_s
 from tiercache.tiers.simulated import SimulatedTier

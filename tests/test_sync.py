@@ -9,11 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from manager_helpers import TINY_LAYOUT, topology
+from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 from redis_servers import RedisServer
 
 from tiercache.codec import Codec
-from tiercache.demo import block_kv, read_block, write_block
 from tiercache.manager import TierManager
 from tiercache.sync import SyncMode, value_version
 from tiercache.tiers.base import RemoteContext

@@ -2,6 +2,6 @@
 
 import sys
 
-from tiercache.cli import main
+from tiercache.tools.cli import main
 
 sys.exit(main())

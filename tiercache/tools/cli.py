@@ -9,7 +9,7 @@
   ``StatsServer`` (``simulate --stats-port`` starts one; an engine can too), or
   from a JSON file that ``simulate --stats-out`` wrote.
 
-The simulation core lives in ``tiercache.simulate``.
+The simulation core lives in ``tiercache.tools.simulate``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from tiercache.config import ConfigError, TierCacheConfig, default_config_path, load_config
-from tiercache.demo import format_report, run_workload
 from tiercache.keys import BlockHasher
 from tiercache.manager import TierManager
 from tiercache.metrics import StatsServer, fetch_stats, render_prometheus
-from tiercache.simulate import (
+from tiercache.tools.demo import format_report, run_workload
+from tiercache.tools.simulate import (
     MS_PER_SECOND,
     PRESETS,
     Progress,
@@ -40,7 +40,7 @@ from tiercache.simulate import (
     timed_requests,
     write_plots,
 )
-from tiercache.workload import ChatWorkload
+from tiercache.tools.workload import ChatWorkload
 
 PROBE_TIMEOUT_S = 2.0
 """How long ``inspect`` waits for each remote operation before calling it unreachable."""

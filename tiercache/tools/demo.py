@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tiercache.manager import CapacityError, TierManager
-from tiercache.workload import ChatWorkload
+from tiercache.tools.workload import ChatWorkload
 
 LOOKUP_RETRY_SECONDS = 0.0005
 """Pause between lookups while a remote tier's answer is pending."""

@@ -1,7 +1,7 @@
 """Timed multi-turn simulations through a topology: the core of ``tiercache simulate``.
 
 ``timed_requests`` puts a ``ChatWorkload`` on a clock, ``simulate`` serves it with
-the toy engine of ``tiercache.demo`` (every reused block checked against
+the toy engine of ``tiercache.tools.demo`` (every reused block checked against
 recomputation) and models each request's time to first token, ``summary_table``
 and ``write_plots`` report it. ``benchmarks/multiturn.py`` runs the same code.
 """
@@ -21,11 +21,11 @@ import numpy as np
 import yaml
 
 from tiercache.config import ConfigError, build_dataclass
-from tiercache.demo import serve
 from tiercache.layout import KVLayout
 from tiercache.manager import CapacityError, TierManager
-from tiercache.reference_model import ModelSpec, PagedKV, ReferenceModel, prefill_seconds_per_token
-from tiercache.workload import ChatWorkload
+from tiercache.tools.demo import serve
+from tiercache.tools.reference_model import ModelSpec, PagedKV, ReferenceModel, prefill_seconds_per_token
+from tiercache.tools.workload import ChatWorkload
 
 ALLOCATE_ATTEMPTS = 200
 """A full GPU pool may be waiting for write-through copies to unpin blocks: retry a while, then reject."""
