@@ -47,7 +47,7 @@ class Engine:
         try:
             fresh = manager.allocate(len(hit.keys) - len(held))
         except CapacityError:
-            manager.release(held)
+            manager.release(hit)
             raise
         loaded = manager.load(hit, fresh[: hit.num_lower_blocks]).result(10) // BLOCK
         ready = held + fresh[:loaded]

@@ -174,7 +174,7 @@ def test_corrupted_prefix_changes_logits() -> None:
         prefill_and_store(manager, prompt)
         hit = manager.lookup(prompt)
         manager.gpu.tensors[0][hit.gpu_block_ids[0], 0, 0, 0, 0] += 1.0
-        manager.release(hit.gpu_block_ids)
+        manager.release(hit)
         got = continue_from_cache(manager, prompt, "gpu")
     expected = recompute(topology(memory).layout, prompt)
     assert not all(torch.equal(a, b) for a, b in zip(expected[1], got[1], strict=True))

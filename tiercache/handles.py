@@ -14,10 +14,15 @@ from typing import Any
 class Lookup:
     """The cached prefix of a prompt, tier by tier.
 
-    ``gpu_block_ids`` are the GPU blocks already holding the first blocks; when
-    ``pending`` is False they are pinned for the caller, who hands them back with
-    ``release``. ``pending`` is True while a remote tier's answer is in flight:
-    call ``lookup`` again later (nothing is pinned meanwhile).
+    ``tier_blocks`` counts the blocks of the longest prefix held by all tiers
+    together, by the tier that serves each position (the fastest holder).
+    ``gpu_block_ids`` are the GPU blocks already holding the prefix's leading
+    blocks; they are pinned for the caller, who hands them back with ``release``
+    (with the rest of its block table). Every other local block the Lookup counts
+    is pinned too, until ``load`` takes those pins over or ``release(hit)`` drops
+    them all (a Lookup dropped unused gives its lower pins back by itself).
+    ``pending`` is True while a remote tier's answer is in flight: call
+    ``lookup`` again later (nothing is pinned meanwhile).
     """
 
     keys: list[bytes]
@@ -25,6 +30,8 @@ class Lookup:
     tier_blocks: dict[str, int]
     gpu_block_ids: list[int]
     pending: bool = False
+    pins: Any = field(default=None, repr=False, compare=False)
+    """The manager's record of the local pins this Lookup holds (``LookupPins``)."""
 
     @property
     def num_blocks(self) -> int:

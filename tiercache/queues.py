@@ -1,8 +1,6 @@
-"""The asyncio machinery under the manager: a background event-loop thread and priority limiters.
+"""Priority limiters of the transfer queue, and the ``timeout`` prefetch policy's deadline.
 
-The engine's scheduler calls the manager synchronously; every remote I/O and
-every wait on a copy runs as a coroutine on one background loop, so the
-scheduler never blocks. ``PriorityLimiter`` bounds the requests in flight to
+``PriorityLimiter`` bounds the requests in flight to
 one tier and always admits a waiting load before a waiting store: a load is on
 a request's critical path, a store is not. Stores may also hold at most
 ``limit - LOAD_RESERVED_SLOTS`` of the slots, so slow stores in flight never
@@ -12,17 +10,13 @@ leave an arriving load waiting for one of them to finish.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import enum
 import heapq
 import itertools
-import logging
-import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
-log = logging.getLogger(__name__)
 
 LOAD_RESERVED_SLOTS = 1
 """Slots of a limiter that only loads may take (when the limit leaves room for stores)."""
@@ -117,55 +111,3 @@ class PriorityLimiter:
 def prefetch_deadline_s(timeout_ms: float, timeout_ms_per_1k_tokens: float, tokens: int) -> float:
     """The ``timeout`` prefetch policy's deadline: a base plus a share that grows with the tokens."""
     return (timeout_ms + timeout_ms_per_1k_tokens * tokens / TOKENS_PER_K) / MS_PER_SECOND
-
-
-class EventLoopThread:
-    """One daemon thread running an asyncio loop; coroutines are submitted from any thread."""
-
-    def __init__(self, name: str = "tiercache-io") -> None:
-        self.loop = asyncio.new_event_loop()
-        self.loop.set_exception_handler(self._log_exception)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._started = False
-
-    @staticmethod
-    def _log_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        log.error("tiercache background task failed: %s", context.get("message"), exc_info=context.get("exception"))
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._thread.start()
-
-    @property
-    def in_loop_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def submit(self, coroutine: Awaitable[T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coroutine`` on the loop; the returned future is thread-safe."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)  # type: ignore[arg-type]
-
-    def call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(callback, *args)
-
-    def stop(self) -> None:
-        """Stop the loop and join the thread (pending tasks are cancelled first)."""
-        if not self._started or self.loop.is_closed():
-            return
-
-        async def cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            self.submit(cancel_all()).result()
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
-            self.loop.close()

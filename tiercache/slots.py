@@ -17,6 +17,7 @@ checks that enough slots are free or evictable before touching anything.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from tiercache.policies import EvictionPolicy
 
@@ -25,6 +26,14 @@ WRITING = -1
 
 class CapacityError(RuntimeError):
     """Not enough free or evictable slots; nothing was changed."""
+
+
+class Victim(NamedTuple):
+    """A key evicted to make room: its slot, and whether the slot is kept for a write-back."""
+
+    key: bytes
+    slot: int
+    retained: bool
 
 
 class SlotTable:
@@ -38,6 +47,7 @@ class SlotTable:
         self._key: list[bytes | None] = [None] * num_slots
         self._slot: dict[bytes, int] = {}
         self._evictable = 0
+        self._untracked: set[bytes] = set()
         self.evictions = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -79,32 +89,47 @@ class SlotTable:
 
     # ---- state changes -------------------------------------------------------------
     def allocate(
-        self, count: int, on_evict: Callable[[bytes, int], None] | None = None, incoming: bytes | None = None
-    ) -> list[int]:
+        self,
+        count: int,
+        incoming: bytes | None = None,
+        retain: Callable[[bytes], bool] | None = None,
+    ) -> tuple[list[int], list[Victim]]:
         """``count`` held slots (ref 1, unbound), evicting cached ref-0 keys as needed.
 
-        ``on_evict(key, slot)`` runs for each victim before its slot is reused (the
-        manager demotes the bytes there). Raises CapacityError, changing nothing,
-        when free plus evictable slots are fewer than ``count``. ``incoming`` is the
-        key the room is made for, when known (ARC's REPLACE depends on it).
+        Returns the slots and the victims, in eviction order, for the caller to act
+        on (demote, write back). ``incoming`` is the key the room is made for, when
+        known (ARC's REPLACE depends on it). A victim for which ``retain(key)`` holds
+        leaves the index but keeps its slot, held (ref 1) for a write-back that
+        still reads it; it frees when that write ``unpin``s it. Raises CapacityError,
+        changing nothing, when free plus evictable slots are fewer than ``count``;
+        retained victims can still leave too little room, and then the victims
+        taken so far stay evicted (their write-backs are on their way).
         """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
-        shortfall = count - len(self._free)
-        if shortfall > self._evictable:
+        if count - len(self._free) > self._evictable:
             raise CapacityError(
                 f"need {count} slots: {len(self._free)} free and {self._evictable} evictable "
                 f"of {self.num_slots} (the rest are pinned or being written)"
             )
-        victims = [self._evict_one(incoming) for _ in range(max(shortfall, 0))]
-        if on_evict is not None:
-            for key, slot in victims:
-                on_evict(key, slot)
-        slots = [self._free.pop() for _ in range(count - len(victims))]
-        slots.extend(slot for _, slot in victims)
+        victims: list[Victim] = []
+        while len(self._free) < count:
+            if not self._evictable:
+                raise CapacityError(
+                    f"need {count} slots: {len(self._free)} free after {len(victims)} evictions "
+                    f"({sum(v.retained for v in victims)} kept for write-back)"
+                )
+            key, slot = self._evict_one(incoming)
+            retained = retain is not None and retain(key)
+            if retained:
+                self._ref[slot] = 1
+            else:
+                self._free.append(slot)
+            victims.append(Victim(key, slot, retained))
+        slots = [self._free.pop() for _ in range(count)]
         for slot in slots:
             self._ref[slot] = 1
-        return slots
+        return slots, victims
 
     def _evict_one(self, incoming: bytes | None) -> tuple[bytes, int]:
         key = self.policy.evict(self._is_evictable, incoming)
@@ -117,26 +142,60 @@ class SlotTable:
     def _is_evictable(self, key: bytes) -> bool:
         return self._ref[self._slot[key]] == 0
 
-    def bind(self, slot: int, key: bytes) -> None:
-        """Bind a held slot to ``key`` and make it readable (the caller keeps its pin)."""
+    def bind(self, slot: int, key: bytes, *, track: bool = True) -> None:
+        """Bind a held slot to ``key`` and make it readable (the caller keeps its pin).
+
+        With ``track=False`` the policy does not see the key yet: the request that
+        holds the slot reports its whole chain at once later (``track``), tail first.
+        """
         if self._ref[slot] < 1 or self._key[slot] is not None:
             raise ValueError(f"slot {slot} is not held unbound (ref {self._ref[slot]})")
         if key in self._slot:
             raise ValueError(f"key already bound to slot {self._slot[key]}")
         self._key[slot] = key
         self._slot[key] = slot
+        if track:
+            self.track(key)
+        else:
+            self._untracked.add(key)
+
+    def track(self, key: bytes) -> None:
+        """One request for a bound key: a hit if the policy holds it, else it is admitted."""
+        self._untracked.discard(key)
         if not self.policy.access(key):
             self.policy.insert(key)
 
-    def begin_write(self, key: bytes, on_evict: Callable[[bytes, int], None] | None = None) -> int:
-        """A slot bound to ``key`` in the writing state (raises CapacityError)."""
+    def is_untracked(self, key: bytes) -> bool:
+        """Bound with ``track=False`` and not reported to the policy since."""
+        return key in self._untracked
+
+    def begin_write(
+        self, key: bytes, retain: Callable[[bytes], bool] | None = None
+    ) -> tuple[int, list[Victim]]:
+        """A slot bound to ``key`` in the writing state, and the victims that made room.
+
+        The policy sees the request before a victim is chosen and admits the key at
+        once, as libCacheSim does (access, evict, insert), so a tier replaying a
+        trace makes exactly the policy's decisions; a writing key is never a victim
+        (it is not at ref 0). Raises CapacityError, changing nothing, when no slot
+        is free or evictable.
+        """
         if key in self._slot:
             raise ValueError("key already present")
-        (slot,) = self.allocate(1, on_evict, incoming=key)
+        if not self._free and not self._evictable:
+            raise CapacityError(f"no free or evictable slot of {self.num_slots}")
+        hit = self.policy.access(key)
+        assert not hit, "a key absent from the table cannot be resident in its policy"
+        try:
+            (slot,), victims = self.allocate(1, incoming=key, retain=retain)
+        except CapacityError:
+            self.policy.remove(key)
+            raise
+        self.policy.insert(key)
         self._key[slot] = key
         self._slot[key] = slot
         self._ref[slot] = WRITING
-        return slot
+        return slot, victims
 
     def commit_write(self, slot: int) -> None:
         """The slot's bytes are complete: it becomes cached and evictable."""
@@ -144,15 +203,14 @@ class SlotTable:
             raise ValueError(f"slot {slot} is not being written")
         self._ref[slot] = 0
         self._evictable += 1
-        key = self._key[slot]
-        if not self.policy.access(key):
-            self.policy.insert(key)
 
     def abort_write(self, slot: int) -> None:
-        """Drop a write that failed: the slot returns to the free list."""
+        """Drop a write that failed: the key is forgotten and the slot returns to the free list."""
         if self._ref[slot] != WRITING:
             raise ValueError(f"slot {slot} is not being written")
-        del self._slot[self._key[slot]]
+        key = self._key[slot]
+        del self._slot[key]
+        self.policy.remove(key)
         self._key[slot] = None
         self._ref[slot] = 0
         self._free.append(slot)
@@ -175,9 +233,12 @@ class SlotTable:
             raise ValueError(f"slot {slot} is not pinned (ref {ref})")
         self._ref[slot] = ref - 1
         if ref == 1:
-            if self._key[slot] is None:
+            key = self._key[slot]
+            if key is None:
                 self._free.append(slot)
             else:
+                if key in self._untracked:
+                    self.track(key)
                 self._evictable += 1
 
     def discard(self, key: bytes) -> bool:

@@ -98,7 +98,7 @@ def serve(manager: TierManager, tokens: np.ndarray, allocate_attempts: int = 1) 
     try:
         fresh = _allocate(manager, len(hit.keys) - len(held), allocate_attempts)
     except CapacityError:
-        manager.release(held)
+        manager.release(hit)
         raise
     reused = {manager.gpu.name: len(held) * block_size}
     loaded_blocks, load_seconds = 0, 0.0

@@ -1,0 +1,323 @@
+"""The hierarchy: the one place that reads write policies, admission and ``exclusive``.
+
+Pure: it changes slot tables and counters under the manager's lock and turns
+"stored / evicted / committed / loaded" into moves (``tiercache.moves``) in its
+``outbox``; the manager runs them and reports back through ``copy_done`` and
+``put_done``. Rules (DESIGN's "Hierarchy"):
+
+* A tier's write policy says how it is filled from the tier above:
+  ``write_through`` on store, ``write_back`` on eviction only,
+  ``write_through_selective`` once a block was hit ``admit_after_hits`` times,
+  on store and on demotion alike (a demoted block below the threshold is
+  dropped and counted as ``not_admitted``).
+* A hit counts once per request, when the engine loads it (``count_hits``),
+  never per lookup.
+* A CPU victim that a remote still needs keeps its slot, pinned, until its put
+  lands; when the store queue is full it is dropped (counted), never copied aside.
+* A block read from a slower remote is written into the faster remotes above it.
+* Keys are remembered as written per remote lane, and forgotten when a read of
+  them fails, so the next store rewrites a value that was lost or corrupted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiercache.config import WritePolicy
+from tiercache.local_tiers import LocalTiers
+from tiercache.metrics import Metrics
+from tiercache.moves import HostCopy, Move, Reason, RemotePut
+from tiercache.slots import CapacityError, SlotTable
+
+
+@dataclass(frozen=True)
+class FillRule:
+    """How one tier is filled from the tier above it."""
+
+    name: str
+    write_policy: WritePolicy
+    admit_after_hits: int
+
+
+class Hierarchy:
+    """Write policies, admission, write-backs and promotions between the tiers."""
+
+    def __init__(
+        self,
+        local: LocalTiers,
+        cpu_rule: FillRule | None,
+        lanes: Sequence[FillRule],
+        metrics: Metrics,
+        *,
+        gpu_name: str,
+        max_pending_stores: int,
+        remember_keys: int,
+    ) -> None:
+        self.local = local
+        self.cpu_rule = cpu_rule
+        self.lanes = list(lanes)
+        self.metrics = metrics
+        self.gpu_name = gpu_name
+        self.max_pending_stores = max_pending_stores
+        self.remember_keys = remember_keys
+        self.pending_stores = 0
+        self.outbox: list[Move] = []
+        self._hits: OrderedDict[bytes, int] = OrderedDict()
+        self._written: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self.lanes]
+
+    # ---- admission ------------------------------------------------------------------
+    def hits(self, key: bytes) -> int:
+        return self._hits.get(key, 0)
+
+    def _admits(self, rule: FillRule, key: bytes, *, evicted: bool) -> bool:
+        """Whether ``rule``'s tier takes ``key`` now (``evicted``: from an eviction above)."""
+        if rule.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            return self.hits(key) >= rule.admit_after_hits
+        return evicted or rule.write_policy is WritePolicy.WRITE_THROUGH
+
+    def count_hits(self, keys: Sequence[bytes]) -> None:
+        """One hit per key for the request that loads them; a key reaching a threshold is admitted."""
+        for key in keys:
+            count = self._hits.pop(key, 0) + 1
+            self._hits[key] = count
+            self._admit_on_hit(key, count)
+        while len(self._hits) > self.remember_keys:
+            self._hits.popitem(last=False)
+
+    def _admit_on_hit(self, key: bytes, count: int) -> None:
+        rule, gpu, cpu = self.cpu_rule, self.local.gpu, self.local.cpu
+        if rule is not None and cpu is not None and key not in cpu and count == rule.admit_after_hits:
+            block = gpu.readable(key)
+            if rule.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and block is not None:
+                self._copy_down([(key, block)], Reason.ADMITTED)
+        slot = cpu.readable(key) if cpu is not None else None
+        if slot is None:
+            return
+        for lane, lane_rule in enumerate(self.lanes):
+            selective = lane_rule.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
+            if selective and count == lane_rule.admit_after_hits and not self.written(lane, key):
+                self.put(lane, [key], [slot], Reason.ADMITTED)
+
+    # ---- the GPU pool -----------------------------------------------------------------
+    def allocate(self, count: int) -> list[int]:
+        """``count`` held GPU blocks; victims are demoted to the CPU tier when it admits them."""
+        ids, victims = self.local.gpu.allocate(count)
+        if victims:
+            self.metrics.add(self.gpu_name, "evictions", len(victims))
+            self._demote([(victim.key, victim.slot) for victim in victims])
+        return ids
+
+    def _demote(self, victims: list[tuple[bytes, int]]) -> None:
+        rule, cpu = self.cpu_rule, self.local.cpu
+        if rule is None or cpu is None:
+            return
+        admitted = []
+        for key, block in victims:
+            if key in cpu:
+                continue
+            if self._admits(rule, key, evicted=True):
+                admitted.append((key, block))
+            else:
+                self.metrics.add(rule.name, "not_admitted")
+        self._copy_down(admitted, Reason.DEMOTION)
+
+    def store(self, keys: Sequence[bytes], ids: Sequence[int]) -> int:
+        """Index a request's chain in its GPU blocks, reporting it to the policy tail first.
+
+        Blocks promoted by this request's load were bound untracked; blocks the
+        engine computed are bound now; blocks cached before are hits. Returns the
+        number of blocks newly indexed; raises ValueError for a block that holds
+        another prefix's KV (nothing is changed then).
+        """
+        gpu = self.local.gpu
+        for key, block in zip(keys, ids, strict=True):
+            bound = gpu.key_of(block)
+            if bound is not None and bound != key:
+                raise ValueError(f"store: GPU block {block} already holds another prefix's KV")
+        fresh: list[tuple[bytes, int]] = []
+        for key, block in reversed(list(zip(keys, ids, strict=True))):
+            bound = gpu.key_of(block)
+            if bound is None and key not in gpu:
+                gpu.bind(block, key)
+                fresh.append((key, block))
+            elif bound is None:
+                self.metrics.add(self.gpu_name, "duplicate_blocks")
+                if gpu.readable(key) is not None:
+                    gpu.touch(key)
+            elif gpu.is_untracked(key):
+                gpu.track(key)
+            else:
+                gpu.touch(key)
+        fresh.reverse()
+        self.metrics.add(self.gpu_name, "stored_blocks", len(fresh))
+        rule = self.cpu_rule
+        if rule is not None and fresh:
+            admitted = [(key, block) for key, block in fresh if self._admits(rule, key, evicted=False)]
+            self._copy_down(admitted, Reason.WRITE_THROUGH)
+        return len(fresh)
+
+    # ---- the CPU tier -----------------------------------------------------------------
+    def _copy_down(self, pairs: list[tuple[bytes, int]], reason: Reason) -> None:
+        """Begin CPU writes for (key, GPU block) pairs and queue their copy; no room is counted."""
+        cpu = self.local.cpu
+        assert cpu is not None and self.cpu_rule is not None
+        keys, blocks, slots = [], [], []
+        for key, block in pairs:
+            if key in cpu:
+                continue
+            slot = self.begin_cpu_write(key)
+            if slot is None:
+                self.metrics.add(self.cpu_rule.name, f"{reason.value}_dropped")
+                continue
+            keys.append(key)
+            blocks.append(block)
+            slots.append(slot)
+        if not keys:
+            return
+        before_reuse = reason is Reason.DEMOTION
+        if not before_reuse:
+            for block in blocks:
+                self.local.gpu.pin(block)
+        self.metrics.add(self.cpu_rule.name, f"{reason.value}_blocks", len(keys))
+        self._count_move(self.gpu_name, self.cpu_rule.name, len(keys))
+        self.outbox.append(HostCopy(tuple(keys), tuple(blocks), tuple(slots), reason, before_reuse))
+
+    def begin_cpu_write(self, key: bytes) -> int | None:
+        """A CPU slot being written for ``key`` (None when the tier has no room)."""
+        cpu = self.local.cpu
+        assert cpu is not None and self.cpu_rule is not None
+        lanes_for: dict[bytes, list[int]] = {}
+
+        def retain(victim: bytes) -> bool:
+            lanes = self._write_back_lanes(victim)
+            if lanes:
+                lanes_for[victim] = lanes
+            return bool(lanes)
+
+        try:
+            slot, victims = cpu.begin_write(key, retain)
+        except CapacityError:
+            return None
+        self.metrics.add(self.cpu_rule.name, "evictions", len(victims))
+        for victim in victims:
+            if not victim.retained:
+                continue
+            lanes = lanes_for[victim.key]
+            for _ in lanes[1:]:
+                cpu.pin(victim.slot)
+            for lane in lanes:
+                self.pending_stores += 1
+                self.outbox.append(RemotePut(lane, (victim.key,), (victim.slot,), Reason.DEMOTION))
+        return slot
+
+    def _write_back_lanes(self, key: bytes) -> list[int]:
+        """The remote lanes a CPU victim must still be written to (drops counted when the queue is full)."""
+        lanes = []
+        for lane, rule in enumerate(self.lanes):
+            if self.written(lane, key) or not self._admits(rule, key, evicted=True):
+                continue
+            if self.pending_stores + len(lanes) >= self.max_pending_stores:
+                self.metrics.add(rule.name, "stores_dropped")
+                continue
+            lanes.append(lane)
+        return lanes
+
+    def end_cpu_writes(self, slots: Sequence[int], oks: Sequence[bool]) -> None:
+        """CPU writes finished: committed slots become cached, failed ones are forgotten."""
+        cpu = self.local.cpu
+        assert cpu is not None
+        for slot, ok in zip(slots, oks, strict=True):
+            if ok:
+                cpu.commit_write(slot)
+            else:
+                cpu.abort_write(slot)
+
+    def copy_done(self, move: HostCopy, ok: bool) -> None:
+        """A GPU->CPU copy landed (or failed): commit its slots and write through to remotes."""
+        self.end_cpu_writes(move.cpu_slots, [ok] * len(move.keys))
+        if not move.before_reuse:
+            for block in move.gpu_ids:
+                self.local.gpu.unpin(block)
+        if not ok:
+            return
+        for lane, rule in enumerate(self.lanes):
+            todo = [
+                (key, slot)
+                for key, slot in zip(move.keys, move.cpu_slots, strict=True)
+                if not self.written(lane, key) and self._admits(rule, key, evicted=False)
+            ]
+            if todo:
+                self.put(lane, [k for k, _ in todo], [s for _, s in todo], Reason.WRITE_THROUGH)
+
+    # ---- remote lanes -----------------------------------------------------------------
+    def written(self, lane: int, key: bytes) -> bool:
+        """Whether ``key`` is remembered as stored in ``lane``."""
+        return key in self._written[lane]
+
+    def put(self, lane: int, keys: list[bytes], slots: list[int], reason: Reason) -> None:
+        """Queue a put of readable CPU slots (pinned until it lands), or drop it when the queue is full."""
+        cpu = self.local.cpu
+        assert cpu is not None
+        if self.pending_stores + len(keys) > self.max_pending_stores:
+            self.metrics.add(self.lanes[lane].name, "stores_dropped", len(keys))
+            return
+        for slot in slots:
+            cpu.pin(slot)
+        self.pending_stores += len(keys)
+        self.outbox.append(RemotePut(lane, tuple(keys), tuple(slots), reason))
+
+    def put_done(self, move: RemotePut, oks: Sequence[bool]) -> None:
+        """A put landed: unpin its slots (a write-back victim's slot frees), remember what was written."""
+        cpu = self.local.cpu
+        assert cpu is not None
+        for slot in move.cpu_slots:
+            cpu.unpin(slot)
+        self.pending_stores -= len(move.keys)
+        written = self._written[move.lane]
+        for key, ok in zip(move.keys, oks, strict=True):
+            if ok:
+                written[key] = None
+        while len(written) > self.remember_keys:
+            written.popitem(last=False)
+        stored = sum(oks)
+        name = self.lanes[move.lane].name
+        self._count_move(self.cpu_rule.name if self.cpu_rule else "cpu", name, stored)
+        self.metrics.add(name, "store_failures", len(move.keys) - stored)
+
+    def fetched(self, lane: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Blocks read from ``lane`` into CPU slots: known there; written into the faster remotes above it."""
+        written = self._written[lane]
+        for key in keys:
+            written[key] = None
+        for faster in range(lane):
+            rule = self.lanes[faster]
+            todo = [
+                (key, slot)
+                for key, slot in zip(keys, slots, strict=True)
+                if not self.written(faster, key) and self._admits(rule, key, evicted=False)
+            ]
+            if todo:
+                self.put(faster, [k for k, _ in todo], [s for _, s in todo], Reason.PROMOTION)
+
+    def forget(self, lane: int, keys: Sequence[bytes]) -> None:
+        """Reads of these keys failed (missing, invalid): the next store writes them again."""
+        written = self._written[lane]
+        for key in keys:
+            written.pop(key, None)
+
+    def _count_move(self, source: str, destination: str, blocks: int) -> None:
+        """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""
+        self.metrics.add(source, "blocks_out", blocks)
+        self.metrics.add(destination, "blocks_in", blocks)
+
+    @staticmethod
+    def table_stats(table: SlotTable) -> dict[str, int]:
+        """Occupancy of a local tier."""
+        return {
+            "capacity_blocks": table.num_slots,
+            "cached_blocks": table.num_cached,
+            "free_blocks": table.num_free,
+            "evictable_blocks": table.num_evictable,
+        }

@@ -1,0 +1,298 @@
+"""Streamed loads: bring the lower-tier part of a Lookup into the engine's GPU blocks, chunk by chunk.
+
+A load's plan has one item per block: a GPU-resident block later in the prefix
+(copied on the device, never reloaded from below), a CPU slot the Lookup pinned,
+a CPU slot still being written by another transfer (waited for), or a remote
+block read into a staging CPU slot. Chunks of ``batch_blocks`` are fetched
+concurrently and handed over in order: as soon as a chunk's leading blocks are
+in the CPU tier they are copied into their GPU blocks and indexed there
+(``progress_blocks`` grows), so the engine can settle for what has arrived.
+
+The prefetch policies: ``wait_complete`` runs to the end; ``timeout`` settles
+at a deadline; ``best_effort`` settles at the engine's next ``poll``. Settling
+or ``cancel`` ends the load after the copy in flight, with what has landed; a
+fetch still in flight then finishes in the background and its blocks stay
+cached in the CPU tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiercache.handles import Transfer
+from tiercache.hierarchy import Hierarchy
+from tiercache.local_tiers import LocalTiers, Place, Source
+from tiercache.metrics import Metrics
+from tiercache.swap_queue import SwapQueue
+from tiercache.transfer_queue import Lane
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadItem:
+    """One block of a load: where its bytes come from and the GPU block that receives them."""
+
+    key: bytes
+    gpu_id: int
+    place: Place
+    """GPU: the resident block; CPU: the pinned slot; CPU_WRITING: the slot being written; REMOTE: the lane."""
+    slot: int | None = None
+    """The CPU slot the bytes pass through (staging for a remote read)."""
+    fill: concurrent.futures.Future[bool] | None = None
+    pinned: bool = False
+    """The item holds a pin on its source (the GPU block or the CPU slot) that it must drop."""
+
+
+class FillWaiters:
+    """Loads waiting for a CPU write another transfer has in flight (thread-safe futures)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[bytes, concurrent.futures.Future[bool]] = {}
+
+    def wait_for(self, key: bytes) -> concurrent.futures.Future[bool]:
+        return self._waiting.setdefault(key, concurrent.futures.Future())
+
+    def ended(self, keys: Sequence[bytes], oks: Sequence[bool]) -> None:
+        for key, ok in zip(keys, oks, strict=True):
+            future = self._waiting.pop(key, None)
+            if future is not None:
+                future.set_result(ok)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+
+class LoadRunner:
+    """Runs planned loads on the background loop (the manager's lock guards all bookkeeping)."""
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        local: LocalTiers,
+        hierarchy: Hierarchy,
+        swap: SwapQueue,
+        lanes: list[Lane],
+        views: Callable[[int], memoryview],
+        waiters: FillWaiters,
+        metrics: Metrics,
+        *,
+        batch_blocks: int,
+        exclusive: bool,
+        cpu_name: str,
+        gpu_name: str,
+        bytes_per_block: int,
+    ) -> None:
+        self.lock = lock
+        self.local = local
+        self.hierarchy = hierarchy
+        self.swap = swap
+        self.lanes = lanes
+        self.views = views
+        self.waiters = waiters
+        self.metrics = metrics
+        self.batch_blocks = batch_blocks
+        self.exclusive = exclusive
+        self.cpu_name = cpu_name
+        self.gpu_name = gpu_name
+        self.bytes_per_block = bytes_per_block
+
+    def plan(
+        self, keys: Sequence[bytes], ids: Sequence[int], places: Sequence[Place], force_latest: bool
+    ) -> list[LoadItem]:
+        """Turn a Lookup's lower places (pinned) into load items for ``ids``; call under the lock.
+
+        The plan stops at the first block that cannot be had any more (no staging
+        room, a write that failed); the pins of the places it does not use are dropped.
+        """
+        plan: list[LoadItem] = []
+        for position, place in enumerate(places):
+            item = None
+            if position < len(ids) and len(plan) == position:
+                item = self._item(keys[position], ids[position], place, force_latest)
+            if item is None:
+                self.local.unpin(place)
+            else:
+                plan.append(item)
+        return plan
+
+    def _item(self, key: bytes, gpu_id: int, place: Place, force_latest: bool) -> LoadItem | None:
+        cpu = self.local.cpu
+        if place.source is Source.GPU:
+            return LoadItem(key, gpu_id, place, pinned=True)
+        if place.source is Source.CPU:
+            if not (force_latest and any(lane.tier.capabilities.versioned for lane in self.lanes)):
+                return LoadItem(key, gpu_id, place, slot=place.index, pinned=True)
+            self.local.unpin(place)
+            if not cpu.discard(key):  # type: ignore[union-attr]
+                self.local.pin(place)
+                return None
+            return self._staged(key, gpu_id)
+        assert cpu is not None
+        slot = cpu.readable(key)
+        if slot is not None:
+            cpu.pin(slot)
+            return LoadItem(key, gpu_id, Place(Source.CPU, slot), slot=slot, pinned=True)
+        if key in cpu:
+            writing = Place(Source.CPU_WRITING, cpu.slot_of(key))  # type: ignore[arg-type]
+            return LoadItem(key, gpu_id, writing, fill=self.waiters.wait_for(key))
+        return self._staged(key, gpu_id) if self.lanes else None
+
+    def _staged(self, key: bytes, gpu_id: int) -> LoadItem | None:
+        """A remote read into a fresh CPU slot (None when the CPU tier has no room)."""
+        slot = self.hierarchy.begin_cpu_write(key)
+        if slot is None:
+            self.metrics.add(self.cpu_name, "load_staging_full")
+            return None
+        return LoadItem(key, gpu_id, Place(Source.REMOTE, 0), slot=slot)
+
+    async def run(self, transfer: Transfer, plan: list[LoadItem], force_latest: bool, deadline: float | None) -> int:
+        """Load ``plan`` into its GPU blocks; returns the blocks loaded (a prefix of the plan)."""
+        loop = asyncio.get_running_loop()
+        settle = asyncio.Event()
+        transfer.on_cancel = lambda: loop.call_soon_threadsafe(settle.set)
+        if transfer.settling:
+            settle.set()
+        timer = loop.call_later(deadline, settle.set) if deadline is not None else None
+        chunks = [plan[i : i + self.batch_blocks] for i in range(0, len(plan), self.batch_blocks)]
+        fetches = [asyncio.ensure_future(self._fetch(chunk, force_latest)) for chunk in chunks]
+        loaded = 0
+        try:
+            for chunk, fetch in zip(chunks, fetches, strict=True):
+                settled = asyncio.ensure_future(settle.wait())
+                await asyncio.wait({fetch, settled}, return_when=asyncio.FIRST_COMPLETED)
+                settled.cancel()
+                if not fetch.done():
+                    break
+                oks = fetch.result()
+                ready = next((i for i, ok in enumerate(oks) if not ok), len(oks))
+                if ready:
+                    loaded += await self._hand_over(chunk[:ready])
+                    transfer.progress_blocks = loaded
+                if ready < len(chunk) or settle.is_set():
+                    break
+        except Exception:
+            log.exception("load failed; reporting the blocks loaded so far")
+        finally:
+            if timer is not None:
+                timer.cancel()
+            for fetch, chunk in zip(fetches, chunks, strict=True):
+                if fetch.done():
+                    self.drop_unused(chunk)
+                else:
+                    fetch.add_done_callback(lambda _f, items=chunk: self.drop_unused(items))
+        if settle.is_set() and loaded < len(plan):
+            self.metrics.add("all", "loads_cut_short")
+        self.metrics.add("all", "loaded_blocks", loaded)
+        return loaded
+
+    def drop_unused(self, items: Sequence[LoadItem]) -> None:
+        """Give back the pins of items that were not handed over (their sources stay cached)."""
+        with self.lock:
+            for item in items:
+                if item.pinned:
+                    item.pinned = False
+                    self._unpin_source(item)
+
+    def _unpin_source(self, item: LoadItem) -> None:
+        if item.place.source is Source.GPU:
+            self.local.gpu.unpin(item.place.index)
+        else:
+            assert self.local.cpu is not None and item.slot is not None
+            self.local.cpu.unpin(item.slot)
+
+    # ---- fetching into the CPU tier ------------------------------------------------------
+    async def _fetch(self, items: list[LoadItem], force_latest: bool) -> list[bool]:
+        """Get a chunk's bytes into pinned CPU slots (GPU-resident items are ready as they are)."""
+        oks = [item.pinned for item in items]
+        remote = [i for i, item in enumerate(items) if item.place.source is Source.REMOTE]
+        if remote:
+            await self._fetch_remote([items[i] for i in remote], force_latest)
+            for i in remote:
+                oks[i] = items[i].pinned
+        for i, item in enumerate(items):
+            if item.place.source is Source.CPU_WRITING:
+                oks[i] = await self._await_fill(item)
+        return oks
+
+    async def _fetch_remote(self, items: list[LoadItem], force_latest: bool) -> None:
+        """Try the lanes in order for each block; commit what arrived, abort the rest."""
+        pending = list(items)
+        arrived: dict[int, list[LoadItem]] = {}
+        for lane in self.lanes:
+            if not pending:
+                break
+            keys = [item.key for item in pending]
+            views = [self.views(item.slot) for item in pending]  # type: ignore[arg-type]
+            results = await lane.get_into(keys, views, force_latest)
+            got = [item for item, ok in zip(pending, results, strict=True) if ok]
+            missed = [item.key for item, ok in zip(pending, results, strict=True) if not ok]
+            arrived[lane.index] = got
+            self.metrics.add(lane.name, "blocks_out", len(got))
+            self.metrics.add(self.cpu_name, "blocks_in", len(got))
+            self.metrics.add(lane.name, "bytes_read", len(got) * self.bytes_per_block)
+            self.metrics.add(lane.name, "load_misses", len(missed))
+            with self.lock:
+                self.hierarchy.forget(lane.index, missed)
+            pending = [item for item, ok in zip(pending, results, strict=True) if not ok]
+        landed = {id(item) for group in arrived.values() for item in group}
+        with self.lock:
+            oks = [id(item) in landed for item in items]
+            self.hierarchy.end_cpu_writes([item.slot for item in items], oks)  # type: ignore[misc]
+            self.waiters.ended([item.key for item in items], oks)
+            for item, ok in zip(items, oks, strict=True):
+                if ok:
+                    self.local.cpu.pin(item.slot)  # type: ignore[union-attr, arg-type]
+                    item.pinned = True
+            for lane_index, group in arrived.items():
+                if group:
+                    self.hierarchy.fetched(lane_index, [i.key for i in group], [i.slot for i in group])  # type: ignore[misc]
+
+    async def _await_fill(self, item: LoadItem) -> bool:
+        """A block another transfer is writing into the CPU tier: share that write."""
+        assert item.fill is not None
+        if not await asyncio.wrap_future(item.fill):
+            return False
+        with self.lock:
+            cpu = self.local.cpu
+            assert cpu is not None
+            slot = cpu.readable(item.key)
+            if slot is None:
+                return False
+            cpu.pin(slot)
+            item.slot, item.pinned = slot, True
+        return True
+
+    # ---- handing blocks over to the GPU -----------------------------------------------------
+    async def _hand_over(self, items: list[LoadItem]) -> int:
+        """Copy ready items into their GPU blocks and index the promoted ones there."""
+        from_cpu = [item for item in items if item.place.source is not Source.GPU]
+        on_gpu = [item for item in items if item.place.source is Source.GPU]
+        copies = []
+        if from_cpu:
+            copies.append(self.swap.to_device([i.slot for i in from_cpu], [i.gpu_id for i in from_cpu]))  # type: ignore[misc]
+        if on_gpu:
+            copies.append(self.swap.on_device([i.place.index for i in on_gpu], [i.gpu_id for i in on_gpu]))
+        results = [await asyncio.wrap_future(copy) for copy in copies]
+        if not all(results):
+            return 0
+        gpu, cpu = self.local.gpu, self.local.cpu
+        with self.lock:
+            self.metrics.add(self.cpu_name, "blocks_out", len(from_cpu))
+            self.metrics.add(self.gpu_name, "blocks_in", len(items))
+            for item in items:
+                item.pinned = False
+                self._unpin_source(item)
+                if item.place.source is Source.GPU:
+                    continue
+                assert cpu is not None
+                if item.key not in gpu:
+                    gpu.bind(item.gpu_id, item.key, track=False)
+                if self.exclusive:
+                    cpu.discard(item.key)
+        return len(items)

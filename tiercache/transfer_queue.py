@@ -1,0 +1,141 @@
+"""The transfer queue: one lane per remote tier, between the pinned-CPU slots and the store.
+
+A lane bounds the operations in flight to its tier (``PriorityLimiter``: loads
+before stores, a slot kept for loads), turns any exception or wrong-sized answer
+into failures of the keys involved, times every call, and keeps a breaker of its
+own fed by what the engine feels: a lookup or a read that passes its deadline
+counts as a failure exactly like a refused connection. After
+``LANE_BREAKER_FAILURES`` failures in a row the lane answers misses at once
+until its back-off has passed; then one call probes the tier again.
+
+Remote lookups in flight are remembered per prefix (``RemoteProbes``), keyed on
+every key asked, so two prompts never share an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+
+from tiercache.breaker import CircuitBreaker
+from tiercache.metrics import Metrics
+from tiercache.queues import Priority, PriorityLimiter
+from tiercache.runtime import Runtime
+from tiercache.tiers.base import RemoteTier
+
+log = logging.getLogger(__name__)
+
+MS_PER_SECOND = 1000.0
+LANE_BREAKER_FAILURES = 3
+"""Consecutive failed or late operations after which a lane stops asking its tier for a while."""
+LANE_BACKOFF_SECONDS = 0.5
+"""First back-off of an open lane; it doubles per failed probe up to ``LANE_BACKOFF_MAX_SECONDS``."""
+LANE_BACKOFF_MAX_SECONDS = 30.0
+LOAD_DEADLINE_FACTOR = 20
+"""A read may take this many remote-lookup timeouts before it counts as late (and fails)."""
+MAX_PENDING_PROBES = 4096
+"""Remote lookups remembered between a pending answer and the engine asking again."""
+
+
+class Lane:
+    """One remote tier with its limiter, breaker and counters."""
+
+    def __init__(
+        self, index: int, tier: RemoteTier, concurrency: int, metrics: Metrics, lookup_timeout_s: float
+    ) -> None:
+        self.index = index
+        self.tier = tier
+        self.name = tier.name
+        self.limiter = PriorityLimiter(concurrency)
+        self.metrics = metrics
+        self.lookup_timeout_s = lookup_timeout_s
+        self.breaker = CircuitBreaker(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
+
+    async def _call(
+        self, priority: Priority, operation: Callable[[], Awaitable[list[bool]]], count: int, deadline_s: float | None
+    ) -> list[bool]:
+        """Run a tier operation inside the lane's limit and deadline; failures are values."""
+        if not self.breaker.allow():
+            self.metrics.add(self.name, "lane_open_skips")
+            return [False] * count
+        started = time.perf_counter()
+        try:
+            if deadline_s is None:
+                result = await self.limiter.run(priority, operation)
+            else:
+                result = await asyncio.wait_for(self.limiter.run(priority, operation), deadline_s)
+        except asyncio.TimeoutError:
+            self.metrics.add(self.name, "deadline_misses")
+            self.breaker.failure()
+            return [False] * count
+        except asyncio.CancelledError:
+            self.breaker.abandon()
+            raise
+        except Exception:
+            log.exception("tier %s raised; counting its keys as failed", self.name)
+            self.metrics.add(self.name, "exceptions")
+            self.breaker.failure()
+            return [False] * count
+        if len(result) != count:
+            log.error("tier %s returned %d results for %d keys", self.name, len(result), count)
+            self.breaker.failure()
+            return [False] * count
+        self.breaker.success()
+        self.metrics.observe(self.name, "call", (time.perf_counter() - started) * MS_PER_SECOND)
+        return [bool(ok) for ok in result]
+
+    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._call(Priority.LOAD, lambda: self.tier.contains(keys), len(keys), self.lookup_timeout_s)
+
+    async def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], force_latest: bool) -> list[bool]:
+        started = time.perf_counter()
+        oks = await self._call(
+            Priority.LOAD,
+            lambda: self.tier.get_into(keys, views, force_latest=force_latest),
+            len(keys),
+            self.lookup_timeout_s * LOAD_DEADLINE_FACTOR,
+        )
+        self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
+        return oks
+
+    async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
+        started = time.perf_counter()
+        oks = await self._call(Priority.STORE, lambda: self.tier.put(keys, views), len(keys), None)
+        self.metrics.observe(self.name, "put", (time.perf_counter() - started) * MS_PER_SECOND)
+        return oks
+
+
+class RemoteProbes:
+    """Remote lookups in flight, keyed on the exact keys asked (so prompts never share an answer)."""
+
+    def __init__(self, lanes: list[Lane], runtime: Runtime) -> None:
+        self.lanes = lanes
+        self.runtime = runtime
+        self._pending: OrderedDict[tuple[bytes, ...], concurrent.futures.Future[list[int | None]]] = OrderedDict()
+
+    def answer(self, keys: list[bytes]) -> list[int | None] | None:
+        """Per key, the first lane holding it (None: no lane); None while the answer is in flight."""
+        probe = tuple(keys)
+        future = self._pending.get(probe)
+        if future is None:
+            future = self.runtime.submit(self._ask(keys))
+            self._pending[probe] = future
+            while len(self._pending) > MAX_PENDING_PROBES:
+                self._pending.popitem(last=False)
+        if not future.done():
+            return None
+        del self._pending[probe]
+        if future.cancelled() or future.exception() is not None:
+            return [None] * len(keys)
+        return future.result()
+
+    async def _ask(self, keys: list[bytes]) -> list[int | None]:
+        answers = await asyncio.gather(*(lane.contains(keys) for lane in self.lanes))
+        holders: list[int | None] = []
+        for position in range(len(keys)):
+            holders.append(next((lane for lane, answer in enumerate(answers) if answer[position]), None))
+        return holders
