@@ -21,6 +21,7 @@ from policy_traces import TRACES, Trace, write_oracle_general
 from tiercache.policies import POLICIES, EvictionPolicy, make_policy, policy_class
 from tiercache.policies.arc import ARCPolicy
 from tiercache.policies.base import Key
+from tiercache.slots import SlotTable
 
 TRACE_LENGTH = 60_000
 """Requests per exactness trace: long enough for every policy to adapt, a second or so each."""
@@ -290,3 +291,36 @@ def test_arc_directory_stays_bounded_when_room_is_made_first(
         assert t1 + t2 == len(policy) <= capacity
         assert t1 + b1 <= capacity
         assert t1 + t2 + b1 + b2 <= 2 * capacity
+
+
+def replay_through_slot_table(name: str, size: int, trace: Trace) -> float:
+    """Miss ratio of ``trace`` driven through a tier's SlotTable the way the hierarchy drives it.
+
+    A hit is a ``touch``; a miss is a ``begin_write`` (the policy sees the request,
+    then a victim is chosen, then the key is admitted) and the write's commit. Keys
+    are integers here, which the table accepts as well as block keys.
+    """
+    table = SlotTable(size, make_policy(name, size))
+    misses = 0
+    for key in trace:
+        if table.readable(key) is not None:
+            table.touch(key)
+            continue
+        misses += 1
+        slot, _victims = table.begin_write(key)
+        table.commit_write(slot)
+    table.check_invariants()
+    return misses / len(trace)
+
+
+@pytest.mark.parametrize("fraction", SIZE_FRACTIONS[:2])
+@pytest.mark.parametrize("trace_name", sorted(TRACES))
+@pytest.mark.parametrize("name", sorted(LIBCACHESIM))
+def test_a_tier_replaying_a_trace_makes_libcachesims_decisions(
+    traces: dict[str, tuple[Trace, Path]], name: str, trace_name: str, fraction: float
+) -> None:
+    """Exact inside a tier too, not only as a bare policy: the slot table keeps the policy's order of calls."""
+    trace, path = traces[trace_name]
+    size = cache_size(trace, fraction)
+    theirs = libcachesim_miss_ratio(LIBCACHESIM[name](size), path)
+    assert abs(replay_through_slot_table(name, size, trace) - theirs) <= EXACT

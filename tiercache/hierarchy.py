@@ -196,10 +196,11 @@ class Hierarchy:
                 lanes_for[victim] = lanes
             return bool(lanes)
 
+        slot: int | None = None
         try:
             slot, victims = cpu.begin_write(key, retain)
-        except CapacityError:
-            return None
+        except CapacityError as full:
+            victims = full.victims
         self.metrics.add(self.cpu_rule.name, "evictions", len(victims))
         for victim in victims:
             if not victim.retained:

@@ -44,7 +44,7 @@ from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.cpu import CpuTier
 from tiercache.tiers.gpu import GpuTier
-from tiercache.transfer_queue import Lane, RemoteProbes
+from tiercache.transfer_queue import Lane, RemoteProbes, first_holders
 
 __all__ = ["CapacityError", "Lookup", "TierManager", "Transfer"]
 
@@ -189,10 +189,12 @@ class TierManager:
             places = self.local.locate(keys)
             missing = [key for key, place in zip(keys, places, strict=True) if place is None]
             if missing and self._lanes:
-                holders = self._probes.answer(missing)
-                if holders is None:
+                answers = self._probes.answer(missing)
+                if answers is None:
                     return Lookup(keys, self.block_size, dict.fromkeys(names, 0), [], pending=True)
-                remote = iter(holders)
+                for lane, answer in enumerate(answers):
+                    self.hierarchy.forget(lane, [key for key, held in zip(missing, answer, strict=True) if not held])
+                remote = iter(first_holders(answers, len(missing)))
                 places = [p if p is not None else _remote(next(remote)) for p in places]
             prefix = next((i for i, place in enumerate(places) if place is None), len(places))
             found: list[Place] = places[:prefix]  # type: ignore[assignment]

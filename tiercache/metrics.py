@@ -91,6 +91,8 @@ GAUGE_FIELDS = frozenset(
     {"capacity_blocks", "cached_blocks", "free_blocks", "evictable_blocks", "breaker_state", "pending_stores"}
 )
 """Fields that go up and down; every other number in ``stats()`` is a monotonic counter."""
+TIER_OWN_STATS = "store"
+"""Key under which ``stats()`` nests a remote tier's own counters (exported as ``store_<name>``)."""
 METRIC_PREFIX = "tiercache"
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -130,7 +132,11 @@ class TierCacheCollector:
             return families[name]
 
         for tier, values in snapshot.get("tiers", {}).items():
-            for stat, value in values.items():
+            own = values.get(TIER_OWN_STATS, {})
+            flat = {**{k: v for k, v in values.items() if k != TIER_OWN_STATS}, **{
+                f"{TIER_OWN_STATS}_{k}": v for k, v in own.items() if not isinstance(v, Mapping)
+            }}
+            for stat, value in flat.items():
                 if isinstance(value, Mapping):
                     if self._metrics is None and "mean_ms" in value:
                         for statistic in ("mean_ms", "p50_ms", "p99_ms"):
@@ -143,7 +149,7 @@ class TierCacheCollector:
                         [tier, value], 1.0
                     )
                 elif _is_number(value):
-                    if stat in GAUGE_FIELDS:
+                    if stat.removeprefix(f"{TIER_OWN_STATS}_") in GAUGE_FIELDS:
                         family(stat, GaugeMetricFamily, f"{stat} (gauge)", ["tier"]).add_metric([tier], float(value))
                     else:
                         family(stat, CounterMetricFamily, f"{stat} (counter)", ["tier"]).add_metric(

@@ -25,7 +25,11 @@ WRITING = -1
 
 
 class CapacityError(RuntimeError):
-    """Not enough free or evictable slots; nothing was changed."""
+    """Not enough free or evictable slots; nothing was changed but ``victims`` (see ``allocate``)."""
+
+    def __init__(self, message: str, victims: list[Victim] | None = None) -> None:
+        super().__init__(message)
+        self.victims: list[Victim] = victims or []
 
 
 class Victim(NamedTuple):
@@ -102,8 +106,8 @@ class SlotTable:
         leaves the index but keeps its slot, held (ref 1) for a write-back that
         still reads it; it frees when that write ``unpin``s it. Raises CapacityError,
         changing nothing, when free plus evictable slots are fewer than ``count``;
-        retained victims can still leave too little room, and then the victims
-        taken so far stay evicted (their write-backs are on their way).
+        retained victims can still leave too little room: then the error carries
+        the victims taken so far, which stay evicted (their write-backs are due).
         """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
@@ -117,7 +121,8 @@ class SlotTable:
             if not self._evictable:
                 raise CapacityError(
                     f"need {count} slots: {len(self._free)} free after {len(victims)} evictions "
-                    f"({sum(v.retained for v in victims)} kept for write-back)"
+                    f"({sum(v.retained for v in victims)} kept for write-back)",
+                    victims,
                 )
             key, slot = self._evict_one(incoming)
             retained = retain is not None and retain(key)

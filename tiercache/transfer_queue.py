@@ -115,10 +115,10 @@ class RemoteProbes:
     def __init__(self, lanes: list[Lane], runtime: Runtime) -> None:
         self.lanes = lanes
         self.runtime = runtime
-        self._pending: OrderedDict[tuple[bytes, ...], concurrent.futures.Future[list[int | None]]] = OrderedDict()
+        self._pending: OrderedDict[tuple[bytes, ...], concurrent.futures.Future[list[list[bool]]]] = OrderedDict()
 
-    def answer(self, keys: list[bytes]) -> list[int | None] | None:
-        """Per key, the first lane holding it (None: no lane); None while the answer is in flight."""
+    def answer(self, keys: list[bytes]) -> list[list[bool]] | None:
+        """Per lane, whether it holds each key (False when it failed); None while the answer is in flight."""
         probe = tuple(keys)
         future = self._pending.get(probe)
         if future is None:
@@ -130,12 +130,13 @@ class RemoteProbes:
             return None
         del self._pending[probe]
         if future.cancelled() or future.exception() is not None:
-            return [None] * len(keys)
+            return [[False] * len(keys) for _ in self.lanes]
         return future.result()
 
-    async def _ask(self, keys: list[bytes]) -> list[int | None]:
-        answers = await asyncio.gather(*(lane.contains(keys) for lane in self.lanes))
-        holders: list[int | None] = []
-        for position in range(len(keys)):
-            holders.append(next((lane for lane, answer in enumerate(answers) if answer[position]), None))
-        return holders
+    async def _ask(self, keys: list[bytes]) -> list[list[bool]]:
+        return list(await asyncio.gather(*(lane.contains(keys) for lane in self.lanes)))
+
+
+def first_holders(answers: list[list[bool]], count: int) -> list[int | None]:
+    """Per key, the first (fastest) lane that holds it, or None."""
+    return [next((lane for lane, answer in enumerate(answers) if answer[position]), None) for position in range(count)]

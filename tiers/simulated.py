@@ -245,6 +245,7 @@ class SimulatedTier(RemoteTier):
             "errors": 0,
             "timeouts": 0,
             "corrupt": 0,
+            "invalid_deleted": 0,
             "down_rejections": 0,
             "bytes_read": 0,
             "bytes_written": 0,
@@ -362,12 +363,16 @@ class SimulatedTier(RemoteTier):
                     self.counters["misses"] += 1
                     results.append(False)
                     continue
-                if self.options.garbage_rate and self._rng.random() < self.options.garbage_rate:
+                garbled = bool(self.options.garbage_rate) and self._rng.random() < self.options.garbage_rate
+                if garbled:
                     value = _flip_payload_byte(value)
                 decoded = self.codec.decode_into(key, value, dest)
                 if not decoded.ok:
                     self.counters["corrupt"] += 1
                     self.counters["misses"] += 1
+                    if not garbled:  # the stored value itself is bad: remove it, so a store rewrites it
+                        data.pop(key, None)
+                        self.counters["invalid_deleted"] += 1
                     results.append(False)
                     continue
                 self.counters["hits"] += 1
