@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 import hypothesis.strategies as st
@@ -83,6 +84,25 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         self.active.append(blocks)
 
+    @rule(index=st.integers(0, 11), release=st.booleans())
+    def lookup_never_loaded(self, index: int, release: bool) -> None:
+        """A scheduler looks a prompt up and gives up on it: released, or simply dropped."""
+        hit = self.manager.lookup(self.prompts[index])
+        assert not hit.pending
+        if release:
+            self.manager.release(hit)
+        else:
+            self.manager.release(hit.gpu_block_ids)
+            del hit
+            gc.collect()
+
+    @rule(index=st.integers(0, 11), retries=st.integers(1, 3))
+    def retried_lookup_then_request(self, index: int, retries: int) -> None:
+        """Lookups retried (as while a remote answer is pending) before the request is served."""
+        for _ in range(retries):
+            self.manager.release(self.manager.lookup(self.prompts[index]))
+        self.start_request(index)
+
     @precondition(lambda self: self.active)
     @rule(data=st.data())
     def finish_request(self, data: st.DataObject) -> None:
@@ -92,6 +112,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping_holds(self) -> None:
         manager = self.manager
+        manager.poll()  # lets go of the pins of lookups dropped unused
         assert self.engine.mismatches == 0
         manager.gpu.table.check_invariants()
         manager.cpu.table.check_invariants()

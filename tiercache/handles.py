@@ -30,6 +30,8 @@ class Lookup:
     tier_blocks: dict[str, int]
     gpu_block_ids: list[int]
     pending: bool = False
+    tiers: list[str] = field(default_factory=list)
+    """Per position of the prefix, the name of the tier that serves it."""
     pins: Any = field(default=None, repr=False, compare=False)
     """The manager's record of the local pins this Lookup holds (``LookupPins``)."""
 

@@ -36,6 +36,11 @@ class Place:
     source: Source
     index: int
 
+    @staticmethod
+    def remote(lane: int | None) -> Place | None:
+        """The place of a block a remote lane holds (None: no lane holds it)."""
+        return None if lane is None else Place(Source.REMOTE, lane)
+
 
 class PinState(enum.Enum):
     HELD = "held"
@@ -85,6 +90,14 @@ class LocalTiers:
             else:
                 places.append(Place(Source.CPU, slot))
         return places
+
+    @staticmethod
+    def prefix(places: Sequence[Place | None]) -> tuple[list[int], list[Place]]:
+        """The longest prefix every position of which some tier holds: its leading GPU run, then the rest."""
+        end = next((i for i, place in enumerate(places) if place is None), len(places))
+        found: list[Place] = places[:end]  # type: ignore[assignment]
+        run = next((i for i, place in enumerate(found) if place.source is not Source.GPU), len(found))
+        return [place.index for place in found[:run]], found[run:]
 
     def pin(self, place: Place) -> None:
         """Pin a local place (a writing CPU slot cannot be pinned and is left alone)."""

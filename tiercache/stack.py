@@ -1,0 +1,156 @@
+"""The stack: every part of one topology, wired from its config, with their start, close and stats.
+
+The facade (``TierManager``) holds one and runs the API calls against it. The
+parts: the GPU pool and CPU tier (``tiers/``), the remote tiers and their
+transfer lanes and probes, the pure bookkeeping (``LocalTiers``, ``Hierarchy``),
+the swap queue, the load runner, the mover, and the background runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import torch
+
+from tiercache.codec import Codec
+from tiercache.config import TierCacheConfig, TierConfig
+from tiercache.hierarchy import FillRule, Hierarchy
+from tiercache.keys import BlockHasher, Namespace
+from tiercache.loads import FillWaiters, LoadRunner
+from tiercache.local_tiers import LocalTiers, Place, Source
+from tiercache.metrics import Metrics
+from tiercache.mover import Mover
+from tiercache.policies import make_policy
+from tiercache.runtime import Runtime
+from tiercache.swap import TorchSwapper
+from tiercache.swap_queue import SwapQueue
+from tiercache.tiers import tier_class
+from tiercache.tiers.base import RemoteContext
+from tiercache.tiers.cpu import CpuTier
+from tiercache.tiers.gpu import GpuTier
+from tiercache.transfer_queue import Lane, RemoteProbes
+
+MS_PER_SECOND = 1000.0
+CLOSE_DRAIN_SECONDS = 5.0
+"""How long ``close`` lets transfers in flight finish before cancelling them."""
+CLOSE_REMOTE_SECONDS = 2.0
+"""How long the remote tiers' own ``close`` may take before they are abandoned."""
+REMEMBER_FACTOR = 8
+"""Keys remembered (hit counts, written to a remote) per local slot."""
+
+
+def _rule(tier: TierConfig) -> FillRule:
+    return FillRule(tier.name or tier.type, tier.write_policy, tier.admit_after_hits)
+
+
+def _policy(tier: TierConfig):
+    return make_policy(tier.policy, tier.capacity_blocks, **tier.policy_options)
+
+
+class Stack:
+    """The parts of one topology (see the module docstring)."""
+
+    def __init__(self, config: TierCacheConfig, gpu_tensors: list[torch.Tensor] | None = None) -> None:
+        self.config, self.layout = config, config.layout
+        self.block_size = config.layout.block_size
+        model = config.model
+        self.namespace = Namespace(model.id, self.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+        self.hasher = BlockHasher(self.namespace, self.block_size)
+        self.metrics = Metrics()
+        self.lock = threading.RLock()
+        first, *lower = config.tiers
+        self.gpu = GpuTier(first.name, self.layout, first.capacity_blocks, _policy(first), first.options,
+                           tensors=gpu_tensors)
+        cpu_config = lower.pop(0) if lower and lower[0].type == "cpu" else None
+        self.cpu = None if cpu_config is None else CpuTier(
+            cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options
+        )
+        codec = Codec(self.namespace.root())
+        self.remotes = [tier_class(t.type)(RemoteContext(t.name, codec, self.layout.bytes_per_block), t.options)
+                        for t in lower]
+        queues = config.queues
+        self.runtime = Runtime()
+        lookup_timeout_s = queues.remote_lookup_timeout_ms / MS_PER_SECOND
+        self.lanes = [Lane(i, tier, queues.transfer_concurrency, self.metrics, lookup_timeout_s)
+                       for i, tier in enumerate(self.remotes)]
+        self.probes = RemoteProbes(self.lanes, self.runtime)
+        self.local = LocalTiers(self.gpu.table, self.cpu.table if self.cpu else None)
+        remember = REMEMBER_FACTOR * (self.gpu.num_blocks + (self.cpu.num_slots if self.cpu else 0))
+        self.hierarchy = Hierarchy(
+            self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
+            gpu_name=self.gpu.name, max_pending_stores=queues.max_pending_stores, remember_keys=remember,
+        )
+        self.waiters = FillWaiters()
+        self.swap = None if self.cpu is None else SwapQueue(
+            TorchSwapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
+        )
+        self.loads = None if self.cpu is None or self.swap is None else LoadRunner(
+            self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,
+            self.metrics, batch_blocks=queues.batch_blocks, exclusive=config.exclusive, cpu_name=self.cpu.name,
+            gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block,
+        )
+        self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
+                            self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
+
+        self.names = [self.gpu.name, *([self.cpu.name] if self.cpu else []), *(t.name for t in self.remotes)]
+        """Every tier's name, fastest first."""
+
+    def tier_name(self, place: Place) -> str:
+        """The tier serving a place of a prefix."""
+        if place.source is Source.GPU:
+            return self.gpu.name
+        if place.source is Source.REMOTE:
+            return self.remotes[place.index].name
+        assert self.cpu is not None
+        return self.cpu.name
+
+    async def start_remotes(self) -> None:
+        await asyncio.gather(*(tier.start() for tier in self.remotes))
+
+    def close(self) -> None:
+        """Finish or drop work in flight within ``CLOSE_DRAIN_SECONDS``, close the remotes, stop the loop."""
+        self.runtime.submit(self.runtime.drain(CLOSE_DRAIN_SECONDS), track=False).result()
+        if self.swap is not None:
+            self.swap.close()
+        self.runtime.submit(self._close_remotes(), track=False).result()
+        self.runtime.stop()
+
+    async def _close_remotes(self) -> None:
+        await self.runtime.drain(CLOSE_REMOTE_SECONDS)
+        closing = [asyncio.ensure_future(tier.close()) for tier in self.remotes]
+        if closing:
+            await asyncio.wait(closing, timeout=CLOSE_REMOTE_SECONDS)
+
+    def stats(self) -> dict[str, Any]:
+        """See ``TierManager.stats``; call under the lock."""
+        tiers: dict[str, Any] = {}
+        for local in (self.gpu, self.cpu):
+            if local is not None:
+                tiers[local.name] = Hierarchy.table_stats(local.table)
+        for lane in self.lanes:
+            tiers[lane.name] = {"lane_breaker_opened": lane.breaker.opened, "store": _tier_stats(lane)}
+        for name, values in self.metrics.snapshot().items():
+            tiers.setdefault(name, {}).update(values)
+        return {
+            "tiers": tiers,
+            "queues": {
+                "pending_stores": self.hierarchy.pending_stores,
+                "waiting": {lane.name: lane.limiter.waiting for lane in self.lanes},
+                "active": {lane.name: lane.limiter.active for lane in self.lanes},
+                "in_flight_cpu_writes": len(self.waiters),
+                "in_flight_copies": self.swap.in_flight if self.swap else 0,
+            },
+        }
+
+
+def _no_cpu(slot: int) -> memoryview:
+    raise RuntimeError("no CPU tier: remote tiers need one (the configuration requires it)")
+
+
+def _tier_stats(lane: Lane) -> dict[str, Any]:
+    try:
+        return dict(lane.tier.stats())
+    except Exception:
+        return {}
