@@ -28,15 +28,23 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import libcachesim as lcs
+import oracle as oracle_module
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from policy_traces import write_oracle_general
+
 from tiercache.config import config_from_dict
+from tiercache.keys import BlockHasher, Namespace
 from tiercache.manager import TierManager
 from tiercache.policies import POLICIES
 from tiercache.tools.simulate import (
@@ -103,6 +111,57 @@ def configurations(redis_url: str | None) -> dict[str, dict[str, Any]]:
     return runs
 
 
+def oracle(requests: list[Any], configs: dict[str, dict[str, Any]], block_size: int) -> dict[str, Any]:
+    """Belady's prefill saved per topology capacity, checked against libCacheSim's Belady on the same trace."""
+    ids: dict[bytes, int] = {}
+    hasher = BlockHasher(Namespace("oracle", "layout"), block_size)
+    blocks = [[ids.setdefault(key, len(ids) + 1) for key in hasher.keys(r.tokens)] for r in requests]
+    prompt_tokens = sum(len(r.tokens) for r in requests)
+    capacities = {name: capacity_of(raw) for name, raw in configs.items()}
+    rows: dict[str, Any] = {}
+    for capacity in sorted(set(capacities.values())):
+        saved = sum(oracle_module.prefix_saved_blocks(blocks, capacity)) * block_size
+        rows[str(capacity)] = {"capacity_blocks": capacity, "prefill_saved_share": saved / prompt_tokens}
+    trace = [block for request in blocks for block in request]
+    check_capacity = GPU_BLOCKS
+    with tempfile.TemporaryDirectory() as directory:
+        path = write_oracle_general(trace, Path(directory) / "multiturn.oracleGeneral.bin")
+        reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
+        theirs = lcs.Belady(check_capacity).process_trace(reader)[0]
+    ours = oracle_module.plain_miss_ratio(trace, check_capacity)
+    return {
+        "by_capacity": rows,
+        "capacity_of_run": {name: str(capacity) for name, capacity in capacities.items()},
+        "check": {"capacity_blocks": check_capacity, "ours_miss_ratio": ours, "libcachesim_belady_miss_ratio": theirs},
+    }
+
+
+def capacity_of(raw: dict[str, Any]) -> float:
+    """Blocks a topology can hold locally; a remote tier without a capacity makes it unbounded."""
+    total = 0.0
+    for tier in raw["tiers"]:
+        if tier["type"] in ("gpu", "cpu"):
+            total += tier["capacity_blocks"]
+        elif not tier.get("options", {}).get("capacity_blocks"):
+            return math.inf
+    return total
+
+
+def oracle_table(results: list[SimulationResult], found: dict[str, Any]) -> str:
+    lines = [f"{'run':<28}{'capacity':>10}{'saved':>8}{'oracle':>8}{'of oracle':>10}"]
+    for result in results:
+        key = found["capacity_of_run"][result.name]
+        best = found["by_capacity"][key]["prefill_saved_share"]
+        saved = result.totals()["prefill_saved_share"]
+        lines.append(f"{result.name:<28}{key:>10}{saved:>8.1%}{best:>8.1%}{saved / best if best else 0:>10.2f}")
+    check = found["check"]
+    lines.append(
+        f"oracle check at {check['capacity_blocks']} blocks: miss ratio {check['ours_miss_ratio']:.6f} "
+        f"(libCacheSim Belady {check['libcachesim_belady_miss_ratio']:.6f})"
+    )
+    return "\n".join(lines)
+
+
 def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool) -> list[SimulationResult]:
     requests = timed_requests(workload)
     configs = configurations(redis_url)
@@ -121,6 +180,8 @@ def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool
                 simulate(manager, requests, name=name, prefill_s_per_token=prefill, progress=progress.update)
             )
     print(summary_table(results))
+    found = oracle(requests, configs, layout.block_size)
+    print(oracle_table(results, found))
     document = {
         "benchmark": "multiturn",
         "machine": {
@@ -134,6 +195,7 @@ def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool
         "workload": {"chat": vars(workload.chat), **{k: v for k, v in vars(workload).items() if k != "chat"}},
         "topologies": configs,
         "runs": [result.to_json() for result in results],
+        "oracle": found,
     }
     out.write_text(json.dumps(document, indent=1, default=str))
     print(f"wrote {out}")

@@ -233,7 +233,9 @@ async def test_store_is_acknowledged_before_the_remote_write() -> None:
         assert await transfer == 3 * BLOCK
         assert tier.stats()["entries"] == 0
         tier.unhold("put")
-        await eventually(lambda: tier.stats()["entries"] == 3)
+        await eventually(
+            lambda: tier.stats()["entries"] == 3 and manager.stats()["queues"]["pending_stores"] == 0
+        )
         assert manager.stats()["tiers"]["sim"]["bytes_written"] == 3 * manager.layout.bytes_per_block
         manager.release(ids)
 

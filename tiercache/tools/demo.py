@@ -100,17 +100,16 @@ def serve(manager: TierManager, tokens: np.ndarray, allocate_attempts: int = 1) 
     except CapacityError:
         manager.release(hit)
         raise
-    reused = {manager.gpu.name: len(held) * block_size}
     loaded_blocks, load_seconds = 0, 0.0
     if hit.num_lower_blocks:
         started = time.perf_counter()
         loaded_blocks = manager.load(hit, fresh[: hit.num_lower_blocks]).result() // block_size
         load_seconds = time.perf_counter() - started
-        remaining = loaded_blocks
-        for name, count in list(hit.tier_blocks.items())[1:]:
-            take = min(count, remaining)
-            reused[name] = take * block_size
-            remaining -= take
+    else:
+        manager.load(hit, [])
+    reused: dict[str, int] = {}
+    for tier in hit.tiers[: len(held) + loaded_blocks]:
+        reused[tier] = reused.get(tier, 0) + block_size
     mismatched = 0
     for position, block in enumerate(held + fresh[:loaded_blocks]):
         if not torch.equal(read_block(manager, block), block_kv(manager, hit.keys[position])):

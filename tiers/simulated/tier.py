@@ -6,207 +6,27 @@ stored exactly as a real tier stores them, with the ``tiercache.codec`` header,
 so a garbage value really fails header or checksum validation on the way back.
 All randomness comes from one seeded ``random.Random``: a run is reproducible.
 
-Fairness among clients of one shared store (``SimulatedStore``): the store has
-one link of ``bandwidth_mb_s``; a request is cut into sub-batches of at most
-``max_batch_blocks`` blocks, and the link serves the clients round-robin, one
-sub-batch per turn. A client streaming a huge batch therefore delays another
-client's small request by at most one sub-batch per other busy client, instead
-of by its whole batch (which is what ``fair: false``, first come first served
-with whole requests, does). Round-robin per client was chosen over "just split
-huge batches" because splitting alone still queues a small request behind every
-sub-batch already enqueued.
+Clients of one shared store (``SimulatedStore``) share its link of
+``bandwidth_mb_s``, served fairly (``tiercache.tiers.simulated.link``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 from tiercache.codec import HEADER_SIZE
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.simulated.options import SimulatedOptions
+from tiercache.tiers.simulated.store import SimulatedStore
 
 MS_PER_SECOND = 1000.0
-BYTES_PER_MB = 1e6
 KEY_BYTES_ON_WIRE = 64
 """Bytes a ``contains`` request costs on the link per key."""
 OP_KINDS = ("get", "put", "contains", "delete")
-
-
-@dataclass
-class SimulatedOptions:
-    """The YAML ``options`` of a ``simulated`` tier (times in ms, rates in [0, 1])."""
-
-    latency_ms: float = 0.5
-    """Round-trip time added to every request."""
-    jitter_ms: float = 0.0
-    """Uniform extra latency in [0, jitter_ms]."""
-    bandwidth_mb_s: float = 0.0
-    """Link bandwidth shared by every client of the store; 0 = unlimited."""
-    error_rate: float = 0.0
-    """Probability that one key of a request fails (a miss or a failed write)."""
-    timeout_rate: float = 0.0
-    """Probability that a whole request hangs for ``timeout_ms`` and then fails."""
-    timeout_ms: float = 100.0
-    garbage_rate: float = 0.0
-    """Probability that a value read back is corrupted (one payload byte flipped)."""
-    down_windows_s: list[list[float]] = field(default_factory=list)
-    """``[[start, end], ...]`` seconds after ``start()`` during which every request fails."""
-    capacity_blocks: int = 0
-    """Entries kept (oldest dropped first); 0 = unbounded."""
-    max_batch_blocks: int = 16
-    """Sub-batch size on the link (fairness granularity)."""
-    fair: bool = True
-    """Serve clients round-robin per sub-batch; False = whole requests, first come first served."""
-    store: str = ""
-    """Tiers naming the same store share its data and link; empty = a private store."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("error_rate", "timeout_rate", "garbage_rate"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
-        for name in ("latency_ms", "jitter_ms", "bandwidth_mb_s", "timeout_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_batch_blocks < 1:
-            raise ValueError(f"max_batch_blocks must be >= 1, got {self.max_batch_blocks}")
-        for window in self.down_windows_s:
-            if len(window) != 2 or window[0] > window[1]:
-                raise ValueError(f"down_windows_s entries must be [start, end], got {window}")
-
-
-@dataclass(eq=False)
-class _Work:
-    """One sub-batch waiting for the link."""
-
-    client: int
-    nbytes: int
-    done: asyncio.Future[None]
-
-
-class _Link:
-    """The store's link on one event loop: serves queued sub-batches one at a time."""
-
-    def __init__(self, bandwidth_mb_s: float, fair: bool) -> None:
-        self.bytes_per_second = bandwidth_mb_s * BYTES_PER_MB
-        self.fair = fair
-        self._queues: dict[int, deque[_Work]] = {}
-        self._ring: deque[int] = deque()
-        self._fifo: deque[_Work] = deque()
-        self._wake = asyncio.Event()
-        self._server: asyncio.Task[None] | None = None
-        self.served: list[int] = []
-        """Client ids in the order their sub-batches crossed the link (for fairness checks)."""
-
-    def submit(self, client: int, sizes: Sequence[int]) -> list[asyncio.Future[None]]:
-        loop = asyncio.get_running_loop()
-        if self._server is None or self._server.done():
-            self._server = loop.create_task(self._serve())
-        works = [_Work(client, size, loop.create_future()) for size in sizes]
-        if self.fair:
-            queue = self._queues.setdefault(client, deque())
-            if not queue and client not in self._ring:
-                self._ring.append(client)
-            queue.extend(works)
-        else:
-            self._fifo.extend(works)
-        self._wake.set()
-        return [work.done for work in works]
-
-    def _next(self) -> _Work | None:
-        if not self.fair:
-            return self._fifo.popleft() if self._fifo else None
-        while self._ring:
-            client = self._ring.popleft()
-            queue = self._queues[client]
-            if not queue:
-                continue
-            work = queue.popleft()
-            if queue:
-                self._ring.append(client)
-            return work
-        return None
-
-    async def _serve(self) -> None:
-        while True:
-            work = self._next()
-            if work is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if work.done.done():
-                continue
-            seconds = work.nbytes / self.bytes_per_second if self.bytes_per_second else 0.0
-            await asyncio.sleep(seconds)
-            self.served.append(work.client)
-            if not work.done.done():
-                work.done.set_result(None)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.cancel()
-
-
-class SimulatedStore:
-    """The data and the link of one simulated remote, shared by its client tiers.
-
-    Data is a plain dict touched only from event-loop threads between awaits; the
-    link is kept per event loop (each ``TierManager`` runs its own loop).
-    """
-
-    _named: ClassVar[dict[str, SimulatedStore]] = {}
-    _named_lock: ClassVar[threading.Lock] = threading.Lock()
-
-    def __init__(self, options: SimulatedOptions) -> None:
-        self.options = options
-        self.data: dict[bytes, bytes] = {}
-        self._links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Link] = weakref.WeakKeyDictionary()
-        self._clients = 0
-
-    @classmethod
-    def named(cls, name: str, options: SimulatedOptions) -> SimulatedStore:
-        """The process-wide store called ``name`` (created with ``options`` on first use)."""
-        with cls._named_lock:
-            store = cls._named.get(name)
-            if store is None:
-                store = cls._named[name] = cls(options)
-            return store
-
-    @classmethod
-    def forget(cls, name: str) -> None:
-        """Drop a named store (tests start from an empty one)."""
-        with cls._named_lock:
-            cls._named.pop(name, None)
-
-    def new_client(self) -> int:
-        self._clients += 1
-        return self._clients
-
-    def link(self) -> _Link:
-        loop = asyncio.get_running_loop()
-        link = self._links.get(loop)
-        if link is None:
-            link = self._links[loop] = _Link(self.options.bandwidth_mb_s, self.options.fair)
-        return link
-
-    def save(self, key: bytes, value: bytes) -> None:
-        self.data.pop(key, None)
-        self.data[key] = value
-        capacity = self.options.capacity_blocks
-        while capacity and len(self.data) > capacity:
-            self.data.pop(next(iter(self.data)))
-
-    def close(self) -> None:
-        for link in list(self._links.values()):
-            link.close()
 
 
 class SimulatedTier(RemoteTier):
