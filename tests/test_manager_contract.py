@@ -274,3 +274,20 @@ def test_release_of_a_lookup_drops_every_pin_it_holds(cpu_write: str) -> None:
         manager.poll()
         assert manager.stats()["tiers"]["cpu"]["evictable_blocks"] == 6, "a Lookup dropped unused lets go"
         assert manager.stats()["tiers"]["all"]["lookups_abandoned"] == 1
+
+
+def test_a_block_read_from_a_slower_remote_is_written_into_the_faster_one() -> None:
+    fast = {"type": "simulated", "name": "fast", "write_policy": "write_through", "options": {"latency_ms": 0}}
+    slow = {"type": "simulated", "name": "slow", "write_policy": "write_back", "options": {"latency_ms": 0}}
+    with TierManager(topology(8, 8, remotes=[fast, slow])) as manager:
+        tokens = prompt(4, 15)
+        slow_tier = manager.remotes[1]
+        for key in manager.hasher.keys(tokens):
+            payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
+            slow_tier.store.save(key, slow_tier.codec.encode_value(key, payload))
+        hit = settled(manager, tokens)
+        assert hit.tier_blocks == {"gpu": 0, "cpu": 0, "fast": 0, "slow": 4}
+        manager.release(hit)
+        assert serve(manager, tokens) == 4
+        until(lambda: manager.stats()["queues"]["pending_stores"] == 0)
+        assert all(key in manager.remotes[0].store.data for key in manager.hasher.keys(tokens))
