@@ -109,6 +109,7 @@ class LoadRunner:
 
         The plan stops at the first block that cannot be had any more (no staging
         room, a write that failed); the pins of the places it does not use are dropped.
+        The CPU tier's policy sees the request for the blocks it serves (tail first).
         """
         plan: list[LoadItem] = []
         for position, place in enumerate(places):
@@ -119,6 +120,9 @@ class LoadRunner:
                 self.local.unpin(place)
             else:
                 plan.append(item)
+        if self.local.cpu is not None:
+            served = [item.key for item in plan if item.place.source is Source.CPU]
+            self.local.touch_tail_first(self.local.cpu, served)
         return plan
 
     def _item(self, key: bytes, gpu_id: int, place: Place, force_latest: bool) -> LoadItem | None:
