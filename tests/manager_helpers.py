@@ -10,8 +10,9 @@ import torch
 from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.manager import TierManager
 
-TEST_DEVICE = os.getenv("TIERCACHE_TEST_DEVICE", "cpu")
-"""The GPU tier's device in the manager tests: ``cpu`` stands in for it; ``cuda`` on a GPU machine."""
+TEST_DEVICE = os.getenv("TEST_TIERCACHE_DEVICE", "cpu")
+"""The GPU tier's device in the manager tests: ``cpu`` stands in for it; ``cuda`` on a GPU machine.
+(Not ``TIERCACHE_*``: the config applies those variables as overrides.)"""
 TINY_LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "block_size": 2}
 
 

@@ -1,7 +1,7 @@
 """End to end with a real model: a prefix loaded from any tier continues exactly like a recomputed one.
 
 An engine (the reference transformer in float32; the CPU stands in for the GPU
-pool unless ``TIERCACHE_TEST_DEVICE=cuda``) prefills a prompt's prefix into tiercache pool blocks and stores
+pool unless ``TEST_TIERCACHE_DEVICE=cuda``) prefills a prompt's prefix into tiercache pool blocks and stores
 them. The prefix is then made to live only in the tier under test, a request
 for the same prompt loads it from there, and greedy generation continues from
 it. Every logit must equal, bit for bit, those of a model that recomputed the
@@ -37,7 +37,7 @@ LOOKUP_RETRY_S = 0.002
 LOOKUP_ATTEMPTS = 2500
 """Give a pending remote lookup up to about five seconds before failing the test."""
 MEMORY_ORDERS = ("block_major", "layer_major")
-DEVICE = os.environ.get("TIERCACHE_TEST_DEVICE", "cpu")
+DEVICE = os.environ.get("TEST_TIERCACHE_DEVICE", "cpu")
 """Where the GPU pool and the model live: ``cpu`` stands in for the GPU; ``cuda`` on a GPU machine."""
 
 

@@ -11,6 +11,7 @@ the engine. Needs the ``cuda`` extra (CuPy built for the machine's CUDA).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,10 +110,12 @@ class KernelSwapper(StreamSwapper):
             self.kernel = module.get_function(VECTOR_KERNEL if aligned else BYTE_KERNEL)
         self.pool_table = torch.from_numpy(self.pool_pointers.view(np.int64)).to(self.device)
         self.chunk_bytes = min(CHUNK_BYTES, self.piece_bytes)
-        self.cupy_streams = {
-            direction: cupy.cuda.ExternalStream(self.streams[direction].cuda_stream, self.device.index or 0)
-            for direction in CopyDirection
-        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers the stream protocol; same stream
+            self.cupy_streams = {
+                direction: cupy.cuda.ExternalStream(self.streams[direction].cuda_stream, self.device.index or 0)
+                for direction in CopyDirection
+            }
 
     def _prepare(
         self, direction: CopyDirection, blocks: np.ndarray, slots: np.ndarray, stream: torch.cuda.Stream
