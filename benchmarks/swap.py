@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_result
 
 from tiercache.layout import KVLayout, MemoryOrder
-from tiercache.swap import SwapPath, Swapper, TorchSwapper, build_swapper, make_swapper
+from tiercache.swap import PathChoice, SwapPath, Swapper, TorchSwapper, build_swapper, make_swapper
 
 BLOCK_COUNTS = (64, 512)
 REPEATS = 7
@@ -45,7 +45,7 @@ TARGET_STEP_OVERHEAD = 0.03
 MATMUL_SIZE = 8192
 STEP_MATMULS = 16
 """A busy step: 16 bf16 8192^3 matmuls, about 20 ms on an H100, as long as a 512-block swap."""
-ENGINE_STEPS = 7
+ENGINE_STEPS = 15
 AUTO = "auto"
 DIRECTIONS = ("gpu->cpu", "cpu->gpu", "both")
 
@@ -134,18 +134,15 @@ def contiguous(nbytes: int, host: torch.Tensor, device: str, synchronize: Callab
 
 
 def build_named(name: str, layout: KVLayout, pool: list[torch.Tensor], host: torch.Tensor) -> Swapper:
-    """``auto`` (make_swapper), a ``SwapPath`` value, ``kernel:GRID`` or ``dma_batch:plain`` (no overlap hint)."""
+    """``auto`` (make_swapper), or a ``SwapPath`` value with settings: ``kernel:GRID``,
+    ``dma_batch[:plain][:xLANES]`` (plain: without the overlap-with-compute hint)."""
     if name == AUTO:
         return make_swapper(layout, pool, host)
-    if name.startswith("kernel:"):
-        from tiercache.swap_kernel import KernelSwapper
-
-        return KernelSwapper(layout, pool, host, grid=int(name.split(":")[1]))
-    if name == "dma_batch:plain":
-        from tiercache.swap_dma import DmaSwapper
-
-        return DmaSwapper(layout, pool, host, prefer_overlap=False)
-    return build_swapper(SwapPath(name), layout, pool, host)
+    path, *settings = name.split(":")
+    lanes = next((int(item[1:]) for item in settings if item.startswith("x")), 1)
+    grid = next((int(item) for item in settings if item.isdigit()), None)
+    choice = PathChoice(SwapPath(path), lanes=lanes, prefer_overlap="plain" not in settings, grid=grid)
+    return build_swapper(choice, layout, pool, host)
 
 
 def swappers(layout: KVLayout, pool: list[torch.Tensor], host: torch.Tensor, paths: list[str]) -> dict[str, Any]:
@@ -191,11 +188,8 @@ def engine_cost(swapper: Swapper, cells: Cells, engine_inputs: tuple[torch.Tenso
         outgoing = swapper.to_host(cells.out_blocks, cells.out_slots)
         incoming = swapper.to_device(cells.in_slots, cells.in_blocks)
         loaded.append(busy_step(engine_inputs))
-        copies_done_first = outgoing.done() and incoming.done()
         outgoing.wait()
         incoming.wait()
-        if copies_done_first:
-            print("  note: the copies finished before the step did")
     step, with_swaps = statistics.median(alone), statistics.median(loaded)
     return {"step_ms": step, "step_with_swaps_ms": with_swaps, "overhead": with_swaps / step - 1}
 

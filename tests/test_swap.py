@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from tiercache.layout import KVLayout, MemoryOrder
-from tiercache.swap import SwapPath, Swapper, TorchSwapper, build_swapper, contiguous_runs, make_swapper
+from tiercache.swap import (
+    PathChoice,
+    SwapPath,
+    Swapper,
+    TorchSwapper,
+    build_swapper,
+    contiguous_runs,
+    make_swapper,
+)
 
 POISON = 0x5A
 DTYPES = ["float16", "bfloat16", "float8_e4m3fn", "float32"]
@@ -32,9 +40,11 @@ LAYOUTS = {
 }
 """``chunked``: blocks of 128-256 KiB, more than one kernel chunk; ``unaligned``: pieces not a multiple of 16 bytes."""
 MAKE = "make_swapper"
+DMA_LANES = "dma_batch_lanes"
+"""Batched DMA split over three streams (an uneven split of every batch)."""
 SLEEP_CYCLES = 50_000_000
 """GPU clock cycles the engine stream spins (tens of milliseconds) to expose a missing wait."""
-CUDA_PATHS = [*(path.value for path in SwapPath), MAKE]
+CUDA_PATHS = [*(path.value for path in SwapPath), DMA_LANES, MAKE]
 
 
 def random_bytes(shape: tuple[int, ...], device: str) -> torch.Tensor:
@@ -62,8 +72,9 @@ def make(path: str, layout: KVLayout, pool: list[torch.Tensor], host: torch.Tens
     """The swapper under test, or a visible skip where this path cannot be built here."""
     if path == MAKE:
         return make_swapper(layout, pool, host)
+    choice = PathChoice(SwapPath.DMA_BATCH, lanes=3) if path == DMA_LANES else PathChoice(SwapPath(path))
     try:
-        return build_swapper(SwapPath(path), layout, pool, host)
+        return build_swapper(choice, layout, pool, host)
     except (ImportError, OSError, RuntimeError) as error:
         pytest.skip(f"swap path {path} unavailable here: {error}")
 

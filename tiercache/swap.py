@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +39,7 @@ __all__ = [
     "CompletedCopy",
     "CopyDirection",
     "CudaEventCopy",
+    "PathChoice",
     "SplitSwapper",
     "SwapHandle",
     "SwapPath",
@@ -62,27 +64,48 @@ class SwapPath(enum.Enum):
     TORCH_GATHER = "torch_gather"
 
 
-PREFERENCE: dict[tuple[MemoryOrder, CopyDirection], tuple[SwapPath, ...]] = {
-    (MemoryOrder.BLOCK_MAJOR, CopyDirection.TO_HOST): (SwapPath.DMA_BATCH, SwapPath.TORCH_RUNS),
-    (MemoryOrder.BLOCK_MAJOR, CopyDirection.TO_DEVICE): (SwapPath.DMA_BATCH, SwapPath.TORCH_RUNS),
-    (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_HOST): (SwapPath.DMA_BATCH, SwapPath.KERNEL, SwapPath.TORCH_GATHER),
-    (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_DEVICE): (SwapPath.DMA_BATCH, SwapPath.KERNEL, SwapPath.TORCH_GATHER),
+@dataclass(frozen=True)
+class PathChoice:
+    """A path with its settings: ``lanes`` and ``prefer_overlap`` tune ``DMA_BATCH``, ``grid`` tunes ``KERNEL``."""
+
+    path: SwapPath
+    lanes: int = 1
+    prefer_overlap: bool = True
+    grid: int | None = None
+
+
+DMA = PathChoice(SwapPath.DMA_BATCH)
+DMA_LANES = PathChoice(SwapPath.DMA_BATCH, lanes=4)
+"""Small pieces device->host: four streams, so several copy engines share one batch."""
+DMA_LOAD_LANES = PathChoice(SwapPath.DMA_BATCH, lanes=2)
+FALLBACK = PathChoice(SwapPath.TORCH_GATHER)
+PREFERENCE: dict[tuple[MemoryOrder, CopyDirection], tuple[PathChoice, ...]] = {
+    (MemoryOrder.BLOCK_MAJOR, CopyDirection.TO_HOST): (DMA, PathChoice(SwapPath.TORCH_RUNS)),
+    (MemoryOrder.BLOCK_MAJOR, CopyDirection.TO_DEVICE): (DMA, PathChoice(SwapPath.TORCH_RUNS)),
+    (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_HOST): (DMA_LANES, FALLBACK),
+    (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_DEVICE): (DMA_LOAD_LANES, FALLBACK),
 }
-"""Paths to try per memory order and direction, fastest first (measured on an H100; see
-``benchmarks/swap_cuda.json``); the torch gather path always ends the list."""
+"""Paths to try per memory order and direction, best first, as measured on an H100 (see
+``benchmarks/swap_cuda.json``): batched DMA everywhere, since the zero-copy kernel, as
+fast one way, doubles a busy engine step (it takes multiprocessors the engine needs).
+The torch gather path always ends the list."""
 
 
-def build_swapper(path: SwapPath, layout: KVLayout, pool: Sequence[torch.Tensor], host: torch.Tensor) -> StreamSwapper:
+def build_swapper(
+    choice: SwapPath | PathChoice, layout: KVLayout, pool: Sequence[torch.Tensor], host: torch.Tensor
+) -> StreamSwapper:
     """One swapper of the given path (raises where it cannot run here)."""
-    if path is SwapPath.DMA_BATCH:
+    if isinstance(choice, SwapPath):
+        choice = PathChoice(choice)
+    if choice.path is SwapPath.DMA_BATCH:
         from tiercache.swap_dma import DmaSwapper
 
-        return DmaSwapper(layout, pool, host)
-    if path is SwapPath.KERNEL:
-        from tiercache.swap_kernel import KernelSwapper
+        return DmaSwapper(layout, pool, host, prefer_overlap=choice.prefer_overlap, lanes=choice.lanes)
+    if choice.path is SwapPath.KERNEL:
+        from tiercache.swap_kernel import DEFAULT_GRID, KernelSwapper
 
-        return KernelSwapper(layout, pool, host)
-    if path is SwapPath.TORCH_RUNS:
+        return KernelSwapper(layout, pool, host, grid=choice.grid or DEFAULT_GRID)
+    if choice.path is SwapPath.TORCH_RUNS:
         return TorchRunsSwapper(layout, pool, host)
     return TorchSwapper(layout, pool, host)
 
@@ -110,7 +133,7 @@ def make_swapper(
     layout: KVLayout,
     pool_tensors: Sequence[torch.Tensor],
     host_buffer: torch.Tensor,
-    preference: Callable[[MemoryOrder, CopyDirection], Sequence[SwapPath]] | None = None,
+    preference: Callable[[MemoryOrder, CopyDirection], Sequence[PathChoice]] | None = None,
 ) -> Swapper:
     """The fastest swapper available for this pool and host buffer.
 
@@ -120,18 +143,18 @@ def make_swapper(
     """
     if pool_tensors[0].device.type != "cuda":
         return TorchSwapper(layout, pool_tensors, host_buffer)
-    built: dict[SwapPath, StreamSwapper] = {}
+    built: dict[PathChoice, StreamSwapper] = {}
     chosen: list[StreamSwapper] = []
     for direction in (CopyDirection.TO_HOST, CopyDirection.TO_DEVICE):
         order = preference(layout.memory, direction) if preference else PREFERENCE[(layout.memory, direction)]
-        for path in (*order, SwapPath.TORCH_GATHER):
-            if path not in built:
+        for choice in (*order, FALLBACK):
+            if choice not in built:
                 try:
-                    built[path] = build_swapper(path, layout, pool_tensors, host_buffer)
+                    built[choice] = build_swapper(choice, layout, pool_tensors, host_buffer)
                 except (ImportError, OSError, RuntimeError, AttributeError) as error:
-                    log.info("swap path %s unavailable: %s", path.value, error)
+                    log.info("swap path %s unavailable: %s", choice, error)
                     continue
-            chosen.append(built[path])
+            chosen.append(built[choice])
             break
     out, back = chosen
     return out if out is back else SplitSwapper(out, back)
