@@ -217,7 +217,11 @@ def run_layout(memory: MemoryOrder, device: str, paths: list[str], engine_inputs
             for direction in DIRECTIONS:
                 if direction not in ceiling:
                     continue
-                seconds = median_seconds(lambda run=runs[direction], s=swapper: run(s), synchronize)
+                try:
+                    seconds = median_seconds(lambda run=runs[direction], s=swapper: run(s), synchronize)
+                except Exception as error:  # one broken path must not cost the other paths' figures
+                    rows.append({"memory": memory.value, "blocks": count, "path": name, "error": repr(error)})
+                    continue
                 moved = nbytes * (2 if direction == "both" else 1)
                 rows.append(
                     {

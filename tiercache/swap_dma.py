@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tiercache.layout import KVLayout
-from tiercache.swap_cuda import CopyDirection, StreamSwapper
+from tiercache.swap_cuda import CopyDirection, StreamSwapper, record
 
 DRIVER_LIBRARY = "libcuda.so.1"
 BATCH_API_VERSION = 12080
@@ -160,19 +160,26 @@ class DmaSwapper(StreamSwapper):
         destinations = np.ascontiguousarray(destinations)
         sizes = np.full(len(sources), self.piece_bytes, dtype=np.uint64)
         self.api.make_current(self.context)
-        lanes = self.lanes[direction]
+        self._spread(destinations, sources, sizes, stream, self.lanes[direction])
+
+    def _spread(
+        self,
+        destinations: np.ndarray,
+        sources: np.ndarray,
+        sizes: np.ndarray,
+        stream: torch.cuda.Stream,
+        lanes: list[torch.cuda.Stream],
+    ) -> None:
+        """Copy the listed pieces in ``stream`` order: one batch, or contiguous shares over ``lanes``."""
         if len(lanes) < 2 or len(sources) < len(lanes):
             self._copy(destinations, sources, sizes, stream)
             return
-        start = torch.cuda.Event()
-        start.record(stream)
+        start = record(stream)
         bounds = np.linspace(0, len(sources), len(lanes) + 1).astype(int)
         for lane, first, last in zip(lanes, bounds[:-1], bounds[1:], strict=True):
             lane.wait_event(start)
             self._copy(destinations[first:last], sources[first:last], sizes[first:last], lane)
-            finished = torch.cuda.Event()
-            finished.record(lane)
-            stream.wait_event(finished)
+            stream.wait_event(record(lane))
 
     def _copy(
         self, destinations: np.ndarray, sources: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream
