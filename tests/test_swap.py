@@ -42,11 +42,9 @@ LAYOUTS = {
 MAKE = "make_swapper"
 DMA_LANES = "dma_batch_lanes"
 """Batched DMA split over three streams (an uneven split of every batch)."""
-STAGED_CHUNKS = "dma_staged_chunks"
-"""Staged demotions through buffers of 4 blocks, gathered over two streams: many chunks per batch."""
 SLEEP_CYCLES = 50_000_000
 """GPU clock cycles the engine stream spins (tens of milliseconds) to expose a missing wait."""
-CUDA_PATHS = [*(path.value for path in SwapPath), DMA_LANES, STAGED_CHUNKS, MAKE]
+CUDA_PATHS = [*(path.value for path in SwapPath), DMA_LANES, MAKE]
 
 
 def random_bytes(shape: tuple[int, ...], device: str) -> torch.Tensor:
@@ -76,10 +74,6 @@ def make(path: str, layout: KVLayout, pool: list[torch.Tensor], host: torch.Tens
         return make_swapper(layout, pool, host)
     choice = PathChoice(SwapPath.DMA_BATCH, lanes=3) if path == DMA_LANES else None
     try:
-        if path == STAGED_CHUNKS:
-            from tiercache.swap_staged import StagedDmaSwapper
-
-            return StagedDmaSwapper(layout, pool, host, lanes=2, stage_blocks=4)
         return build_swapper(choice or SwapPath(path), layout, pool, host)
     except (ImportError, OSError, RuntimeError) as error:
         pytest.skip(f"swap path {path} unavailable here: {error}")

@@ -7,8 +7,6 @@ the CPU always gets ``TorchSwapper``'s copy-in-place path. The paths:
 
 * ``SwapPath.DMA_BATCH``: all pieces in one ``cuMemcpyBatchAsync`` (``swap_dma``), optionally
   dealt over several streams (``lanes``);
-* ``SwapPath.DMA_STAGED``: layer-major demotions gathered device-side into staging buffers,
-  then whole blocks to the host, all by DMA (``swap_staged``);
 * ``SwapPath.KERNEL``: a CuPy gather/scatter kernel over mapped pinned memory (``swap_kernel``);
 * ``SwapPath.TORCH_RUNS``: one torch ``copy_`` per run of blocks (``swap_torch``);
 * ``SwapPath.TORCH_GATHER``: ``index_select`` + copies, the portable fallback (``swap_torch``).
@@ -62,7 +60,6 @@ class SwapPath(enum.Enum):
     """One implementation of the data mover."""
 
     DMA_BATCH = "dma_batch"
-    DMA_STAGED = "dma_staged"
     KERNEL = "kernel"
     TORCH_RUNS = "torch_runs"
     TORCH_GATHER = "torch_gather"
@@ -105,10 +102,6 @@ def build_swapper(
         from tiercache.swap_dma import DmaSwapper
 
         return DmaSwapper(layout, pool, host, prefer_overlap=choice.prefer_overlap, lanes=choice.lanes)
-    if choice.path is SwapPath.DMA_STAGED:
-        from tiercache.swap_staged import StagedDmaSwapper
-
-        return StagedDmaSwapper(layout, pool, host, prefer_overlap=choice.prefer_overlap, lanes=choice.lanes)
     if choice.path is SwapPath.KERNEL:
         from tiercache.swap_kernel import DEFAULT_GRID, KernelSwapper
 

@@ -150,15 +150,25 @@ class DmaSwapper(StreamSwapper):
             for direction in CopyDirection
         }
 
+    def _prepare(
+        self, direction: CopyDirection, blocks: np.ndarray, slots: np.ndarray, stream: torch.cuda.Stream
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every piece's source and destination address, ``[pieces, blocks]``, computed once per batch.
+
+        A layer-major load is enqueued layer by layer; building each layer's lists
+        then would cost more host time per layer than its copies take on the GPU
+        for small batches, starving the copy engines.
+        """
+        pool, host = self.piece_addresses(blocks, slots, 0, self.pieces, self.host_pointer)
+        pool = np.ascontiguousarray(pool.reshape(len(blocks), self.pieces).T)
+        host = np.ascontiguousarray(host.reshape(len(blocks), self.pieces).T)
+        sources, destinations = (pool, host) if direction is CopyDirection.TO_HOST else (host, pool)
+        return sources, destinations, np.full(sources.shape, self.piece_bytes, dtype=np.uint64)
+
     def _enqueue(
         self, direction: CopyDirection, batch: Any, first_piece: int, count: int, stream: torch.cuda.Stream
     ) -> None:
-        blocks, slots = batch
-        pool, host = self.piece_addresses(blocks, slots, first_piece, count, self.host_pointer)
-        sources, destinations = (pool, host) if direction is CopyDirection.TO_HOST else (host, pool)
-        sources = np.ascontiguousarray(sources)
-        destinations = np.ascontiguousarray(destinations)
-        sizes = np.full(len(sources), self.piece_bytes, dtype=np.uint64)
+        sources, destinations, sizes = (array[first_piece : first_piece + count].reshape(-1) for array in batch)
         self.api.make_current(self.context)
         self._spread(destinations, sources, sizes, stream, self.lanes[direction])
 
