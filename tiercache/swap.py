@@ -77,8 +77,8 @@ class PathChoice:
 
 DMA = PathChoice(SwapPath.DMA_BATCH)
 DMA_LANES = PathChoice(SwapPath.DMA_BATCH, lanes=8)
-"""Small pieces device->host: eight streams, so several copy engines share one batch (one
-stream reached 0.70-0.77 of the contiguous rate on an H100, eight 0.91-0.93)."""
+"""Small pieces device->host: eight streams, so several copy engines share one batch. Layer-major
+demotions on an H100 (64 KiB pieces): one stream 0.63-0.81 of a contiguous copy, eight 0.72-0.95."""
 FALLBACK = PathChoice(SwapPath.TORCH_GATHER)
 PREFERENCE: dict[tuple[MemoryOrder, CopyDirection], tuple[PathChoice, ...]] = {
     (MemoryOrder.BLOCK_MAJOR, CopyDirection.TO_HOST): (DMA, PathChoice(SwapPath.TORCH_RUNS)),
@@ -86,10 +86,12 @@ PREFERENCE: dict[tuple[MemoryOrder, CopyDirection], tuple[PathChoice, ...]] = {
     (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_HOST): (DMA_LANES, FALLBACK),
     (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_DEVICE): (DMA, FALLBACK),
 }
-"""Paths to try per memory order and direction, best first, as measured on an H100 (see
-``benchmarks/swap_cuda.json``): batched DMA everywhere, since the zero-copy kernel, as
-fast one way, doubles a busy engine step (it takes multiprocessors the engine needs).
-The torch gather path always ends the list."""
+"""Paths to try per memory order and direction, best first, as measured on an H100 (four runs;
+the last is ``benchmarks/swap_cuda.json``): batched DMA everywhere. The zero-copy kernel moves
+layer-major demotions as fast as eight DMA lanes (0.87-1.06) but adds 90-107% to a busy engine
+step (it holds multiprocessors the engine's kernels wait for); loads keep one stream, since
+lanes cost more host time per layer than 64-block layers take to copy. The torch gather path
+always ends the list."""
 
 
 def build_swapper(
@@ -124,9 +126,11 @@ class SplitSwapper:
         return (getattr(self.out, "name", "?"), getattr(self.back, "name", "?"))
 
     def to_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> SwapHandle:
+        """A demotion through the demotion swapper."""
         return self.out.to_host(gpu_ids, cpu_slots)
 
     def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> SwapHandle:
+        """A load through the load swapper."""
         return self.back.to_device(cpu_slots, gpu_ids)
 
 

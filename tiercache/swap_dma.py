@@ -109,6 +109,7 @@ class BatchCopyApi:
 
     @classmethod
     def get(cls) -> BatchCopyApi:
+        """The process-wide binding (made on first use)."""
         if cls._instance is None:
             cls._instance = cls()
         return cls._instance

@@ -26,17 +26,25 @@ class SwapHandle(Protocol):
     layer_events: list[Any] | None
     """One ``torch.cuda.Event`` per layer in layer order (layer-major loads on CUDA), else None."""
 
-    def done(self) -> bool: ...
+    def done(self) -> bool:
+        """True once the copy landed (never blocks)."""
+        ...
 
-    def wait(self) -> None: ...
+    def wait(self) -> None:
+        """Block until the copy landed."""
+        ...
 
 
 class Swapper(Protocol):
     """Moves whole blocks between pool block ids and CPU slot indices."""
 
-    def to_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> SwapHandle: ...
+    def to_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> SwapHandle:
+        """Start copying pool blocks ``gpu_ids`` into host slots ``cpu_slots`` (pairwise)."""
+        ...
 
-    def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> SwapHandle: ...
+    def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> SwapHandle:
+        """Start copying host slots ``cpu_slots`` into pool blocks ``gpu_ids`` (pairwise)."""
+        ...
 
 
 class CompletedCopy:
@@ -46,9 +54,11 @@ class CompletedCopy:
     layer_events = None
 
     def done(self) -> bool:
+        """Always True: nothing is in flight."""
         return True
 
     def wait(self) -> None:
+        """Nothing to wait for."""
         return None
 
 
@@ -70,12 +80,14 @@ class CudaEventCopy:
         self._keep_alive = keep_alive
 
     def done(self) -> bool:
+        """Poll the event; once it fired, release what the copy was reading."""
         if self.event.query():
             self._keep_alive = ()
             return True
         return False
 
     def wait(self) -> None:
+        """Block this thread until the event fired."""
         self.event.synchronize()
         self._keep_alive = ()
 

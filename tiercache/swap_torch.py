@@ -40,6 +40,7 @@ class TorchSwapper(StreamSwapper):
         """``[slots, pool tensors, bytes]``: the part of each slot that each pool tensor holds."""
 
     def to_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> SwapHandle:
+        """On CUDA: enqueue on the demotion stream; on the CPU: copy now."""
         if self.on_cuda:
             return super().to_host(gpu_ids, cpu_slots)
         check_pairs(gpu_ids, cpu_slots)
@@ -47,6 +48,7 @@ class TorchSwapper(StreamSwapper):
         return CompletedCopy()
 
     def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> SwapHandle:
+        """On CUDA: enqueue on the load stream; on the CPU: copy now."""
         if self.on_cuda:
             return super().to_device(cpu_slots, gpu_ids)
         check_pairs(cpu_slots, gpu_ids)
