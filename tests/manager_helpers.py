@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -9,6 +10,9 @@ import torch
 from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.manager import TierManager
 
+TEST_DEVICE = os.getenv("TEST_TIERCACHE_DEVICE", "cpu")
+"""The GPU tier's device in the manager tests: ``cpu`` stands in for it; ``cuda`` on a GPU machine.
+(Not ``TIERCACHE_*``: the config applies those variables as overrides.)"""
 TINY_LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "block_size": 2}
 
 
@@ -23,7 +27,7 @@ def topology(
 ) -> TierCacheConfig:
     """A validated config with a CPU-device GPU pool, an optional CPU tier and remotes."""
     tiers: list[dict[str, Any]] = [
-        {"type": "gpu", "capacity_blocks": gpu_blocks, "options": {"device": "cpu"}},
+        {"type": "gpu", "capacity_blocks": gpu_blocks, "options": {"device": TEST_DEVICE}},
     ]
     if cpu_blocks is not None:
         tiers.append({"type": "cpu", "capacity_blocks": cpu_blocks, **(cpu or {})})

@@ -1,7 +1,7 @@
 """End to end with a real model: a prefix loaded from any tier continues exactly like a recomputed one.
 
-An engine (the reference transformer, float32 on the CPU, the CPU standing in for
-the GPU pool) prefills a prompt's prefix into tiercache pool blocks and stores
+An engine (the reference transformer in float32; the CPU stands in for the GPU
+pool unless ``TEST_TIERCACHE_DEVICE=cuda``) prefills a prompt's prefix into tiercache pool blocks and stores
 them. The prefix is then made to live only in the tier under test, a request
 for the same prompt loads it from there, and greedy generation continues from
 it. Every logit must equal, bit for bit, those of a model that recomputed the
@@ -14,6 +14,7 @@ with ``force_latest`` from another region through central (real redis-servers).
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -36,11 +37,13 @@ LOOKUP_RETRY_S = 0.002
 LOOKUP_ATTEMPTS = 2500
 """Give a pending remote lookup up to about five seconds before failing the test."""
 MEMORY_ORDERS = ("block_major", "layer_major")
+DEVICE = os.environ.get("TEST_TIERCACHE_DEVICE", "cpu")
+"""Where the GPU pool and the model live: ``cpu`` stands in for the GPU; ``cuda`` on a GPU machine."""
 
 
 def topology(memory: str, remotes: list[dict[str, Any]] | None = None) -> TierCacheConfig:
     tiers: list[dict[str, Any]] = [
-        {"name": "gpu", "type": "gpu", "capacity_blocks": GPU_BLOCKS, "options": {"device": "cpu"}},
+        {"name": "gpu", "type": "gpu", "capacity_blocks": GPU_BLOCKS, "options": {"device": DEVICE}},
         {"name": "cpu", "type": "cpu", "capacity_blocks": CPU_BLOCKS, "write_policy": "write_through"},
     ]
     return config_from_dict(
@@ -67,7 +70,7 @@ def make_prompt(seed: int) -> list[int]:
 
 
 def model_for(layout: KVLayout) -> ReferenceModel:
-    return ReferenceModel(ModelSpec.for_layout(layout, heads_per_kv_head=2, vocab_size=VOCAB, seed=7))
+    return ReferenceModel(ModelSpec.for_layout(layout, heads_per_kv_head=2, vocab_size=VOCAB, seed=7), device=DEVICE)
 
 
 def blocks_for(tokens: int) -> int:
@@ -78,7 +81,7 @@ def recompute(layout: KVLayout, prompt: list[int]) -> tuple[list[int], list[torc
     """The reference: a private pool, the prefix prefilled, then the same continuation."""
     model = model_for(layout)
     total = blocks_for(len(prompt) + DECODE_STEPS)
-    kv = PagedKV(layout, layout.allocate_pool(total, "cpu"))
+    kv = PagedKV(layout, layout.allocate_pool(total, DEVICE))
     table = list(range(total))
     prefix = PREFIX_BLOCKS * BLOCK_SIZE
     model.forward(prompt[:prefix], 0, table, kv)
@@ -156,12 +159,12 @@ def test_paged_attention_matches_dense_pass(memory: str) -> None:
     prompt = make_prompt(seed=2)
     model = model_for(layout)
     total = blocks_for(len(prompt))
-    split_kv = PagedKV(layout, layout.allocate_pool(total, "cpu"))
+    split_kv = PagedKV(layout, layout.allocate_pool(total, DEVICE))
     prefix = PREFIX_BLOCKS * BLOCK_SIZE
     scrambled = list(range(total))[::-1]
     model.forward(prompt[:prefix], 0, scrambled, split_kv)
     split = model.forward(prompt[prefix:], prefix, scrambled, split_kv)
-    whole_kv = PagedKV(layout, layout.allocate_pool(total, "cpu"))
+    whole_kv = PagedKV(layout, layout.allocate_pool(total, DEVICE))
     whole = model.forward(prompt, 0, list(range(total)), whole_kv)
     torch.testing.assert_close(split, whole[prefix:], rtol=1e-4, atol=1e-5)
 

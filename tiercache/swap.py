@@ -1,164 +1,165 @@
 """Block copies between the GPU pool and pinned-CPU slots (the swap queue's data mover).
 
-``TorchSwapper`` is the portable path. On CUDA: one gather (``index_select``)
-per pool tensor on the device, then one copy per contiguous run of destination
-slots, on a dedicated CUDA stream with an event that the swap queue polls. On a
-CPU "device" it copies each run of blocks straight into its slots: gathering
-into a temporary first (``index_select``, fancy indexing) measured 5-10x slower
-there, since every temporary page is faulted in anew. Faster kernels implement
-the same ``Swapper`` protocol.
+``make_swapper`` picks, per pool memory order and per direction, the fastest
+path that works on the device, in the order measured on an H100
+(``benchmarks/swap_cuda.json``), falling back to the pure-torch path; a pool on
+the CPU always gets ``TorchSwapper``'s copy-in-place path. The paths:
+
+* ``SwapPath.DMA_BATCH``: all pieces in one ``cuMemcpyBatchAsync`` (``swap_dma``), optionally
+  dealt over several streams (``lanes``);
+* ``SwapPath.KERNEL``: a CuPy gather/scatter kernel over mapped pinned memory (``swap_kernel``);
+* ``SwapPath.TORCH_RUNS``: one torch ``copy_`` per run of blocks (``swap_torch``);
+* ``SwapPath.TORCH_GATHER``: ``index_select`` + copies, the portable fallback (``swap_torch``).
+
+The contract (``Swapper``, ``SwapHandle`` with ``done``/``wait``/``event``/``layer_events``)
+is in ``swap_handles`` and re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from tiercache.layout import KVLayout
+from tiercache.layout import KVLayout, MemoryOrder
+from tiercache.swap_cuda import CopyDirection, StreamSwapper
+from tiercache.swap_handles import (
+    CompletedCopy,
+    CudaEventCopy,
+    SwapHandle,
+    Swapper,
+    contiguous_runs,
+    paired_runs,
+)
+from tiercache.swap_torch import TorchRunsSwapper, TorchSwapper
+
+__all__ = [
+    "CompletedCopy",
+    "CopyDirection",
+    "CudaEventCopy",
+    "PathChoice",
+    "SplitSwapper",
+    "SwapHandle",
+    "SwapPath",
+    "Swapper",
+    "TorchRunsSwapper",
+    "TorchSwapper",
+    "build_swapper",
+    "contiguous_runs",
+    "make_swapper",
+    "paired_runs",
+]
+
+log = logging.getLogger(__name__)
 
 
-class SwapHandle(Protocol):
-    """Completion of one batched copy."""
+class SwapPath(enum.Enum):
+    """One implementation of the data mover."""
 
-    def done(self) -> bool: ...
-
-    def wait(self) -> None: ...
-
-
-class Swapper(Protocol):
-    """Moves whole blocks between pool block ids and CPU slot indices."""
-
-    def to_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> SwapHandle: ...
-
-    def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> SwapHandle: ...
+    DMA_BATCH = "dma_batch"
+    KERNEL = "kernel"
+    TORCH_RUNS = "torch_runs"
+    TORCH_GATHER = "torch_gather"
 
 
-class CompletedCopy:
-    """A copy that finished before its handle was returned (CPU device)."""
+@dataclass(frozen=True)
+class PathChoice:
+    """A path with its settings: ``lanes`` and ``prefer_overlap`` tune ``DMA_BATCH``, ``grid`` tunes ``KERNEL``."""
 
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-class CudaEventCopy:
-    """A copy enqueued on a side stream; ``done`` polls its event without blocking."""
-
-    def __init__(self, event: torch.cuda.Event, keep_alive: tuple[torch.Tensor, ...]) -> None:
-        self.event = event
-        self._keep_alive = keep_alive
-
-    def done(self) -> bool:
-        if self.event.query():
-            self._keep_alive = ()
-            return True
-        return False
-
-    def wait(self) -> None:
-        self.event.synchronize()
-        self._keep_alive = ()
+    path: SwapPath
+    lanes: int = 1
+    prefer_overlap: bool = True
+    grid: int | None = None
 
 
-def contiguous_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Split ``slots`` into (position, first slot, length) runs of consecutive slots."""
-    runs: list[tuple[int, int, int]] = []
-    for position, slot in enumerate(slots):
-        if runs and runs[-1][1] + runs[-1][2] == slot and runs[-1][0] + runs[-1][2] == position:
-            start, first, length = runs[-1]
-            runs[-1] = (start, first, length + 1)
-        else:
-            runs.append((position, slot, 1))
-    return runs
+DMA = PathChoice(SwapPath.DMA_BATCH)
+DMA_LANES = PathChoice(SwapPath.DMA_BATCH, lanes=8)
+"""Small pieces device->host: eight streams, so several copy engines share one batch. Layer-major
+demotions on an H100 (64 KiB pieces): one stream 0.63-0.81 of a contiguous copy, eight 0.72-0.95."""
+FALLBACK = PathChoice(SwapPath.TORCH_GATHER)
+PREFERENCE: dict[tuple[MemoryOrder, CopyDirection], tuple[PathChoice, ...]] = {
+    (MemoryOrder.BLOCK_MAJOR, CopyDirection.TO_HOST): (DMA, PathChoice(SwapPath.TORCH_RUNS)),
+    (MemoryOrder.BLOCK_MAJOR, CopyDirection.TO_DEVICE): (DMA, PathChoice(SwapPath.TORCH_RUNS)),
+    (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_HOST): (DMA_LANES, FALLBACK),
+    (MemoryOrder.LAYER_MAJOR, CopyDirection.TO_DEVICE): (DMA, FALLBACK),
+}
+"""Paths to try per memory order and direction, best first, as measured on an H100 (four runs;
+the last is ``benchmarks/swap_cuda.json``): batched DMA everywhere. The zero-copy kernel moves
+layer-major demotions as fast as eight DMA lanes (0.87-1.06) but adds 90-107% to a busy engine
+step (it holds multiprocessors the engine's kernels wait for); loads keep one stream, since
+lanes cost more host time per layer than 64-block layers take to copy. The torch gather path
+always ends the list."""
 
 
-def paired_runs(sources: Sequence[int], destinations: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first source, first destination, length) runs where both sides are consecutive."""
-    runs: list[tuple[int, int, int]] = []
-    for source, destination in zip(sources, destinations, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == source and runs[-1][1] + runs[-1][2] == destination:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((source, destination, 1))
-    return runs
+def build_swapper(
+    choice: SwapPath | PathChoice, layout: KVLayout, pool: Sequence[torch.Tensor], host: torch.Tensor
+) -> StreamSwapper:
+    """One swapper of the given path (raises where it cannot run here)."""
+    if isinstance(choice, SwapPath):
+        choice = PathChoice(choice)
+    if choice.path is SwapPath.DMA_BATCH:
+        from tiercache.swap_dma import DmaSwapper
+
+        return DmaSwapper(layout, pool, host, prefer_overlap=choice.prefer_overlap, lanes=choice.lanes)
+    if choice.path is SwapPath.KERNEL:
+        from tiercache.swap_kernel import DEFAULT_GRID, KernelSwapper
+
+        return KernelSwapper(layout, pool, host, grid=choice.grid or DEFAULT_GRID)
+    if choice.path is SwapPath.TORCH_RUNS:
+        return TorchRunsSwapper(layout, pool, host)
+    return TorchSwapper(layout, pool, host)
 
 
-class TorchSwapper:
-    """Batched gather/scatter with torch ops; works for both memory orders.
+class SplitSwapper:
+    """Demotions through one swapper, loads through another (each the fastest for its direction)."""
 
-    Everything is moved as bytes (``uint8`` views), so any dtype works, fp8
-    included, and ``host`` is the CPU tier's ``[slots, bytes_per_block]`` buffer.
-    """
+    def __init__(self, out: Swapper, back: Swapper) -> None:
+        self.out = out
+        self.back = back
 
-    def __init__(self, layout: KVLayout, pool: list[torch.Tensor], host: torch.Tensor) -> None:
-        self.layout = layout
-        self.pool = [tensor.view(torch.uint8).view(tensor.shape[0], -1) for tensor in pool]
-        self.host = host
-        self.device = pool[0].device
-        self.on_cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=self.device) if self.on_cuda else None
-        self.host_pieces = host.view(host.shape[0], len(self.pool), -1)
-        """``[slots, pool tensors, bytes]``: the part of each slot that each pool tensor holds."""
-
-    def _copy_on_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int], to_host: bool) -> None:
-        """CPU-device path: copy run by run, pool tensor by pool tensor, without temporaries."""
-        for block, slot, length in paired_runs(gpu_ids, cpu_slots):
-            for index, tensor in enumerate(self.pool):
-                pool_part = tensor[block : block + length]
-                host_part = self.host_pieces[slot : slot + length, index]
-                if to_host:
-                    host_part.copy_(pool_part)
-                else:
-                    pool_part.copy_(host_part)
-
-    def _gather_device(self, ids: torch.Tensor) -> torch.Tensor:
-        """The selected blocks as one contiguous ``[n, bytes_per_block]`` tensor on the device."""
-        if self.layout.block_major:
-            return self.pool[0].index_select(0, ids)
-        return torch.cat([layer.index_select(0, ids) for layer in self.pool], dim=1)
-
-    def _scatter_device(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
-        if self.layout.block_major:
-            self.pool[0].index_copy_(0, ids, blocks)
-            return
-        piece = self.layout.layer_piece_bytes
-        for layer_index, layer in enumerate(self.pool):
-            layer.index_copy_(0, ids, blocks[:, layer_index * piece : (layer_index + 1) * piece])
+    @property
+    def paths(self) -> tuple[str, str]:
+        """Names of the (to_host, to_device) paths in use."""
+        return (getattr(self.out, "name", "?"), getattr(self.back, "name", "?"))
 
     def to_host(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> SwapHandle:
-        if not gpu_ids:
-            return CompletedCopy()
-        if not self.on_cuda:
-            self._copy_on_host(gpu_ids, cpu_slots, to_host=True)
-            return CompletedCopy()
-        assert self.stream is not None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            ids = torch.as_tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            gathered = self._gather_device(ids)
-            for position, first, length in contiguous_runs(cpu_slots):
-                self.host[first : first + length].copy_(gathered[position : position + length], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return CudaEventCopy(event, (gathered, ids))
+        """A demotion through the demotion swapper."""
+        return self.out.to_host(gpu_ids, cpu_slots)
 
     def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> SwapHandle:
-        if not gpu_ids:
-            return CompletedCopy()
-        if not self.on_cuda:
-            self._copy_on_host(gpu_ids, cpu_slots, to_host=False)
-            return CompletedCopy()
-        assert self.stream is not None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            staging = torch.empty((len(gpu_ids), self.layout.bytes_per_block), dtype=torch.uint8, device=self.device)
-            for position, first, length in contiguous_runs(cpu_slots):
-                staging[position : position + length].copy_(self.host[first : first + length], non_blocking=True)
-            ids = torch.as_tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            self._scatter_device(ids, staging)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return CudaEventCopy(event, (staging, ids))
+        """A load through the load swapper."""
+        return self.back.to_device(cpu_slots, gpu_ids)
+
+
+def make_swapper(
+    layout: KVLayout,
+    pool_tensors: Sequence[torch.Tensor],
+    host_buffer: torch.Tensor,
+    preference: Callable[[MemoryOrder, CopyDirection], Sequence[PathChoice]] | None = None,
+) -> Swapper:
+    """The fastest swapper available for this pool and host buffer.
+
+    ``preference`` overrides the measured order (tests and benchmarks use it).
+    A path that cannot be built here (no CuPy, an old driver, an unmapped host
+    buffer) is logged and skipped.
+    """
+    if pool_tensors[0].device.type != "cuda":
+        return TorchSwapper(layout, pool_tensors, host_buffer)
+    built: dict[PathChoice, StreamSwapper] = {}
+    chosen: list[StreamSwapper] = []
+    for direction in (CopyDirection.TO_HOST, CopyDirection.TO_DEVICE):
+        order = preference(layout.memory, direction) if preference else PREFERENCE[(layout.memory, direction)]
+        for choice in (*order, FALLBACK):
+            if choice not in built:
+                try:
+                    built[choice] = build_swapper(choice, layout, pool_tensors, host_buffer)
+                except (ImportError, OSError, RuntimeError, AttributeError) as error:
+                    log.info("swap path %s unavailable: %s", choice, error)
+                    continue
+            chosen.append(built[choice])
+            break
+    out, back = chosen
+    return out if out is back else SplitSwapper(out, back)
