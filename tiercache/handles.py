@@ -72,6 +72,8 @@ class Transfer:
     future: concurrent.futures.Future[int] = field(default_factory=concurrent.futures.Future)
     progress_blocks: int = 0
     settling: bool = False
+    layer_events: list[list[Any]] = field(default_factory=list, repr=False)
+    """On CUDA, for a layer-major pool: per copy issued so far, one event per layer (see ``wait_layer``)."""
     on_cancel: Callable[[], None] | None = field(default=None, repr=False)
 
     def done(self) -> bool:
@@ -80,6 +82,17 @@ class Transfer:
     def result(self, timeout: float | None = None) -> int:
         """Tokens moved; blocks until done (call after ``done()`` in a scheduler loop)."""
         return self.future.result(timeout)
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        """Make a CUDA ``stream`` wait until ``layer`` of every block copied so far has landed.
+
+        Layer-wise overlap: attention on early layers can start while later layers
+        of a load still cross the bus. It covers the copies issued so far
+        (``progress_blocks`` grows as chunks are handed over); after ``done()``,
+        every block is covered. A no-op where the copy has no per-layer events.
+        """
+        for events in list(self.layer_events):
+            stream.wait_event(events[layer])
 
     def cancel(self) -> None:
         """Finish as soon as the copy in flight lands, with what has arrived."""

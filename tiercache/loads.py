@@ -176,7 +176,7 @@ class LoadRunner:
                 oks = fetch.result()
                 ready = next((i for i, ok in enumerate(oks) if not ok), len(oks))
                 if ready:
-                    loaded += await self._hand_over(chunk[:ready])
+                    loaded += await self._hand_over(chunk[:ready], transfer)
                     transfer.progress_blocks = loaded
                 if ready < len(chunk) or settle.is_set():
                     break
@@ -273,13 +273,16 @@ class LoadRunner:
         return True
 
     # ---- handing blocks over to the GPU -----------------------------------------------------
-    async def _hand_over(self, items: list[LoadItem]) -> int:
+    async def _hand_over(self, items: list[LoadItem], transfer: Transfer) -> int:
         """Copy ready items into their GPU blocks and index the promoted ones there."""
         from_cpu = [item for item in items if item.place.source is not Source.GPU]
         on_gpu = [item for item in items if item.place.source is Source.GPU]
         copies = []
         if from_cpu:
-            copies.append(self.swap.to_device([i.slot for i in from_cpu], [i.gpu_id for i in from_cpu]))  # type: ignore[misc]
+            copy, layer_events = self.swap.to_device([i.slot for i in from_cpu], [i.gpu_id for i in from_cpu])  # type: ignore[misc]
+            copies.append(copy)
+            if layer_events is not None:
+                transfer.layer_events.append(layer_events)
         if on_gpu:
             copies.append(self.swap.on_device([i.place.index for i in on_gpu], [i.gpu_id for i in on_gpu]))
         results = [await asyncio.wrap_future(copy) for copy in copies]

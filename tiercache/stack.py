@@ -24,7 +24,7 @@ from tiercache.metrics import Metrics
 from tiercache.mover import Mover
 from tiercache.policies import make_policy
 from tiercache.runtime import Runtime
-from tiercache.swap import TorchSwapper
+from tiercache.swap import make_swapper
 from tiercache.swap_queue import SwapQueue
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext
@@ -84,7 +84,7 @@ class Stack:
         )
         self.waiters = FillWaiters()
         self.swap = None if self.cpu is None else SwapQueue(
-            TorchSwapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
+            make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
         )
         self.loads = None if self.cpu is None or self.swap is None else LoadRunner(
             self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,

@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,18 +65,19 @@ class SwapQueue:
         """GPU blocks -> CPU slots; ``before_reuse``: the engine may overwrite the blocks next."""
         if self.on_cuda:
             handle = self.swapper.to_host(gpu_ids, cpu_slots)
-            if before_reuse:
-                torch.cuda.current_stream(self.device).wait_event(handle.event)  # type: ignore[attr-defined]
+            if before_reuse and handle.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(handle.event)
             return self._track(handle)
         if before_reuse:
             return self._run_now(lambda: self.swapper.to_host(gpu_ids, cpu_slots))
         return self._on_copy_thread(lambda: self.swapper.to_host(gpu_ids, cpu_slots))
 
-    def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> Copy:
-        """CPU slots -> GPU blocks (a load)."""
+    def to_device(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> tuple[Copy, list[Any] | None]:
+        """CPU slots -> GPU blocks (a load); with the copy's per-layer CUDA events where it has them."""
         if self.on_cuda:
-            return self._track(self.swapper.to_device(cpu_slots, gpu_ids))
-        return self._on_copy_thread(lambda: self.swapper.to_device(cpu_slots, gpu_ids))
+            handle = self.swapper.to_device(cpu_slots, gpu_ids)
+            return self._track(handle), getattr(handle, "layer_events", None)
+        return self._on_copy_thread(lambda: self.swapper.to_device(cpu_slots, gpu_ids)), None
 
     def on_device(self, sources: Sequence[int], destinations: Sequence[int]) -> Copy:
         """GPU blocks -> other GPU blocks: a resident block serving a later position of a prefix."""
@@ -160,6 +162,9 @@ class SwapQueue:
 class _Done:
     """A copy that finished before its handle was returned."""
 
+    event = None
+    layer_events = None
+
     def done(self) -> bool:
         return True
 
@@ -172,6 +177,8 @@ _DONE = _Done()
 
 class _EventHandle:
     """A device-side copy on a side stream, complete when its event is."""
+
+    layer_events = None
 
     def __init__(self, event: torch.cuda.Event, keep_alive: tuple[torch.Tensor, ...]) -> None:
         self.event = event
