@@ -250,7 +250,7 @@ def test_a_write_through_store_crosses_at_most_three_threads() -> None:
         compute_and_store(manager, prompt(2, 10))
         until(lambda: manager.stats()["queues"]["pending_stores"] == 0)
         assert len(set(seen)) <= 3 and seen[0] == threading.current_thread().name
-        assert seen.count(seen[-1]) <= 2, "the put is submitted once and completes on the loop"
+        assert seen[-1] == seen[-2], "the put is started and completed on the loop, no hop in between"
 
 
 @pytest.mark.parametrize("cpu_write", ["write_through", "write_back"])
@@ -259,6 +259,7 @@ def test_release_of_a_lookup_drops_every_pin_it_holds(cpu_write: str) -> None:
         tokens = prompt(6, 11)
         compute_and_store(manager, tokens)
         manager.release(manager.allocate(8))
+        until(lambda: manager.stats()["tiers"]["cpu"]["evictable_blocks"] == 6)  # demotions landed (CUDA: async)
         hit = manager.lookup(tokens)
         assert hit.num_blocks == 6 and hit.tier_blocks["cpu"] == 6
         assert manager.stats()["tiers"]["cpu"]["evictable_blocks"] == 0
