@@ -1,0 +1,288 @@
+"""KV events: a real ZeroMQ subscriber on loopback decodes them with vLLM's own message definitions."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from msgspec.msgpack import Decoder
+
+from tiercache.event_sink import EventSink
+from tiercache.events import EventsConfig, block_hash
+
+TOPIC = "kv-events"
+BLOCK_SIZE = 4
+DELIVERY_TIMEOUT_MS = 10_000
+"""Generous bound for a message that was sent to arrive (never a speed threshold)."""
+JOIN_ATTEMPTS = 100
+"""Probe batches sent at most while a new SUB socket's subscription reaches the PUB (slow joiner)."""
+JOIN_POLL_MS = 100
+
+
+# --- The reference: vLLM's message definitions, copied as vLLM declares them --------------------
+# (vllm/distributed/kv_events.py, the release with `medium` and `data_parallel_rank`, and
+# examples/online_serving/kv_events_subscriber.py, whose EventBatch has no rank field).
+
+
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(VllmKVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(VllmKVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(VllmKVCacheEvent):
+    pass
+
+
+class KVEventBatch(VllmEventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class ExampleEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class ExampleKVEventBatch(ExampleEventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def keys(n: int, salt: int = 0) -> list[bytes]:
+    return [hashlib.blake2b(bytes([salt, i]), digest_size=16).digest() for i in range(n)]
+
+
+def reference_hash(key: bytes) -> int:
+    """The mapping written out independently: the last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(key[8:16], byteorder="big", signed=False)
+
+
+@pytest.fixture
+def sink() -> Any:
+    config = EventsConfig(
+        enabled=True,
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic=TOPIC,
+        data_parallel_rank=0,
+    )
+    sink = EventSink.from_config(config)
+    sink.start()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture
+def context() -> Any:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def joined_subscriber(sink: EventSink, context: zmq.Context) -> tuple[zmq.Socket, int]:
+    """A SUB socket that has provably joined: probe batches until one arrives; returns its last seq."""
+    sub = context.socket(zmq.SUB)
+    sub.connect(sink._publisher.endpoint)
+    sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+    for _ in range(JOIN_ATTEMPTS):
+        sink.removed("probe", keys(1, salt=255))
+        assert sink.flush()
+        if sub.poll(JOIN_POLL_MS):
+            last = -1
+            while sub.poll(0):  # drain the probes that made it
+                _, seq_bytes, _ = sub.recv_multipart()
+                last = int.from_bytes(seq_bytes, "big")
+            return sub, last
+    raise AssertionError("the subscriber never joined")
+
+
+def receive(sub: zmq.Socket) -> tuple[bytes, int, bytes]:
+    assert sub.poll(DELIVERY_TIMEOUT_MS), "a published batch never arrived"
+    topic, seq_bytes, payload = sub.recv_multipart()
+    return topic, int.from_bytes(seq_bytes, "big"), payload
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+def test_block_hash_is_the_last_eight_bytes_big_endian() -> None:
+    key = bytes(range(16))
+    assert block_hash(key) == 0x08090A0B0C0D0E0F
+    assert all(block_hash(k) == reference_hash(k) for k in keys(50))
+
+
+def test_vllm_subscriber_decodes_every_event_kind(sink: EventSink, context: zmq.Context) -> None:
+    sub, last_seq = joined_subscriber(sink, context)
+    gpu_keys, cpu_keys = keys(3, salt=1), keys(2, salt=2)
+    tokens = list(range(3 * BLOCK_SIZE))
+    sink.stored("gpu", gpu_keys, None, tokens, BLOCK_SIZE)
+    sink.stored("cpu", cpu_keys, gpu_keys[-1], tokens[: 2 * BLOCK_SIZE], BLOCK_SIZE, lora_id=7)
+    sink.removed("gpu", gpu_keys[1:])
+    sink.cleared()
+    assert sink.flush()
+
+    topic, seq, payload = receive(sub)
+    assert topic == TOPIC.encode()
+    assert seq == last_seq + 1
+    batch = Decoder(type=KVEventBatch).decode(payload)
+    assert batch.data_parallel_rank == 0
+    assert batch.events == [
+        BlockStored([reference_hash(k) for k in gpu_keys], None, tokens, BLOCK_SIZE, None, "gpu"),
+        BlockStored(
+            [reference_hash(k) for k in cpu_keys],
+            reference_hash(gpu_keys[-1]),
+            tokens[: 2 * BLOCK_SIZE],
+            BLOCK_SIZE,
+            7,
+            "cpu",
+        ),
+        BlockRemoved([reference_hash(k) for k in gpu_keys[1:]], "gpu"),
+        AllBlocksCleared(),
+    ]
+    # The example subscriber's batch (no rank field) reads the same message: the trailing rank is skipped.
+    assert Decoder(type=ExampleKVEventBatch).decode(payload).events == batch.events
+    # On the wire: positional arrays with the class name as tag, as vLLM sends them.
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[1][2] == ["BlockRemoved", [reference_hash(k) for k in gpu_keys[1:]], "gpu"]
+    assert raw[1][3] == ["AllBlocksCleared"]
+    assert raw[2] == 0
+
+
+def test_a_gap_is_replayed_from_the_replay_socket(sink: EventSink, context: zmq.Context) -> None:
+    sub, last_seq = joined_subscriber(sink, context)
+    decoder = Decoder(type=KVEventBatch)
+    published = {}
+    for i in range(6):
+        sink.stored("gpu", keys(1, salt=10 + i), None, list(range(BLOCK_SIZE)), BLOCK_SIZE)
+        assert sink.flush()
+        _, seq, payload = receive(sub)
+        published[seq] = decoder.decode(payload)
+    sequence = sorted(published)
+    assert sequence == list(range(last_seq + 1, last_seq + 7))
+    lost = sequence[1:4]  # the subscriber "missed" these three
+    seen_last, current = sequence[0], sequence[4]
+    assert current > seen_last + 1
+
+    # vLLM's example subscriber: a REQ socket sends the first missing seq and gets back the first
+    # batch from there (a REQ takes one reply per request), so it asks once per missing batch.
+    req = context.socket(zmq.REQ)
+    req.connect(sink._publisher.replay_endpoint)
+    recovered = []
+    next_seq = seen_last + 1
+    while next_seq < current:
+        req.send(next_seq.to_bytes(8, "big"))
+        assert req.poll(DELIVERY_TIMEOUT_MS), "no replay answer"
+        seq_bytes, payload = req.recv_multipart()
+        assert payload, "the replay buffer lost batches it should keep"
+        recovered.append(int.from_bytes(seq_bytes, "big"))
+        assert decoder.decode(payload) == published[recovered[-1]]
+        next_seq = recovered[-1] + 1
+    assert recovered == lost
+
+    # A DEALER gets the whole stream for one request, then the end marker (seq -1, empty payload).
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(sink._publisher.replay_endpoint)
+    dealer.send_multipart((b"", lost[0].to_bytes(8, "big")))
+    streamed = []
+    while True:
+        assert dealer.poll(DELIVERY_TIMEOUT_MS), "replay stream stopped before its end marker"
+        _, seq_bytes, payload = dealer.recv_multipart()
+        if not payload:
+            assert int.from_bytes(seq_bytes, "big", signed=True) == -1
+            break
+        streamed.append(int.from_bytes(seq_bytes, "big"))
+    assert streamed == sequence[1:]
+    assert sink.stats()["replay_requests"] == len(lost) + 1
+
+
+def test_bounded_queue_drops_and_counts() -> None:
+    sink = EventSink(EventsConfig(enabled=True, max_queue=3))
+    batches = []
+    sink.subscribe(batches.append)
+    for i in range(5):  # not started yet: nothing drains the queue
+        sink.removed("gpu", keys(1, salt=i))
+    assert sink.stats()["dropped"] == 2
+    sink.start()
+    assert sink.flush()
+    sink.close()
+    assert [len(b.events) for b in batches] == [3]
+    assert sink.stats() | {"queued": 0} == {
+        "queued": 0,
+        "dropped": 2,
+        "batches": 1,
+        "events": 3,
+        "callback_errors": 0,
+        "publish_errors": 0,
+    }
+
+
+def test_a_failing_subscriber_is_logged_and_counted_and_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    sink = EventSink(EventsConfig(enabled=True))
+    threads = []
+    received = []
+
+    def broken(batch: Any) -> None:
+        raise RuntimeError("subscriber bug")
+
+    def good(batch: Any) -> None:
+        threads.append(threading.current_thread())
+        received.append(batch)
+
+    sink.subscribe(broken)
+    unsubscribe = sink.subscribe(good)
+    sink.start()
+    with caplog.at_level(logging.ERROR, logger="tiercache.event_sink"):
+        sink.cleared("cpu")
+        assert sink.flush()
+    unsubscribe()
+    sink.removed("gpu", keys(1))
+    assert sink.flush()
+    sink.close()
+    assert len(received) == 1
+    assert threads == [sink._thread] and sink._thread is not threading.current_thread()
+    assert sink.stats()["callback_errors"] == 2
+    assert "subscriber bug" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"max_queue": 0}, "max_queue"),
+        ({"flush_interval_s": 0.0}, "flush_interval_s"),
+        ({"endpoint": "localhost:5557"}, "endpoint"),
+        ({"replay_endpoint": "tcp://*:5558"}, "replay_endpoint"),
+    ],
+)
+def test_bad_settings_name_the_field(options: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EventsConfig(**options)
+
+
+def test_a_busy_address_fails_at_construction(sink: EventSink) -> None:
+    with pytest.raises(zmq.ZMQError):
+        EventSink.from_config(EventsConfig(enabled=True, endpoint=sink._publisher.endpoint))
