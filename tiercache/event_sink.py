@@ -33,6 +33,7 @@ from tiercache.events import (
     KVEvent,
     KVEventBatch,
     block_hash,
+    block_hashes,
 )
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ class EventSink:
                 _, tier, keys, parent, tokens, block_size, lora_id = item
                 events.append(
                     BlockStored(
-                        block_hashes=[block_hash(k) for k in keys],
+                        block_hashes=block_hashes(keys),
                         parent_block_hash=None if parent is None else block_hash(parent),
                         token_ids=_int_list(tokens),
                         block_size=block_size,
@@ -213,7 +214,7 @@ class EventSink:
                     )
                 )
             elif kind is _Kind.REMOVED:
-                events.append(BlockRemoved(block_hashes=[block_hash(k) for k in item[2]], medium=item[1]))
+                events.append(BlockRemoved(block_hashes=block_hashes(item[2]), medium=item[1]))
             elif kind is _Kind.CLEARED:
                 events.append(AllBlocksCleared())
             else:
@@ -242,6 +243,8 @@ class EventSink:
 
 
 def _int_list(tokens: Sequence[int] | Any) -> list[int]:
-    """Token ids as a list of Python ints (lists, tuples, numpy arrays and tensors alike)."""
+    """Token ids as a list of Python ints: a list as it is, numpy arrays and tensors through tolist()."""
+    if isinstance(tokens, list):
+        return tokens
     to_list = getattr(tokens, "tolist", None)
     return to_list() if to_list is not None else [int(t) for t in tokens]
