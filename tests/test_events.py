@@ -113,11 +113,10 @@ def joined_subscriber(sink: EventSink, context: zmq.Context) -> tuple[zmq.Socket
         sink.removed("probe", keys(1, salt=255))
         assert sink.flush()
         if sub.poll(JOIN_POLL_MS):
-            last = -1
-            while sub.poll(0):  # drain the probes that made it
-                _, seq_bytes, _ = sub.recv_multipart()
-                last = int.from_bytes(seq_bytes, "big")
-            return sub, last
+            last_sent = sink.stats()["published"] - 1
+            while receive(sub)[1] != last_sent:  # drain the probes still on their way
+                pass
+            return sub, last_sent
     raise AssertionError("the subscriber never joined")
 
 
