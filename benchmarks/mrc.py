@@ -19,7 +19,6 @@ which is what every unsampled access pays. Each timing is the median of
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import sys
@@ -29,13 +28,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import libcachesim as lcs
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import write_result
-from policy_traces import write_oracle_general, zipf
+from mrc_reference import exact_lru_curve, zipf_keys
 
-from tiercache.keys import KEY_BYTES
 from tiercache.mrc import DEFAULT_MULTIPLES, MissRatioCurve
 from tiercache.policies.lru import LRUPolicy
 
@@ -59,22 +55,7 @@ TARGET_COST_FRACTION = 0.02
 """Issue 15: the curve may cost at most 2% of the policy's decision."""
 TARGET_ERROR = 0.02
 """Issue 15: within 2 points of hit ratio of exact LRU."""
-HASHPOWER = 20
 NANO = 1e9
-
-
-def block_key(obj_id: int) -> bytes:
-    return hashlib.blake2b(obj_id.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
-
-
-def exact_curve(path: Path, capacity: int) -> dict[float, float]:
-    """libCacheSim's LRU hit ratio at each multiple of ``capacity``."""
-    result = {}
-    for m in DEFAULT_MULTIPLES:
-        reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
-        miss_ratio, _ = lcs.LRU(int(capacity * m), hashpower=HASHPOWER).process_trace(reader)
-        result[m] = 1.0 - miss_ratio
-    return result
 
 
 def feed(mrc: MissRatioCurve, keys: list[bytes]) -> None:
@@ -182,12 +163,11 @@ def main() -> None:
     timings: dict[str, float] = {}
     for index, (name, shape) in enumerate(TRACES.items()):
         capacity = int(args.accesses * shape["capacity"])
-        ids = zipf(args.accesses, n_keys=int(args.accesses * shape["key_space"]), alpha=shape["alpha"], seed=15)
-        key_of = {obj_id: block_key(obj_id) for obj_id in set(ids)}
-        keys = [key_of[obj_id] for obj_id in ids]
+        ids, keys = zipf_keys(args.accesses, int(args.accesses * shape["key_space"]), shape["alpha"])
         with tempfile.TemporaryDirectory() as directory:
-            exact = exact_curve(write_oracle_general(ids, Path(directory) / "zipf.oracleGeneral"), capacity)
-        info = {"alpha": shape["alpha"], "accesses": args.accesses, "distinct_keys": len(key_of), "capacity": capacity}
+            exact = exact_lru_curve(ids, Path(directory) / "zipf.oracleGeneral", capacity, DEFAULT_MULTIPLES)
+        distinct = len(set(ids))
+        info = {"alpha": shape["alpha"], "accesses": args.accesses, "distinct_keys": distinct, "capacity": capacity}
         errors = accuracy(keys, exact, capacity, args.seeds)
         report_accuracy(name, info, exact, errors)
         results[name] = {**info, "exact_lru_hit_ratio": [exact[m] for m in DEFAULT_MULTIPLES], "accuracy": errors}

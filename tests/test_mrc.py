@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
-import libcachesim as lcs
 import pytest
-from policy_traces import Trace, write_oracle_general, zipf
+from mrc_reference import block_key, exact_lru_curve, zipf_keys
+from policy_traces import Trace
 
-from tiercache.keys import KEY_BYTES
 from tiercache.mrc import DEFAULT_MULTIPLES, MissRatioCurve
 
 ACCESSES = 1_000_000
 KEY_SPACE = 2_000_000
-"""Zipf over 2M keys: the 1M accesses touch about 600K of them, as a remote tier's stream does."""
+"""Zipf over 2M keys: the 1M accesses touch about 370K of them, a wide stream as a remote tier sees."""
 ZIPF_ALPHA = 0.9
 CAPACITY = 50_000
 """The tier's capacity; the curve is checked at 0.25x .. 4x of it."""
@@ -28,32 +24,18 @@ FIXED_SIZE = 8_000
 FIXED_SIZE_START_RATE = 0.1
 REQUEST_KEYS = 64
 """Keys per access_many call: one 1024-token prompt of 16-token blocks."""
-HASHPOWER = 20
-
-
-def block_key(obj_id: int) -> bytes:
-    """A tiercache-like key (a BLAKE2b digest) for a trace's object id."""
-    return hashlib.blake2b(obj_id.to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
 
 
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> tuple[Trace, list[bytes], Path]:
-    ids = zipf(ACCESSES, n_keys=KEY_SPACE, alpha=ZIPF_ALPHA, seed=15)
-    key_of = {obj_id: block_key(obj_id) for obj_id in set(ids)}
-    path = write_oracle_general(ids, tmp_path_factory.mktemp("mrc") / "zipf.oracleGeneral")
-    return ids, [key_of[obj_id] for obj_id in ids], path
+def trace() -> tuple[Trace, list[bytes]]:
+    return zipf_keys(ACCESSES, KEY_SPACE, ZIPF_ALPHA)
 
 
 @pytest.fixture(scope="module")
-def exact(trace: tuple[Trace, list[bytes], Path]) -> dict[float, float]:
+def exact(trace: tuple[Trace, list[bytes]], tmp_path_factory: pytest.TempPathFactory) -> dict[float, float]:
     """libCacheSim's LRU hit ratio at each size: the exact curve."""
-    _, _, path = trace
-    result = {}
-    for m in DEFAULT_MULTIPLES:
-        reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
-        miss_ratio, _ = lcs.LRU(int(CAPACITY * m), hashpower=HASHPOWER).process_trace(reader)
-        result[m] = 1.0 - miss_ratio
-    return result
+    path = tmp_path_factory.mktemp("mrc") / "zipf.oracleGeneral"
+    return exact_lru_curve(trace[0], path, CAPACITY, DEFAULT_MULTIPLES)
 
 
 def estimates(keys: list[bytes], seeds: int, **options: float) -> list[dict[float, float]]:
@@ -80,13 +62,13 @@ def check(curves: list[dict[float, float]], exact: dict[float, float]) -> None:
 
 
 def test_rate_001_within_two_points_of_exact_lru(
-    trace: tuple[Trace, list[bytes], Path], exact: dict[float, float]
+    trace: tuple[Trace, list[bytes]], exact: dict[float, float]
 ) -> None:
     check(estimates(trace[1], SEEDS, sample_rate=0.01), exact)
 
 
 def test_fixed_size_variant_within_two_points_of_exact_lru(
-    trace: tuple[Trace, list[bytes], Path], exact: dict[float, float]
+    trace: tuple[Trace, list[bytes]], exact: dict[float, float]
 ) -> None:
     check(estimates(trace[1], 1, sample_rate=FIXED_SIZE_START_RATE, max_samples=FIXED_SIZE), exact)
 
