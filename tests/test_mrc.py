@@ -81,6 +81,7 @@ def test_exact_at_full_rate_on_a_small_trace() -> None:
         mrc.access(key)
     # a, b, c: cold; a, b, c again: two other keys since (hit with 3 blocks); c: distance 0.
     assert mrc.curve(1, (1, 2, 3)) == pytest.approx({1: 1 / 7, 2: 1 / 7, 3: 4 / 7})
+    assert mrc.curve(0) == dict.fromkeys(DEFAULT_MULTIPLES, 0.0)
 
 
 def test_buffered_accesses_count_before_a_flush_and_keys_of_any_length() -> None:

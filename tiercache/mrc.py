@@ -134,8 +134,7 @@ class MissRatioCurve:
 
     def _record(self, key: bytes, spatial_hash: int) -> None:
         """One sampled access: its reuse distance within the sample, scaled to the whole stream."""
-        rate = self._threshold / HASH_SPACE
-        weight = 1.0 / rate
+        weight = HASH_SPACE / self._threshold  # 1 / rate: the accesses this one stands for
         self._sampled += 1
         now = self._clock
         self._clock += 1
@@ -151,7 +150,7 @@ class MissRatioCurve:
                     self._lower_threshold()
             return
         distinct_since = len(times) - times.bisect_right(previous)
-        self._distances[int(distinct_since / rate)] += weight
+        self._distances[int(distinct_since * weight)] += weight
         times.remove(previous)
         times.add(now)
 
@@ -182,7 +181,11 @@ class MissRatioCurve:
         adjustment = self._accesses - sampled_weight  # SHARDS-adj: the sampling error, put at distance 0
         result: dict[float, float] = {}
         for m in multiples:
-            count = int(np.searchsorted(bounds, capacity * m, side="left"))  # distances < size hit
+            size = capacity * m
+            if size <= 0:
+                result[m] = 0.0
+                continue
+            count = int(np.searchsorted(bounds, size, side="left"))  # distances < size hit
             hits = (float(cumulative[count - 1]) if count else 0.0) + adjustment
             result[m] = min(1.0, max(0.0, hits / self._accesses))
         return result
