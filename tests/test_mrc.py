@@ -82,6 +82,9 @@ def test_exact_at_full_rate_on_a_small_trace() -> None:
     # a, b, c: cold; a, b, c again: two other keys since (hit with 3 blocks); c: distance 0.
     assert mrc.curve(1, (1, 2, 3)) == pytest.approx({1: 1 / 7, 2: 1 / 7, 3: 4 / 7})
     assert mrc.curve(0) == dict.fromkeys(DEFAULT_MULTIPLES, 0.0)
+    summary = mrc.summary(2)
+    assert summary["hit_ratio"] == pytest.approx({"0.25": 1 / 7, "0.5": 1 / 7, "1": 1 / 7, "2": 4 / 7, "4": 4 / 7})
+    assert (summary["capacity_blocks"], summary["accesses"], summary["tracked_keys"]) == (2, 7, 3)
 
 
 def test_buffered_accesses_count_before_a_flush_and_keys_of_any_length() -> None:

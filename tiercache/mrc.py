@@ -190,6 +190,15 @@ class MissRatioCurve:
             result[m] = min(1.0, max(0.0, hits / self._accesses))
         return result
 
+    def summary(self, capacity: float, multiples: Sequence[float] = DEFAULT_MULTIPLES) -> dict[str, object]:
+        """What stats() shows per tier: hit ratio per capacity multiple (keys like "0.25"), and the sampling."""
+        curve = self.curve(capacity, multiples)
+        return {
+            "capacity_blocks": capacity,
+            "hit_ratio": {f"{m:g}": ratio for m, ratio in curve.items()},
+            **self.stats(),
+        }
+
     def stats(self) -> dict[str, float | int]:
         """Accesses seen, sampled accesses, keys tracked and the rate in force (for stats() and metrics)."""
         self.flush()
