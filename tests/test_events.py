@@ -268,6 +268,28 @@ def test_a_failing_subscriber_is_logged_and_counted_and_others_still_run(caplog:
     assert "subscriber bug" in caplog.text
 
 
+def test_a_stuck_subscriber_never_blocks_the_engine_thread() -> None:
+    """A callback that never returns holds the background thread: engine calls still return, drops counted."""
+    sink = EventSink(EventsConfig(enabled=True, max_queue=4))
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(batch: Any) -> None:
+        entered.set()
+        release.wait()
+
+    sink.subscribe(stuck)
+    sink.start()
+    sink.removed("gpu", keys(1))
+    assert entered.wait(DELIVERY_TIMEOUT_MS / 1000)  # the background thread is now stuck in the callback
+    for i in range(10):  # each call returns at once although nothing drains the queue
+        sink.removed("gpu", keys(1, salt=i))
+    assert sink.stats()["dropped"] == 6
+    release.set()
+    assert sink.flush()
+    sink.close()
+    assert sink.stats()["events"] == 5
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [
