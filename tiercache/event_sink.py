@@ -1,10 +1,10 @@
 """Where the manager reports every change of what a tier holds; batches reach subscribers off its thread.
 
 The engine-facing calls (``stored``, ``removed``, ``cleared``) only append a tuple
-to a bounded deque: no hashing, no encoding, no lock, no wake-up, so a store or
-an eviction in the engine's loop pays well under a microsecond (measured by
-benchmarks/events.py). When the
-deque is full the event is dropped and counted. A background thread wakes every
+to a bounded deque: no hashing, no encoding, no lock, no wake-up. What a store or
+an eviction pays in the engine's loop is that append plus, under CPython's GIL,
+a share of the background thread's encoding (benchmarks/events.py measures
+both). When the deque is full the event is dropped and counted. A background thread wakes every
 ``flush_interval_s``, turns everything queued into one ``KVEventBatch`` (keys to
 the integers routers expect, token ids to lists), hands it to each in-process
 subscriber (a failing callback is logged and counted, never raised) and to the
