@@ -13,7 +13,7 @@ import zmq
 from msgspec.msgpack import Decoder
 
 from tiercache.event_sink import EventSink
-from tiercache.events import EventsConfig, block_hash
+from tiercache.events import EventsConfig, EventWire, block_hash
 
 TOPIC = "kv-events"
 BLOCK_SIZE = 4
@@ -70,6 +70,47 @@ class ExampleKVEventBatch(ExampleEventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# vLLM's newer releases (the same file, later): no array_like, so maps keyed by field name.
+
+
+class NewerEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class NewerKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class NewerBlockStored(NewerKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class NewerBlockRemoved(NewerKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class NewerAllBlocksCleared(NewerKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class NewerKVEventBatch(NewerEventBatch):
+    events: list[NewerBlockStored | NewerBlockRemoved | NewerAllBlocksCleared]
+
+
 # --- helpers -----------------------------------------------------------------------------------
 
 
@@ -82,17 +123,23 @@ def reference_hash(key: bytes) -> int:
     return int.from_bytes(key[8:16], byteorder="big", signed=False)
 
 
-@pytest.fixture
-def sink() -> Any:
+def started_sink(wire: EventWire = EventWire.ARRAY) -> EventSink:
     config = EventsConfig(
         enabled=True,
         endpoint="tcp://127.0.0.1:*",
         replay_endpoint="tcp://127.0.0.1:*",
         topic=TOPIC,
+        wire=wire,
         data_parallel_rank=0,
     )
     sink = EventSink.from_config(config)
     sink.start()
+    return sink
+
+
+@pytest.fixture
+def sink() -> Any:
+    sink = started_sink()
     yield sink
     sink.close()
 
@@ -170,6 +217,34 @@ def test_vllm_subscriber_decodes_every_event_kind(sink: EventSink, context: zmq.
     assert raw[1][2] == ["BlockRemoved", [reference_hash(k) for k in gpu_keys[1:]], "gpu"]
     assert raw[1][3] == ["AllBlocksCleared"]
     assert raw[2] == 0
+
+
+def test_newer_vllm_subscriber_decodes_the_map_wire(context: zmq.Context) -> None:
+    sink = started_sink(EventWire.MAP)
+    try:
+        sub, _ = joined_subscriber(sink, context)
+        stored = keys(2, salt=3)
+        sink.stored("cpu", stored, None, list(range(2 * BLOCK_SIZE)), BLOCK_SIZE, lora_id=1)
+        sink.removed("cpu", stored[1:])
+        sink.cleared()
+        assert sink.flush()
+        _, _, payload = receive(sub)
+    finally:
+        sink.close()
+    batch = Decoder(type=NewerKVEventBatch).decode(payload)
+    assert batch.data_parallel_rank == 0
+    assert batch.events == [
+        NewerBlockStored(
+            [reference_hash(k) for k in stored], None, list(range(2 * BLOCK_SIZE)), BLOCK_SIZE, 1, "cpu", None
+        ),
+        NewerBlockRemoved([reference_hash(stored[1])], "cpu"),
+        NewerAllBlocksCleared(),
+    ]
+    assert msgspec.msgpack.decode(payload)["events"][1] == {
+        "type": "BlockRemoved",
+        "block_hashes": [reference_hash(stored[1])],
+        "medium": "cpu",
+    }
 
 
 def test_a_gap_is_replayed_from_the_replay_socket(sink: EventSink, context: zmq.Context) -> None:

@@ -2,7 +2,7 @@
 
 PUB socket: each batch is one multipart message ``(topic, seq, payload)``: the
 configured topic, the batch's sequence number (8 bytes, big-endian, from 0) and
-the msgpack of the ``KVEventBatch``. The last ``replay_batches`` payloads are
+the msgpack of the ``KVEventBatch`` (in the configured ``EventWire`` form). The last ``replay_batches`` payloads are
 kept; a client that sees a gap in the sequence numbers sends the first missing
 one (8 bytes, big-endian) to the ROUTER replay socket, which answers with
 ``(seq, payload)`` for every kept batch from there on, then ``(-1, b"")`` as the
@@ -23,7 +23,7 @@ from itertools import count
 import msgspec
 import zmq
 
-from tiercache.events import EventsConfig, KVEventBatch
+from tiercache.events import EventsConfig, EventWire, KVEventBatch, to_map_wire
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ZmqEventPublisher:
     def publish(self, batch: KVEventBatch) -> None:
         """Send one batch with the next sequence number and keep it for replay (never blocks: PUB drops)."""
         seq = next(self._sequence)
-        payload = self._encoder.encode(batch)
+        payload = self._encoder.encode(to_map_wire(batch) if self.config.wire is EventWire.MAP else batch)
         self._pub.send_multipart((self._topic, seq.to_bytes(SEQ_BYTES, "big"), payload), flags=zmq.NOBLOCK)
         self._buffer.append((seq, payload))
         self.published += 1

@@ -7,8 +7,10 @@ them in ``vllm/distributed/kv_events.py`` (and copies into its example subscribe
 tagged with its class name (``tag=True``), so a ``BlockStored`` goes on the wire as
 ``["BlockStored", [hashes], parent, [tokens], block_size, lora_id, medium]`` and a
 batch as ``[ts, [events], data_parallel_rank]`` (the rank left out when None).
-``medium`` carries the tier's name. vLLM's newest releases dropped ``array_like``
-(events become maps); routers that decode those are not served by this module.
+``medium`` carries the tier's name. vLLM's newer releases dropped ``array_like``
+(events are maps keyed by field name, the tag in ``type``, and ``BlockStored``
+gained ``lora_name``): ``EventsConfig.wire = EventWire.MAP`` publishes that form,
+for routers written against those releases.
 
 Block hashes: tiercache's keys are 16-byte BLAKE2b digests (tiercache.keys); on
 the wire a key is the unsigned 64-bit integer of its last 8 bytes, big-endian
@@ -21,6 +23,7 @@ Needs the ``events`` extra (msgspec; the ZeroMQ publisher also needs pyzmq).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +68,15 @@ def block_hashes(keys: Sequence[bytes]) -> list[int]:
     return [block_hash(key) for key in keys]
 
 
+class EventWire(enum.Enum):
+    """How batches are encoded for the ZeroMQ publisher."""
+
+    ARRAY = "array"
+    """Positional arrays: the vLLM releases whose example subscriber declares ``array_like``."""
+    MAP = "map"
+    """Maps keyed by field name: vLLM's newer releases."""
+
+
 @dataclass
 class EventsConfig:
     """KV events: off by default; in-process subscribers need only ``enabled``, a router needs ``endpoint``."""
@@ -75,6 +87,7 @@ class EventsConfig:
     replay_endpoint: str | None = None
     """ZeroMQ ROUTER address for replaying missed batches, e.g. ``tcp://*:5558``; None: no replay."""
     topic: str = DEFAULT_TOPIC
+    wire: EventWire = EventWire.ARRAY
     data_parallel_rank: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     replay_batches: int = DEFAULT_REPLAY_BATCHES
@@ -137,3 +150,67 @@ class KVEventBatch(EventBatch):
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 """Any one event."""
+
+
+class MapEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    """``EventBatch`` as vLLM's newer releases declare it (a map)."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the map-encoded events; the tag (in ``type``) is the same class name as in the array form."""
+
+
+class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
+    """``BlockStored`` as a map; ``lora_name`` has no default in vLLM, so it is always sent."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
+    """``BlockRemoved`` as a map."""
+
+    block_hashes: list[int]
+    medium: str | None
+
+
+class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
+    """``AllBlocksCleared`` as a map."""
+
+
+class MapKVEventBatch(MapEventBatch):
+    """The map-encoded message."""
+
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+
+
+def to_map_wire(batch: KVEventBatch) -> MapKVEventBatch:
+    """The same batch in the map form (``EventWire.MAP``)."""
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared] = []
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            events.append(
+                MapBlockStored(
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    event.block_size,
+                    event.lora_id,
+                    event.medium,
+                    lora_name=None,
+                )
+            )
+        elif isinstance(event, BlockRemoved):
+            events.append(MapBlockRemoved(event.block_hashes, event.medium))
+        else:
+            events.append(MapAllBlocksCleared())
+    return MapKVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank)
