@@ -75,6 +75,22 @@ def test_latency_and_throughput_are_fitted_per_batch_size() -> None:
     assert model.plan(TIER, 256, 256 * BLOCK_TOKENS)
 
 
+def test_usable_prefix_stops_before_the_first_tier_not_worth_fetching() -> None:
+    model = enabled_model()
+    for blocks in (8, 32):
+        model.observe_fetch("near", blocks, blocks * BLOCK_BYTES, fetch_seconds(FAST, blocks))
+        model.observe_fetch("far", blocks, blocks * BLOCK_BYTES, fetch_seconds(SLOW, blocks))
+    runs = [(None, 4), ("near", 8), (None, 2), ("far", 8), ("near", 2)]
+    # near: 10 blocks in 1.7 ms against 20 blocks (32 ms) of prefill is worth it; far: 300 ms against
+    # the last 10 blocks (16 ms) is not, and cutting there also drops near's 2 blocks behind it.
+    assert model.usable_prefix(runs, BLOCK_TOKENS) == 14
+    assert model.stats()["tiers"]["far"]["bypassed_slower_than_recompute"] == 1
+    assert model.usable_prefix([(None, 6)], BLOCK_TOKENS) == 6
+    slow_first = [("far", 2), ("near", 30)]
+    assert model.usable_prefix(slow_first, BLOCK_TOKENS) == 0  # 300 ms against 51 ms of prefill
+    assert model.stats()["tiers"]["near"]["fetches_planned"] == 1  # near was never weighed the second time
+
+
 def test_observed_prefill_rate_replaces_the_configured_one() -> None:
     model = enabled_model()
     model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, 0.02)  # 20 ms: faster than 51.2 ms

@@ -17,6 +17,7 @@ Not thread-safe: call it from one thread (the manager's event loop or the engine
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_SMOOTHING = 0.2
@@ -180,6 +181,30 @@ class CostModel:
         state.bypassed_slower_than_recompute += 1
         return False
 
+    def usable_prefix(self, runs: Sequence[tuple[str | None, int]], block_size: int) -> int:
+        """How many blocks of a lookup's prefix to use: it stops before the first tier not worth fetching.
+
+        ``runs`` is the prefix in order as (tier serving it, blocks), tier None for blocks already
+        local (GPU, CPU). Keys chain, so skipping a tier's blocks loses every block after its first
+        one: a tier is weighed against recomputing the tokens from there to the end of what is still
+        used, with all its blocks in that span as one fetch. Tiers are weighed in the order they first
+        appear; each is one ``plan`` (and counted like one).
+        """
+        starts: dict[str, int] = {}
+        position = 0
+        for tier, blocks in runs:
+            if tier is not None:
+                starts.setdefault(tier, position)
+            position += blocks
+        usable = position
+        for tier, start in starts.items():  # insertion order: first appearance
+            if start >= usable:
+                break
+            blocks = _blocks_before(runs, tier, usable)
+            if not self.plan(tier, blocks, (usable - start) * block_size):
+                usable = start
+        return usable
+
     def _explore_every(self) -> int:
         return max(1, round(1 / self.config.explore_fraction))
 
@@ -197,3 +222,15 @@ class CostModel:
                 "explored": state.explored,
             }
         return {"enabled": self.config.enabled, "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}
+
+
+def _blocks_before(runs: Sequence[tuple[str | None, int]], tier: str, limit: int) -> int:
+    """Blocks served by ``tier`` among the first ``limit`` blocks of ``runs``."""
+    count = position = 0
+    for serving, blocks in runs:
+        if position >= limit:
+            break
+        if serving == tier:
+            count += min(blocks, limit - position)
+        position += blocks
+    return count
