@@ -365,10 +365,29 @@ def test_a_stuck_subscriber_never_blocks_the_engine_thread() -> None:
     assert sink.stats()["events"] == 5
 
 
+def test_a_copy_moved_by_key_carries_the_parent_and_tokens_first_stored() -> None:
+    sink = EventSink(EventsConfig(enabled=True, lineage_blocks=3))
+    batches: list[Any] = []
+    sink.subscribe(batches.append)
+    chain = keys(4, salt=20)
+    tokens = list(range(4 * BLOCK_SIZE))
+    sink.stored("gpu", chain, None, tokens, BLOCK_SIZE)  # the last 3 blocks are remembered
+    sink.stored("cpu", chain[2:], None, None, BLOCK_SIZE)  # demoted by key alone
+    sink.stored("cpu", chain[:2], None, None, BLOCK_SIZE)  # the first block was forgotten: no tokens
+    sink.start()
+    assert sink.flush()
+    sink.close()
+    _, demoted, forgotten = batches[0].events
+    assert demoted.parent_block_hash == block_hash(chain[1])
+    assert demoted.token_ids == tokens[2 * BLOCK_SIZE :]
+    assert (forgotten.parent_block_hash, forgotten.token_ids) == (None, [])
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [
         ({"max_queue": 0}, "max_queue"),
+        ({"lineage_blocks": -1}, "lineage_blocks"),
         ({"flush_interval_s": 0.0}, "flush_interval_s"),
         ({"endpoint": "localhost:5557"}, "endpoint"),
         ({"replay_endpoint": "tcp://*:5558"}, "replay_endpoint"),

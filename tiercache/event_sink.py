@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from tiercache.event_lineage import BlockLineage
 from tiercache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -78,6 +79,7 @@ class EventSink:
         self._wake = threading.Event()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._lineage = BlockLineage(self.config.lineage_blocks)
         self.dropped = 0
         self.batches = 0
         self.events = 0
@@ -101,11 +103,15 @@ class EventSink:
         tier: str,
         keys: Sequence[bytes],
         parent_key: bytes | None,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | None,
         block_size: int,
         lora_id: int | None = None,
     ) -> None:
-        """``tier`` now holds ``keys``, consecutive blocks of one chain after ``parent_key``, of ``token_ids``."""
+        """``tier`` now holds ``keys``, consecutive blocks of one chain after ``parent_key``, of ``token_ids``.
+
+        A copy moved by key alone (a demotion, a promotion) passes ``token_ids=None``: the event then
+        carries what the blocks' first ``stored`` said (``EventsConfig.lineage_blocks``), else no tokens.
+        """
         self._push((_Kind.STORED, tier, keys, parent_key, token_ids, block_size, lora_id))
 
     def removed(self, tier: str, keys: Sequence[bytes]) -> None:
@@ -203,11 +209,12 @@ class EventSink:
             kind = item[0]
             if kind is _Kind.STORED:
                 _, tier, keys, parent, tokens, block_size, lora_id = item
+                parent, token_ids = self._lineage_of(keys, parent, tokens, block_size)
                 events.append(
                     BlockStored(
                         block_hashes=block_hashes(keys),
                         parent_block_hash=None if parent is None else block_hash(parent),
-                        token_ids=_int_list(tokens),
+                        token_ids=token_ids,
                         block_size=block_size,
                         lora_id=lora_id,
                         medium=tier,
@@ -224,6 +231,19 @@ class EventSink:
             self._deliver(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=rank))
         for done in flushed:
             done.set()
+
+    def _lineage_of(
+        self, keys: Sequence[bytes], parent: bytes | None, tokens: Sequence[int] | None, block_size: int
+    ) -> tuple[bytes | None, list[int]]:
+        """The parent and token ids a stored event carries: as given (and remembered), or as remembered."""
+        if tokens is not None:
+            token_ids = _int_list(tokens)
+            self._lineage.remember(keys, parent, token_ids, block_size)
+            return parent, token_ids
+        known = self._lineage.recall(keys)
+        if known is None:
+            return parent, []
+        return (parent if parent is not None else known[0]), known[1]
 
     def _deliver(self, batch: KVEventBatch) -> None:
         self.batches += 1

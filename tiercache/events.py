@@ -48,6 +48,8 @@ DEFAULT_REPLAY_BATCHES = 10_000
 """Published batches kept for replay; vLLM's ``buffer_steps``."""
 DEFAULT_HWM = 100_000
 """ZeroMQ high-water mark of the PUB socket; vLLM's default."""
+DEFAULT_LINEAGE_BLOCKS = 0
+"""Blocks whose parent and tokens are remembered for the events of their later copies (0: none)."""
 DEFAULT_FLUSH_INTERVAL_S = 0.005
 """How often the background thread turns queued events into one batch (and serves replays)."""
 
@@ -93,8 +95,13 @@ class EventsConfig:
     replay_batches: int = DEFAULT_REPLAY_BATCHES
     hwm: int = DEFAULT_HWM
     flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    lineage_blocks: int = DEFAULT_LINEAGE_BLOCKS
+    """Remember parent and tokens of this many recently computed blocks, so the ``BlockStored`` of a
+    block demoted or promoted later by key carries them too (about block_size x 8 bytes each)."""
 
     def __post_init__(self) -> None:
+        if self.lineage_blocks < 0:
+            raise ValueError(f"lineage_blocks: expected an integer >= 0, got {self.lineage_blocks!r}")
         for name in ("max_queue", "replay_batches", "hwm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected an integer > 0, got {getattr(self, name)!r}")
