@@ -263,15 +263,18 @@ def test_a_gap_is_replayed_from_the_replay_socket(sink: EventSink, context: zmq.
     assert current > seen_last + 1
 
     # vLLM's example subscriber: a REQ socket sends the first missing seq and gets back the first
-    # batch from there (a REQ takes one reply per request), so it asks once per missing batch.
-    req = context.socket(zmq.REQ)
-    req.connect(sink._publisher.replay_endpoint)
+    # batch from there. A REQ takes one reply per request and the rest of the stream stays in its
+    # pipe, where a later request on the same socket may take a stale one as its answer (the
+    # protocol's, and the example's, limit): so one fresh REQ socket per missing batch.
     recovered = []
     next_seq = seen_last + 1
     while next_seq < current:
+        req = context.socket(zmq.REQ)
+        req.connect(sink._publisher.replay_endpoint)
         req.send(next_seq.to_bytes(8, "big"))
         assert req.poll(DELIVERY_TIMEOUT_MS), "no replay answer"
         seq_bytes, payload = req.recv_multipart()
+        req.close(linger=0)
         assert payload, "the replay buffer lost batches it should keep"
         recovered.append(int.from_bytes(seq_bytes, "big"))
         assert decoder.decode(payload) == published[recovered[-1]]
