@@ -1,0 +1,406 @@
+"""KV events: a real ZeroMQ subscriber on loopback decodes them with vLLM's own message definitions."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from msgspec.msgpack import Decoder
+
+from tiercache.event_sink import EventSink
+from tiercache.events import EventsConfig, EventWire, block_hash
+
+TOPIC = "kv-events"
+BLOCK_SIZE = 4
+DELIVERY_TIMEOUT_MS = 10_000
+"""Generous bound for a message that was sent to arrive (never a speed threshold)."""
+JOIN_ATTEMPTS = 100
+"""Probe batches sent at most while a new SUB socket's subscription reaches the PUB (slow joiner)."""
+JOIN_POLL_MS = 100
+
+
+# --- The reference: vLLM's message definitions, copied as vLLM declares them --------------------
+# (vllm/distributed/kv_events.py, the release with `medium` and `data_parallel_rank`, and
+# examples/online_serving/kv_events_subscriber.py, whose EventBatch has no rank field).
+
+
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class VllmKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(VllmKVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(VllmKVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(VllmKVCacheEvent):
+    pass
+
+
+class KVEventBatch(VllmEventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class ExampleEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class ExampleKVEventBatch(ExampleEventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# vLLM's newer releases (the same file, later): no array_like, so maps keyed by field name.
+
+
+class NewerEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class NewerKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class NewerBlockStored(NewerKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class NewerBlockRemoved(NewerKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class NewerAllBlocksCleared(NewerKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class NewerKVEventBatch(NewerEventBatch):
+    events: list[NewerBlockStored | NewerBlockRemoved | NewerAllBlocksCleared]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def keys(n: int, salt: int = 0) -> list[bytes]:
+    return [hashlib.blake2b(bytes([salt, i]), digest_size=16).digest() for i in range(n)]
+
+
+def reference_hash(key: bytes) -> int:
+    """The mapping written out independently: the last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(key[8:16], byteorder="big", signed=False)
+
+
+def started_sink(wire: EventWire = EventWire.ARRAY) -> EventSink:
+    config = EventsConfig(
+        enabled=True,
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic=TOPIC,
+        wire=wire,
+        data_parallel_rank=0,
+    )
+    sink = EventSink.from_config(config)
+    sink.start()
+    return sink
+
+
+@pytest.fixture
+def sink() -> Any:
+    sink = started_sink()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture
+def context() -> Any:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def joined_subscriber(sink: EventSink, context: zmq.Context) -> tuple[zmq.Socket, int]:
+    """A SUB socket that has provably joined: probe batches until one arrives; returns its last seq."""
+    sub = context.socket(zmq.SUB)
+    sub.connect(sink._publisher.endpoint)
+    sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+    for _ in range(JOIN_ATTEMPTS):
+        sink.removed("probe", keys(1, salt=255))
+        assert sink.flush()
+        if sub.poll(JOIN_POLL_MS):
+            last_sent = sink.stats()["published"] - 1
+            while receive(sub)[1] != last_sent:  # drain the probes still on their way
+                pass
+            return sub, last_sent
+    raise AssertionError("the subscriber never joined")
+
+
+def receive(sub: zmq.Socket) -> tuple[bytes, int, bytes]:
+    assert sub.poll(DELIVERY_TIMEOUT_MS), "a published batch never arrived"
+    topic, seq_bytes, payload = sub.recv_multipart()
+    return topic, int.from_bytes(seq_bytes, "big"), payload
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+def test_block_hash_is_the_last_eight_bytes_big_endian() -> None:
+    key = bytes(range(16))
+    assert block_hash(key) == 0x08090A0B0C0D0E0F
+    assert all(block_hash(k) == reference_hash(k) for k in keys(50))
+
+
+def test_vllm_subscriber_decodes_every_event_kind(sink: EventSink, context: zmq.Context) -> None:
+    sub, last_seq = joined_subscriber(sink, context)
+    gpu_keys, cpu_keys = keys(3, salt=1), keys(2, salt=2)
+    tokens = list(range(3 * BLOCK_SIZE))
+    sink.stored("gpu", gpu_keys, None, tokens, BLOCK_SIZE)
+    sink.stored("cpu", cpu_keys, gpu_keys[-1], tokens[: 2 * BLOCK_SIZE], BLOCK_SIZE, lora_id=7)
+    sink.removed("gpu", gpu_keys[1:])
+    sink.cleared()
+    assert sink.flush()
+
+    topic, seq, payload = receive(sub)
+    assert topic == TOPIC.encode()
+    assert seq == last_seq + 1
+    batch = Decoder(type=KVEventBatch).decode(payload)
+    assert batch.data_parallel_rank == 0
+    assert batch.events == [
+        BlockStored([reference_hash(k) for k in gpu_keys], None, tokens, BLOCK_SIZE, None, "gpu"),
+        BlockStored(
+            [reference_hash(k) for k in cpu_keys],
+            reference_hash(gpu_keys[-1]),
+            tokens[: 2 * BLOCK_SIZE],
+            BLOCK_SIZE,
+            7,
+            "cpu",
+        ),
+        BlockRemoved([reference_hash(k) for k in gpu_keys[1:]], "gpu"),
+        AllBlocksCleared(),
+    ]
+    # The example subscriber's batch (no rank field) reads the same message: the trailing rank is skipped.
+    assert Decoder(type=ExampleKVEventBatch).decode(payload).events == batch.events
+    # On the wire: positional arrays with the class name as tag, as vLLM sends them.
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[1][2] == ["BlockRemoved", [reference_hash(k) for k in gpu_keys[1:]], "gpu"]
+    assert raw[1][3] == ["AllBlocksCleared"]
+    assert raw[2] == 0
+
+
+def test_newer_vllm_subscriber_decodes_the_map_wire(context: zmq.Context) -> None:
+    sink = started_sink(EventWire.MAP)
+    try:
+        sub, _ = joined_subscriber(sink, context)
+        stored = keys(2, salt=3)
+        sink.stored("cpu", stored, None, list(range(2 * BLOCK_SIZE)), BLOCK_SIZE, lora_id=1)
+        sink.removed("cpu", stored[1:])
+        sink.cleared()
+        assert sink.flush()
+        _, _, payload = receive(sub)
+    finally:
+        sink.close()
+    batch = Decoder(type=NewerKVEventBatch).decode(payload)
+    assert batch.data_parallel_rank == 0
+    assert batch.events == [
+        NewerBlockStored(
+            [reference_hash(k) for k in stored], None, list(range(2 * BLOCK_SIZE)), BLOCK_SIZE, 1, "cpu", None
+        ),
+        NewerBlockRemoved([reference_hash(stored[1])], "cpu"),
+        NewerAllBlocksCleared(),
+    ]
+    assert msgspec.msgpack.decode(payload)["events"][1] == {
+        "type": "BlockRemoved",
+        "block_hashes": [reference_hash(stored[1])],
+        "medium": "cpu",
+    }
+
+
+def test_a_gap_is_replayed_from_the_replay_socket(sink: EventSink, context: zmq.Context) -> None:
+    sub, last_seq = joined_subscriber(sink, context)
+    decoder = Decoder(type=KVEventBatch)
+    published = {}
+    for i in range(6):
+        sink.stored("gpu", keys(1, salt=10 + i), None, list(range(BLOCK_SIZE)), BLOCK_SIZE)
+        assert sink.flush()
+        _, seq, payload = receive(sub)
+        published[seq] = decoder.decode(payload)
+    sequence = sorted(published)
+    assert sequence == list(range(last_seq + 1, last_seq + 7))
+    lost = sequence[1:4]  # the subscriber "missed" these three
+    seen_last, current = sequence[0], sequence[4]
+    assert current > seen_last + 1
+
+    # vLLM's example subscriber: a REQ socket sends the first missing seq and gets back the first
+    # batch from there. A REQ takes one reply per request and the rest of the stream stays in its
+    # pipe, where a later request on the same socket may take a stale one as its answer (the
+    # protocol's, and the example's, limit): so one fresh REQ socket per missing batch.
+    recovered = []
+    next_seq = seen_last + 1
+    while next_seq < current:
+        req = context.socket(zmq.REQ)
+        req.connect(sink._publisher.replay_endpoint)
+        req.send(next_seq.to_bytes(8, "big"))
+        assert req.poll(DELIVERY_TIMEOUT_MS), "no replay answer"
+        seq_bytes, payload = req.recv_multipart()
+        req.close(linger=0)
+        assert payload, "the replay buffer lost batches it should keep"
+        recovered.append(int.from_bytes(seq_bytes, "big"))
+        assert decoder.decode(payload) == published[recovered[-1]]
+        next_seq = recovered[-1] + 1
+    assert recovered == lost
+
+    # A DEALER gets the whole stream for one request, then the end marker (seq -1, empty payload).
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(sink._publisher.replay_endpoint)
+    dealer.send_multipart((b"", lost[0].to_bytes(8, "big")))
+    streamed = []
+    while True:
+        assert dealer.poll(DELIVERY_TIMEOUT_MS), "replay stream stopped before its end marker"
+        _, seq_bytes, payload = dealer.recv_multipart()
+        if not payload:
+            assert int.from_bytes(seq_bytes, "big", signed=True) == -1
+            break
+        streamed.append(int.from_bytes(seq_bytes, "big"))
+    assert streamed == sequence[1:]
+    assert sink.stats()["replay_requests"] == len(lost) + 1
+
+
+def test_bounded_queue_drops_and_counts() -> None:
+    sink = EventSink(EventsConfig(enabled=True, max_queue=3))
+    batches = []
+    sink.subscribe(batches.append)
+    for i in range(5):  # not started yet: nothing drains the queue
+        sink.removed("gpu", keys(1, salt=i))
+    assert sink.stats()["dropped"] == 2
+    sink.start()
+    assert sink.flush()
+    sink.close()
+    assert [len(b.events) for b in batches] == [3]
+    assert sink.stats() | {"queued": 0} == {
+        "queued": 0,
+        "dropped": 2,
+        "batches": 1,
+        "events": 3,
+        "callback_errors": 0,
+        "publish_errors": 0,
+    }
+
+
+def test_a_failing_subscriber_is_logged_and_counted_and_others_still_run(caplog: pytest.LogCaptureFixture) -> None:
+    sink = EventSink(EventsConfig(enabled=True))
+    threads = []
+    received = []
+
+    def broken(batch: Any) -> None:
+        raise RuntimeError("subscriber bug")
+
+    def good(batch: Any) -> None:
+        threads.append(threading.current_thread())
+        received.append(batch)
+
+    sink.subscribe(broken)
+    unsubscribe = sink.subscribe(good)
+    sink.start()
+    with caplog.at_level(logging.ERROR, logger="tiercache.event_sink"):
+        sink.cleared("cpu")
+        assert sink.flush()
+    unsubscribe()
+    sink.removed("gpu", keys(1))
+    assert sink.flush()
+    sink.close()
+    assert len(received) == 1
+    assert threads == [sink._thread] and sink._thread is not threading.current_thread()
+    assert sink.stats()["callback_errors"] == 2
+    assert "subscriber bug" in caplog.text
+
+
+def test_a_stuck_subscriber_never_blocks_the_engine_thread() -> None:
+    """A callback that never returns holds the background thread: engine calls still return, drops counted."""
+    sink = EventSink(EventsConfig(enabled=True, max_queue=4))
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(batch: Any) -> None:
+        entered.set()
+        release.wait()
+
+    sink.subscribe(stuck)
+    sink.start()
+    sink.removed("gpu", keys(1))
+    assert entered.wait(DELIVERY_TIMEOUT_MS / 1000)  # the background thread is now stuck in the callback
+    for i in range(10):  # each call returns at once although nothing drains the queue
+        sink.removed("gpu", keys(1, salt=i))
+    assert sink.stats()["dropped"] == 6
+    release.set()
+    assert sink.flush()
+    sink.close()
+    assert sink.stats()["events"] == 5
+
+
+def test_a_copy_moved_by_key_carries_the_parent_and_tokens_first_stored() -> None:
+    sink = EventSink(EventsConfig(enabled=True, lineage_blocks=3))
+    batches: list[Any] = []
+    sink.subscribe(batches.append)
+    chain = keys(4, salt=20)
+    tokens = list(range(4 * BLOCK_SIZE))
+    sink.stored("gpu", chain, None, tokens, BLOCK_SIZE)  # the last 3 blocks are remembered
+    sink.stored("cpu", chain[2:], None, None, BLOCK_SIZE)  # demoted by key alone
+    sink.stored("cpu", chain[:2], None, None, BLOCK_SIZE)  # the first block was forgotten: no tokens
+    sink.start()
+    assert sink.flush()
+    sink.close()
+    _, demoted, forgotten = batches[0].events
+    assert demoted.parent_block_hash == block_hash(chain[1])
+    assert demoted.token_ids == tokens[2 * BLOCK_SIZE :]
+    assert (forgotten.parent_block_hash, forgotten.token_ids) == (None, [])
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"max_queue": 0}, "max_queue"),
+        ({"lineage_blocks": -1}, "lineage_blocks"),
+        ({"flush_interval_s": 0.0}, "flush_interval_s"),
+        ({"endpoint": "localhost:5557"}, "endpoint"),
+        ({"replay_endpoint": "tcp://*:5558"}, "replay_endpoint"),
+    ],
+)
+def test_bad_settings_name_the_field(options: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        EventsConfig(**options)
+
+
+def test_a_busy_address_fails_at_construction(sink: EventSink) -> None:
+    with pytest.raises(zmq.ZMQError):
+        EventSink.from_config(EventsConfig(enabled=True, endpoint=sink._publisher.endpoint))

@@ -1,0 +1,236 @@
+"""Cost-aware tiers: skip a remote fetch that would take longer than recomputing its tokens.
+
+A remote tier is worth reading only while fetching a block is cheaper than the
+engine's prefill of the same tokens. Per remote tier this model keeps a smoothed
+fit of a fetch's duration as ``latency + bytes / throughput`` (an exponentially
+forgetting least-squares line through the observed (bytes, seconds) of each
+batch, so every batch size is predicted from one fit and a change in the tier
+shows within a few fetches), and the engine's prefill rate (from config, then
+from the engine's own measurements). ``plan`` answers fetch or bypass for one
+tier's part of a load. A bypassed tier is not observed, so its estimate would
+never recover: a fixed fraction of would-be bypasses goes through anyway
+(deterministically, every n-th), and those fetches update the fit.
+
+Pure: no threads, no I/O, no clock; the caller times its fetches and prefills.
+Not thread-safe: call it from one thread (the manager's event loop or the engine's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_SMOOTHING = 0.2
+"""Weight of the newest observation: the fit forgets half its past in about three fetches."""
+DEFAULT_EXPLORE_FRACTION = 1 / 32
+"""Share of would-be bypasses issued anyway so a recovered tier is noticed."""
+DEFAULT_MARGIN = 1.0
+"""Bypass when expected fetch time exceeds ``margin`` x expected recompute time."""
+FLAT_VARIANCE = 1e-9
+"""Relative variance of observed sizes below which they count as one size (no slope to fit)."""
+
+
+@dataclass
+class CostConfig:
+    """Settings of the cost model (off by default; the manager's YAML section maps onto it)."""
+
+    enabled: bool = False
+    prefill_tokens_per_s: float | None = None
+    """The engine's prefill rate before it reports any (``observe_prefill``); None: unknown, never bypass."""
+    smoothing: float = DEFAULT_SMOOTHING
+    explore_fraction: float = DEFAULT_EXPLORE_FRACTION
+    margin: float = DEFAULT_MARGIN
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s: expected a number > 0, got {self.prefill_tokens_per_s!r}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing: expected a number in (0, 1], got {self.smoothing!r}")
+        if not 0 < self.explore_fraction <= 1:
+            raise ValueError(f"explore_fraction: expected a number in (0, 1], got {self.explore_fraction!r}")
+        if not self.margin > 0:
+            raise ValueError(f"margin: expected a number > 0, got {self.margin!r}")
+
+
+@dataclass
+class FetchFit:
+    """Exponentially forgetting least squares of seconds against bytes, and bytes per block."""
+
+    smoothing: float
+    weight: float = 0.0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+    blocks: float = 0.0
+
+    def add(self, blocks: int, nbytes: int, seconds: float) -> None:
+        """Fold in one fetch, after decaying the past by ``1 - smoothing``."""
+        keep = 1.0 - self.smoothing
+        x = float(nbytes)
+        self.weight = self.weight * keep + 1.0
+        self.sum_x = self.sum_x * keep + x
+        self.sum_y = self.sum_y * keep + seconds
+        self.sum_xx = self.sum_xx * keep + x * x
+        self.sum_xy = self.sum_xy * keep + x * seconds
+        self.blocks = self.blocks * keep + blocks
+
+    def line(self) -> tuple[float, float]:
+        """(latency seconds, seconds per byte), both >= 0."""
+        mean_x = self.sum_x / self.weight
+        mean_y = self.sum_y / self.weight
+        variance = self.sum_xx / self.weight - mean_x * mean_x
+        if variance <= FLAT_VARIANCE * mean_x * mean_x:  # one batch size so far: all of it is per-byte
+            return 0.0, (mean_y / mean_x if mean_x else 0.0)
+        slope = (self.sum_xy / self.weight - mean_x * mean_y) / variance
+        intercept = mean_y - slope * mean_x
+        if slope < 0:
+            return mean_y, 0.0
+        if intercept < 0:
+            return 0.0, self.sum_xy / self.sum_xx
+        return intercept, slope
+
+    def seconds(self, blocks: int, nbytes: int | None = None) -> float:
+        """Expected duration of a fetch of ``blocks`` blocks (``nbytes`` if known, else the mean block size)."""
+        if nbytes is None:
+            nbytes = round(blocks * self.sum_x / self.blocks) if self.blocks else 0
+        latency, per_byte = self.line()
+        return latency + per_byte * nbytes
+
+
+@dataclass
+class TierCost:
+    """One remote tier's fit and counters."""
+
+    fit: FetchFit
+    fetches_planned: int = 0
+    bypassed_slower_than_recompute: int = 0
+    explored: int = 0
+    would_bypass: int = 0
+    observations: int = 0
+
+
+@dataclass
+class CostModel:
+    """Per remote tier: expected fetch time against expected recompute time, and the decision."""
+
+    config: CostConfig = field(default_factory=CostConfig)
+    _tiers: dict[str, TierCost] = field(default_factory=dict, init=False)
+    _prefill_tokens: float = field(default=0.0, init=False)
+    _prefill_seconds: float = field(default=0.0, init=False)
+
+    def _tier(self, tier: str) -> TierCost:
+        state = self._tiers.get(tier)
+        if state is None:
+            state = self._tiers[tier] = TierCost(FetchFit(self.config.smoothing))
+        return state
+
+    def observe_fetch(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
+        """A fetch of ``blocks`` blocks (``nbytes`` bytes) from ``tier`` took ``seconds`` (hit or miss alike)."""
+        if blocks <= 0 or seconds < 0:
+            return
+        state = self._tier(tier)
+        state.fit.add(blocks, nbytes, seconds)
+        state.observations += 1
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine prefilled ``tokens`` tokens in ``seconds``; replaces the configured rate from now on."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        keep = 1.0 - self.config.smoothing
+        self._prefill_tokens = self._prefill_tokens * keep + tokens
+        self._prefill_seconds = self._prefill_seconds * keep + seconds
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """The engine's prefill rate: smoothed observations, else the configured one, else None."""
+        if self._prefill_seconds > 0:
+            return self._prefill_tokens / self._prefill_seconds
+        return self.config.prefill_tokens_per_s
+
+    def expected_fetch_seconds(self, tier: str, blocks: int, nbytes: int | None = None) -> float | None:
+        """Predicted duration of a fetch of ``blocks`` blocks from ``tier`` (None before any observation)."""
+        state = self._tiers.get(tier)
+        if state is None or not state.observations:
+            return None
+        return state.fit.seconds(blocks, nbytes)
+
+    def expected_recompute_seconds(self, tokens: int) -> float | None:
+        """Predicted prefill time of ``tokens`` tokens (None while the rate is unknown)."""
+        rate = self.prefill_tokens_per_s
+        return None if rate is None else tokens / rate
+
+    def plan(self, tier: str, blocks: int, tokens: int, nbytes: int | None = None) -> bool:
+        """True: fetch these ``blocks`` (``tokens`` tokens) from ``tier``; False: treat them as misses.
+
+        Always True when the model is disabled or either side is still unknown.
+        """
+        if not self.config.enabled or blocks <= 0:
+            return True
+        fetch = self.expected_fetch_seconds(tier, blocks, nbytes)
+        recompute = self.expected_recompute_seconds(tokens)
+        state = self._tier(tier)
+        if fetch is None or recompute is None or fetch <= self.config.margin * recompute:
+            state.fetches_planned += 1
+            return True
+        state.would_bypass += 1
+        if state.would_bypass % self._explore_every() == 0:
+            state.explored += 1
+            state.fetches_planned += 1
+            return True
+        state.bypassed_slower_than_recompute += 1
+        return False
+
+    def usable_prefix(self, runs: Sequence[tuple[str | None, int]], block_size: int) -> int:
+        """How many blocks of a lookup's prefix to use: it stops before the first tier not worth fetching.
+
+        ``runs`` is the prefix in order as (tier serving it, blocks), tier None for blocks already
+        local (GPU, CPU). Keys chain, so skipping a tier's blocks loses every block after its first
+        one: a tier is weighed against recomputing the tokens from there to the end of what is still
+        used, with all its blocks in that span as one fetch. Tiers are weighed in the order they first
+        appear; each is one ``plan`` (and counted like one).
+        """
+        starts: dict[str, int] = {}
+        position = 0
+        for tier, blocks in runs:
+            if tier is not None:
+                starts.setdefault(tier, position)
+            position += blocks
+        usable = position
+        for tier, start in starts.items():  # insertion order: first appearance
+            if start >= usable:
+                break
+            blocks = _blocks_before(runs, tier, usable)
+            if not self.plan(tier, blocks, (usable - start) * block_size):
+                usable = start
+        return usable
+
+    def _explore_every(self) -> int:
+        return max(1, round(1 / self.config.explore_fraction))
+
+    def stats(self) -> dict[str, object]:
+        """The prefill rate and, per tier, the fitted latency and throughput and the decision counters."""
+        tiers: dict[str, dict[str, float | int | None]] = {}
+        for name, state in self._tiers.items():
+            latency, per_byte = state.fit.line() if state.observations else (None, None)
+            tiers[name] = {
+                "latency_s": latency,
+                "throughput_bytes_per_s": (1.0 / per_byte) if per_byte else None,
+                "observations": state.observations,
+                "fetches_planned": state.fetches_planned,
+                "bypassed_slower_than_recompute": state.bypassed_slower_than_recompute,
+                "explored": state.explored,
+            }
+        return {"enabled": self.config.enabled, "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}
+
+
+def _blocks_before(runs: Sequence[tuple[str | None, int]], tier: str, limit: int) -> int:
+    """Blocks served by ``tier`` among the first ``limit`` blocks of ``runs``."""
+    count = position = 0
+    for serving, blocks in runs:
+        if position >= limit:
+            break
+        if serving == tier:
+            count += min(blocks, limit - position)
+        position += blocks
+    return count

@@ -1,0 +1,270 @@
+"""Where the manager reports every change of what a tier holds; batches reach subscribers off its thread.
+
+The engine-facing calls (``stored``, ``removed``, ``cleared``) only append a tuple
+to a bounded deque: no hashing, no encoding, no lock, no wake-up. What a store or
+an eviction pays in the engine's loop is that append plus, under CPython's GIL,
+a share of the background thread's encoding (benchmarks/events.py measures
+both). When the deque is full the event is dropped and counted. A background thread wakes every
+``flush_interval_s``, turns everything queued into one ``KVEventBatch`` (keys to
+the integers routers expect, token ids to lists), hands it to each in-process
+subscriber (a failing callback is logged and counted, never raised) and to the
+publisher (ZeroMQ, tiercache.event_publisher), which also answers replay
+requests from that thread.
+
+The sequences passed in (keys, token ids) are read later, on that thread: the
+caller must not change them after the call (the manager's key lists are fresh).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from tiercache.event_lineage import BlockLineage
+from tiercache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventsConfig,
+    KVEvent,
+    KVEventBatch,
+    block_hash,
+    block_hashes,
+)
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 2.0
+"""Longest ``close`` waits for the background thread to publish what is queued."""
+FLUSH_TIMEOUT_S = 5.0
+"""Longest ``flush`` waits for the batch it asked for."""
+
+Subscriber = Callable[[KVEventBatch], None]
+
+
+class _Kind(enum.Enum):
+    """What a queued tuple is."""
+
+    STORED = enum.auto()
+    REMOVED = enum.auto()
+    CLEARED = enum.auto()
+    FLUSH = enum.auto()
+
+
+class BatchPublisher(Protocol):
+    """Something that sends batches out of the process (tiercache.event_publisher.ZmqEventPublisher)."""
+
+    def publish(self, batch: KVEventBatch) -> None: ...
+
+    def serve(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
+class EventSink:
+    """Collects KV events from the engine's thread and delivers them in batches from its own."""
+
+    def __init__(self, config: EventsConfig | None = None, publisher: BatchPublisher | None = None) -> None:
+        self.config = config or EventsConfig(enabled=True)
+        self._publisher = publisher
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self._subscribers: list[Subscriber] = []
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._lineage = BlockLineage(self.config.lineage_blocks)
+        self.dropped = 0
+        self.batches = 0
+        self.events = 0
+        self.callback_errors = 0
+        self.publish_errors = 0
+
+    @classmethod
+    def from_config(cls, config: EventsConfig) -> EventSink:
+        """A sink with the ZeroMQ publisher when ``config.endpoint`` is set (needs pyzmq), else in-process only."""
+        publisher = None
+        if config.endpoint is not None:
+            from tiercache.event_publisher import ZmqEventPublisher  # pyzmq is the optional 'events' extra
+
+            publisher = ZmqEventPublisher(config)
+        return cls(config, publisher)
+
+    # --- the engine's thread -------------------------------------------------------------
+
+    def stored(
+        self,
+        tier: str,
+        keys: Sequence[bytes],
+        parent_key: bytes | None,
+        token_ids: Sequence[int] | None,
+        block_size: int,
+        lora_id: int | None = None,
+    ) -> None:
+        """``tier`` now holds ``keys``, consecutive blocks of one chain after ``parent_key``, of ``token_ids``.
+
+        A copy moved by key alone (a demotion, a promotion) passes ``token_ids=None``: the event then
+        carries what the blocks' first ``stored`` said (``EventsConfig.lineage_blocks``), else no tokens.
+        """
+        self._push((_Kind.STORED, tier, keys, parent_key, token_ids, block_size, lora_id))
+
+    def removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        """``tier`` no longer holds ``keys``."""
+        self._push((_Kind.REMOVED, tier, keys))
+
+    def cleared(self, tier: str | None = None) -> None:
+        """Everything was dropped (``tier``: only that tier; the wire cannot say which, so routers forget all)."""
+        self._push((_Kind.CLEARED, tier))
+
+    def _push(self, item: tuple[Any, ...]) -> None:
+        # One producer (the engine's thread) appends, the background thread pops: deque's
+        # append/popleft are atomic, and the length can only be over-estimated here.
+        if len(self._queue) >= self.config.max_queue:
+            self.dropped += 1
+            return
+        self._queue.append(item)
+
+    # --- subscription and life cycle -----------------------------------------------------
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call ``callback(batch)`` for every batch, on the background thread; returns an unsubscribe."""
+        self._subscribers = [*self._subscribers, callback]
+
+        def unsubscribe() -> None:
+            self._subscribers = [s for s in self._subscribers if s is not callback]
+
+        return unsubscribe
+
+    def start(self) -> None:
+        """Start the background thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tiercache-events", daemon=True)
+            self._thread.start()
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
+        """Deliver everything queued so far as one batch now; True once delivered (not for the engine's loop)."""
+        if self._thread is None:
+            return False
+        done = threading.Event()
+        self._queue.append((_Kind.FLUSH, done))  # never dropped: it carries no event
+        self._wake.set()
+        return done.wait(timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Publish what is queued (bounded by ``timeout``), stop the thread, close the publisher."""
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("events: background thread still running after %.1f s; abandoning it", timeout)
+                return
+        if self._publisher is not None:
+            self._publisher.close()
+
+    def stats(self) -> dict[str, int]:
+        """Counters for stats() and Prometheus (the publisher's too, when there is one)."""
+        counters = {
+            "queued": len(self._queue),
+            "dropped": self.dropped,
+            "batches": self.batches,
+            "events": self.events,
+            "callback_errors": self.callback_errors,
+            "publish_errors": self.publish_errors,
+        }
+        if self._publisher is not None:
+            counters.update(self._publisher.stats())
+        return counters
+
+    # --- the background thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self.config.flush_interval_s)
+            self._wake.clear()
+            closing = self._closing
+            try:
+                self._drain()
+                if self._publisher is not None:
+                    self._publisher.serve()
+            except Exception:  # never let the thread die: count, log, go on
+                self.publish_errors += 1
+                logger.exception("events: delivering a batch failed")
+            if closing:
+                return
+
+    def _drain(self) -> None:
+        """Turn what is queued into one batch, deliver it, then release any flush waiting on it."""
+        events: list[KVEvent] = []
+        flushed: list[threading.Event] = []
+        queue = self._queue
+        for _ in range(len(queue)):
+            item = queue.popleft()
+            kind = item[0]
+            if kind is _Kind.STORED:
+                _, tier, keys, parent, tokens, block_size, lora_id = item
+                parent, token_ids = self._lineage_of(keys, parent, tokens, block_size)
+                events.append(
+                    BlockStored(
+                        block_hashes=block_hashes(keys),
+                        parent_block_hash=None if parent is None else block_hash(parent),
+                        token_ids=token_ids,
+                        block_size=block_size,
+                        lora_id=lora_id,
+                        medium=tier,
+                    )
+                )
+            elif kind is _Kind.REMOVED:
+                events.append(BlockRemoved(block_hashes=block_hashes(item[2]), medium=item[1]))
+            elif kind is _Kind.CLEARED:
+                events.append(AllBlocksCleared())
+            else:
+                flushed.append(item[1])
+        if events:
+            rank = self.config.data_parallel_rank
+            self._deliver(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=rank))
+        for done in flushed:
+            done.set()
+
+    def _lineage_of(
+        self, keys: Sequence[bytes], parent: bytes | None, tokens: Sequence[int] | None, block_size: int
+    ) -> tuple[bytes | None, list[int]]:
+        """The parent and token ids a stored event carries: as given (and remembered), or as remembered."""
+        if tokens is not None:
+            token_ids = _int_list(tokens)
+            self._lineage.remember(keys, parent, token_ids, block_size)
+            return parent, token_ids
+        known = self._lineage.recall(keys)
+        if known is None:
+            return parent, []
+        return (parent if parent is not None else known[0]), known[1]
+
+    def _deliver(self, batch: KVEventBatch) -> None:
+        self.batches += 1
+        self.events += len(batch.events)
+        for callback in self._subscribers:
+            try:
+                callback(batch)
+            except Exception:
+                self.callback_errors += 1
+                logger.exception("events: subscriber %r failed", callback)
+        if self._publisher is not None:
+            try:
+                self._publisher.publish(batch)
+            except Exception:
+                self.publish_errors += 1
+                logger.exception("events: publishing a batch failed")
+
+
+def _int_list(tokens: Sequence[int] | Any) -> list[int]:
+    """Token ids as a list of Python ints: a list as it is, numpy arrays and tensors through tolist()."""
+    if isinstance(tokens, list):
+        return tokens
+    to_list = getattr(tokens, "tolist", None)
+    return to_list() if to_list is not None else [int(t) for t in tokens]
