@@ -1,0 +1,209 @@
+"""RESP over one blocking socket: requests out with ``sendmsg``, replies parsed in place.
+
+A ``Connection`` is driven by one worker thread at a time (``abort`` may come
+from any thread). Small reads (reply lines, headers) go through a small line
+buffer; values are received straight into the caller's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tiercache.tiers.redis.node import Capacity
+
+LINE_BUFFER_BYTES = 1024
+"""Small reads (reply lines, headers) never pull more than this from the socket,
+so at most this many payload bytes are copied instead of received in place."""
+CRLF = b"\r\n"
+WAITALL = getattr(socket, "MSG_WAITALL", 0)
+SENDMSG_MAX_BUFFERS = 512
+"""Below the kernel's IOV_MAX (1024) per sendmsg call."""
+
+
+class ConnectionFailed(Exception):
+    """Inside a worker thread: the connection is unusable; ``kind`` names why."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ServerError:
+    """A RESP error reply, as a value."""
+
+    message: str
+
+    @property
+    def outcome(self) -> str:
+        code = self.message.split(" ", 1)[0]
+        if code in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"):
+            return "moved"
+        return "server_oom" if code == "OOM" else "server_error"
+
+
+def command(*parts: bytes) -> bytes:
+    """Encode one RESP command (array of bulk strings)."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
+    return b"".join(out)
+
+
+
+class Connection:
+    """One blocking socket, used by one worker thread at a time (``abort`` from any thread)."""
+
+    def __init__(self, sock: socket.socket, staging_bytes: int, tls: bool) -> None:
+        self.sock = sock
+        self._tls = tls
+        self._line = bytearray(LINE_BUFFER_BYTES)
+        self._line_view = memoryview(self._line)
+        self._start = 0
+        self._end = 0
+        self.staging = memoryview(bytearray(staging_bytes))
+        self.capacity: Capacity | None = None
+        """What the server said about its memory bound (set when the connection opens)."""
+
+    def abort(self) -> None:
+        """Make a blocked send/recv in the worker thread fail at once."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def send(self, buffers: list[bytes | memoryview]) -> None:
+        """Send the buffers back to back without joining them."""
+        if self._tls:
+            for buffer in buffers:
+                self.sock.sendall(buffer)
+            return
+        views = [memoryview(b).cast("B") for b in buffers]
+        first = 0
+        while first < len(views):
+            sent = self.sock.sendmsg(views[first : first + SENDMSG_MAX_BUFFERS])
+            while sent:
+                if sent >= len(views[first]):
+                    sent -= len(views[first])
+                    first += 1
+                else:
+                    views[first] = views[first][sent:]
+                    sent = 0
+
+    def _recv_into(self, view: memoryview, flags: int) -> int:
+        count = self.sock.recv_into(view, len(view), 0 if self._tls else flags)
+        if count == 0:
+            raise ConnectionFailed("connection", "closed by the server")
+        return count
+
+    def _fill(self) -> None:
+        """Receive whatever is available (at most the free space of the line buffer)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._start > 0:
+            pending = self._end - self._start
+            self._line_view[:pending] = self._line_view[self._start : self._end]
+            self._start, self._end = 0, pending
+        if self._end == len(self._line):
+            raise ConnectionFailed("protocol", "reply line too long")
+        self._end += self._recv_into(self._line_view[self._end :], 0)
+
+    def read_line(self) -> bytes:
+        """One reply line without its CRLF."""
+        while True:
+            index = self._line.find(CRLF, self._start, self._end)
+            if index >= 0:
+                line = bytes(self._line_view[self._start : index])
+                self._start = index + len(CRLF)
+                return line
+            self._fill()
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly: buffered bytes first, then straight from the socket."""
+        take = min(len(view), self._end - self._start)
+        if take:
+            view[:take] = self._line_view[self._start : self._start + take]
+            self._start += take
+        rest = view[take:]
+        while len(rest):
+            rest = rest[self._recv_into(rest, WAITALL) :]
+
+    def skip(self, count: int) -> None:
+        """Discard ``count`` bytes (the rest of a value already judged invalid)."""
+        while count > 0:
+            chunk = min(count, len(self.staging))
+            self.read_into(self.staging[:chunk])
+            count -= chunk
+
+    def expect_crlf(self) -> None:
+        """Consume the CRLF that ends a bulk reply (anything else means the stream is lost).
+
+        Receiving it through the line buffer also picks up the next reply's line and
+        header in the same system call.
+        """
+        while self._end - self._start < len(CRLF):
+            self._fill()
+        if self._line_view[self._start : self._start + len(CRLF)] != CRLF:
+            raise ConnectionFailed("protocol", "bulk reply not terminated by CRLF")
+        self._start += len(CRLF)
+
+    def read_reply(self) -> Any:
+        """One RESP2 reply as a value: bytes, int, None, list, or ``ServerError``."""
+        line = self.read_line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return ServerError(rest.decode(errors="replace"))
+        try:
+            number = int(rest)
+        except ValueError:
+            raise ConnectionFailed("protocol", f"unexpected reply {line[:40]!r}") from None
+        if kind == b":":
+            return number
+        if kind == b"$":
+            if number < 0:
+                return None
+            value = bytearray(number)
+            self.read_into(memoryview(value))
+            self.expect_crlf()
+            return bytes(value)
+        if kind == b"*":
+            return None if number < 0 else [self.read_reply() for _ in range(number)]
+        raise ConnectionFailed("protocol", f"unexpected reply {line[:40]!r}")
+
+    def call(self, *parts: bytes) -> Any:
+        """One request/reply round trip (set-up and control commands)."""
+        self.send([command(*parts)])
+        return self.read_reply()
+
+    def pipeline(
+        self,
+        count: int,
+        depth: int,
+        request: Callable[[int], list[bytes | memoryview]],
+        handle: Callable[[int], None],
+    ) -> None:
+        """Send requests ``0..count-1`` keeping up to ``depth`` unanswered; ``handle`` reads reply i."""
+        sent = 0
+
+        def push(upto: int) -> None:
+            nonlocal sent
+            buffers: list[bytes | memoryview] = []
+            for index in range(sent, upto):
+                buffers.extend(request(index))
+            self.send(buffers)
+            sent = upto
+
+        push(min(depth, count))
+        for index in range(count):
+            handle(index)
+            if sent < count and sent - (index + 1) <= depth // 2:
+                push(min(count, index + 1 + depth))
