@@ -1,4 +1,4 @@
-"""One Redis server: a breaker, a pool of connections with worker threads, TLS/AUTH, capacity check."""
+"""One Redis server: a breaker, its lanes (connection + I/O thread each), TLS/AUTH, capacity check."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import logging
 import socket
 import ssl
 import struct
-from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import HEADER_SIZE
+from tiercache.tiers.redis.lane import Job, Lane
 from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.resp import Connection, ConnectionFailed, ServerError
 
@@ -26,8 +24,6 @@ logger = logging.getLogger(__name__)
 SOCKET_BUFFER_BYTES = 4 << 20
 """SO_RCVBUF/SO_SNDBUF: room for a couple of MiB-sized values in flight."""
 MICROSECONDS = 1_000_000
-BYTES = "bytes"
-"""Outcome counters carry the payload bytes moved under this name."""
 
 
 @dataclass(frozen=True)
@@ -66,28 +62,8 @@ def ssl_context(options: RedisOptions) -> ssl.SSLContext:
     return context
 
 
-Job = Callable[[Connection, Counter], None]
-"""Work for one connection, run in its worker thread; it counts outcomes as it goes."""
-
-
-def guard(work: Callable[[], None]) -> str | None:
-    """Thread side: run ``work``; return the failure kind (None if it succeeded), never raise."""
-    try:
-        work()
-        return None
-    except ConnectionFailed as error:
-        return error.kind
-    except (TimeoutError, BlockingIOError):
-        return "timeout"
-    except OSError:
-        return "connection"
-    except Exception:
-        logger.exception("redis tier: unexpected error in a worker thread")
-        return "internal"
-
-
 class Node:
-    """One server: a breaker, a pool of connections, and a worker thread per connection."""
+    """One server: a breaker and ``connections`` lanes, each a connection driven by its own thread."""
 
     def __init__(self, host: str, port: int, tier: RedisTier) -> None:
         self.host = host
@@ -98,11 +74,15 @@ class Node:
         self.breaker = CircuitBreaker(
             options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s
         )
-        self._idle: list[Connection] = []
-        self._slots = asyncio.Semaphore(options.connections)
-        self._executor = ThreadPoolExecutor(options.connections, thread_name_prefix=f"tiercache-{tier.name}")
+        self.lanes = [
+            Lane(f"{tier.name}-{self.address}-{i}", self._open, tier.window) for i in range(tier.connections)
+        ]
         self._capacity_logged = False
-        self.connects = 0
+
+    @property
+    def connects(self) -> int:
+        """Connections opened so far (a reconnect after a failure counts again)."""
+        return sum(lane.connects for lane in self.lanes)
 
     def _open(self) -> Connection:
         """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity probe."""
@@ -124,7 +104,7 @@ class Node:
                 timeval = struct.pack("ll", seconds, int((options.timeout_s - seconds) * MICROSECONDS))
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-            conn = Connection(sock, HEADER_SIZE + tier.block_bytes, tier.tls_context is not None)
+            conn = Connection(sock, HEADER_SIZE + tier.block_bytes, HEADER_SIZE, tier.tls_context is not None)
             if tier.password is not None:
                 credentials = [tier.password.encode()]
                 if tier.username:
@@ -142,51 +122,31 @@ class Node:
             sock.close()
             raise
 
-    async def call(self, job: Job, keys: int) -> Counter:
-        """Run ``job`` on a pooled connection in a worker thread; failures become outcomes.
+    async def call(self, job: Job, lane: int = 0) -> Job:
+        """Run ``job`` on lane ``lane`` (modulo the lanes); failures become its outcomes, never raise.
 
-        The job counts a per-key outcome as it goes; when the connection fails
-        part-way, the keys it did not reach are counted under the failure's kind.
+        If the caller is cancelled, the job is told to stop touching the caller's
+        buffers and the cancel waits until the lane has let go of them.
         """
-        outcomes: Counter = Counter()
         if not self.breaker.allow():
-            outcomes["breaker_open"] = keys
-            return outcomes
-        loop = asyncio.get_running_loop()
-        async with self._slots:
-            pooled = self._idle.pop() if self._idle else None
-            opened: list[Connection] = []
-
-            def work() -> None:
-                if pooled is None:
-                    opened.append(self._open())
-                job(pooled or opened[0], outcomes)
-
-            future = loop.run_in_executor(self._executor, guard, work)
-            try:
-                failure = await asyncio.shield(future)
-            except asyncio.CancelledError:
-                for live in (pooled, *opened):
-                    if live is not None:
-                        live.abort()
-                await asyncio.wait([future])
-                for live in (pooled, *opened):
-                    if live is not None:
-                        live.close()
-                self.breaker.abandon()
-                raise
-            used = pooled or (opened[0] if opened else None)
-            self.connects += len(opened)
-            if failure is None and used is not None:
-                self.breaker.success()
-                self._idle.append(used)
-                self._check_capacity(used)
-            else:
-                self.breaker.failure()
-                if used is not None:
-                    used.close()
-                outcomes[failure or "internal"] += keys - (sum(outcomes.values()) - outcomes[BYTES])
-            return outcomes
+            job.outcomes["breaker_open"] += job.count
+            return job
+        chosen = self.lanes[lane % len(self.lanes)]
+        future = chosen.submit(job)
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            job.cancelled = True
+            await asyncio.wait([future])
+            self.breaker.abandon()
+            raise
+        if job.failure is None:
+            self.breaker.success()
+            if chosen.last_connection is not None:
+                self._check_capacity(chosen.last_connection)
+        else:
+            self.breaker.failure()
+        return job
 
     def _check_capacity(self, conn: Connection) -> None:
         if self._capacity_logged:
@@ -206,11 +166,9 @@ class Node:
                 self._tier.name, self.address, capacity.policy,
             )
 
-    def close(self) -> None:
-        for conn in self._idle:
-            conn.close()
-        self._idle.clear()
-        self._executor.shutdown(wait=False)
+    async def close(self) -> None:
+        """Stop every lane's thread and close its connection."""
+        await asyncio.gather(*(lane.close() for lane in self.lanes))
 
 
 def evicts(policy: str | None, ttl_s: float | None) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +58,7 @@ def command(*parts: bytes) -> bytes:
 class Connection:
     """One blocking socket, used by one worker thread at a time (``abort`` from any thread)."""
 
-    def __init__(self, sock: socket.socket, staging_bytes: int, tls: bool) -> None:
+    def __init__(self, sock: socket.socket, staging_bytes: int, header_bytes: int, tls: bool) -> None:
         self.sock = sock
         self._tls = tls
         self._line = bytearray(LINE_BUFFER_BYTES)
@@ -67,6 +66,9 @@ class Connection:
         self._start = 0
         self._end = 0
         self.staging = memoryview(bytearray(staging_bytes))
+        self.header = bytearray(header_bytes)
+        """Where a value's header is received (the fast path compares it in place)."""
+        self.header_view = memoryview(self.header)
         self.capacity: Capacity | None = None
         """What the server said about its memory bound (set when the connection opens)."""
 
@@ -96,6 +98,39 @@ class Connection:
                 else:
                     views[first] = views[first][sent:]
                     sent = 0
+
+    def receive_value(self, line: bytes, header: memoryview, dest: memoryview, readahead: int) -> bool:
+        """The fast path of a value whose reply line is already buffered and is exactly ``line``.
+
+        Receives the rest of the header, the payload straight into ``dest``, the
+        closing CRLF and ``readahead`` bytes of whatever follows (never more than
+        pending replies must contain, so it cannot block) in one ``recvmsg_into``.
+        Returns False, having consumed nothing, when the buffer does not start with
+        ``line`` (a miss, an error, another length, a partial line) or holds more
+        than the header after it, or on TLS (no ``recvmsg_into``): the caller then
+        takes the general path.
+        """
+        start, end = self._start, self._end
+        extra = end - start - len(line)
+        if self._tls or extra < 0 or extra > len(header) or not self._line.startswith(line, start, end):
+            return False
+        if extra:
+            header[:extra] = self._line_view[end - extra : end]
+        tail = self._line_view[: len(CRLF) + readahead]
+        views = [view for view in (header[extra:], dest, tail) if len(view)]
+        self._start = self._end = 0
+        while views:
+            count = self.sock.recvmsg_into(views, 0, WAITALL)[0]
+            if count == 0:
+                raise ConnectionFailed("connection", "closed by the server")
+            while views and count >= len(views[0]):
+                count -= len(views.pop(0))
+            if count:
+                views[0] = views[0][count:]
+        if tail[: len(CRLF)] != CRLF:
+            raise ConnectionFailed("protocol", "bulk reply not terminated by CRLF")
+        self._start, self._end = len(CRLF), len(tail)
+        return True
 
     def _recv_into(self, view: memoryview, flags: int) -> int:
         count = self.sock.recv_into(view, len(view), 0 if self._tls else flags)
@@ -142,14 +177,40 @@ class Connection:
             self.read_into(self.staging[:chunk])
             count -= chunk
 
-    def expect_crlf(self) -> None:
+    def prefetch(self, count: int) -> None:
+        """Have at least ``count`` bytes buffered, receiving exactly the missing ones.
+
+        The caller must know that many bytes are on their way (pending replies),
+        or this blocks until the socket times out.
+        """
+        missing = count - (self._end - self._start)
+        if missing <= 0:
+            return
+        if self._start:
+            pending = self._end - self._start
+            self._line_view[:pending] = self._line_view[self._start : self._end]
+            self._start, self._end = 0, pending
+        if self._end + missing > len(self._line):
+            raise ConnectionFailed("protocol", "read-ahead beyond the line buffer")
+        while missing > 0:
+            count = self._recv_into(self._line_view[self._end : self._end + missing], WAITALL)
+            self._end += count
+            missing -= count
+
+    def buffered_prefix_of(self, line: bytes) -> int:
+        """How many bytes are buffered if they are a prefix of ``line``; -1 if they are not."""
+        buffered = self._end - self._start
+        if buffered > len(line) or not line.startswith(self._line[self._start : self._end]):
+            return -1
+        return buffered
+
+    def expect_crlf(self, readahead: int = 0) -> None:
         """Consume the CRLF that ends a bulk reply (anything else means the stream is lost).
 
-        Receiving it through the line buffer also picks up the next reply's line and
-        header in the same system call.
+        Also receives ``readahead`` bytes of what follows in the same system call
+        (as many as pending replies must contain, so it cannot block).
         """
-        while self._end - self._start < len(CRLF):
-            self._fill()
+        self.prefetch(len(CRLF) + readahead)
         if self._line_view[self._start : self._start + len(CRLF)] != CRLF:
             raise ConnectionFailed("protocol", "bulk reply not terminated by CRLF")
         self._start += len(CRLF)
@@ -183,27 +244,3 @@ class Connection:
         """One request/reply round trip (set-up and control commands)."""
         self.send([command(*parts)])
         return self.read_reply()
-
-    def pipeline(
-        self,
-        count: int,
-        depth: int,
-        request: Callable[[int], list[bytes | memoryview]],
-        handle: Callable[[int], None],
-    ) -> None:
-        """Send requests ``0..count-1`` keeping up to ``depth`` unanswered; ``handle`` reads reply i."""
-        sent = 0
-
-        def push(upto: int) -> None:
-            nonlocal sent
-            buffers: list[bytes | memoryview] = []
-            for index in range(sent, upto):
-                buffers.extend(request(index))
-            self.send(buffers)
-            sent = upto
-
-        push(min(depth, count))
-        for index in range(count):
-            handle(index)
-            if sent < count and sent - (index + 1) <= depth // 2:
-                push(min(count, index + 1 + depth))

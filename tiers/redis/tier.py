@@ -1,4 +1,4 @@
-"""``RedisTier``: batches of blocks routed to nodes, pipelined, validated (see the package docstring)."""
+"""``RedisTier``: batches of blocks routed to nodes and handed to their lanes (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-import xxhash
-
-from tiercache.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 from tiercache.tiers.redis.cluster import key_slot, slot_map
-from tiercache.tiers.redis.node import BYTES, Job, Node, ssl_context
+from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
+from tiercache.tiers.redis.lane import Job
+from tiercache.tiers.redis.node import Node, ssl_context
 from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions
-from tiercache.tiers.redis.resp import CRLF, Connection, ConnectionFailed, ServerError, command
+from tiercache.tiers.redis.resp import CRLF
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +31,14 @@ MILLISECONDS = 1000
 
 
 class RedisTier(RemoteTier):
-    """A Redis server or Redis Cluster as a block store (see the module docstring)."""
+    """A Redis server or Redis Cluster as a block store (see the package docstring)."""
 
     capabilities = Capabilities(shared=True, versioned=False, persistent=True)
     Options = RedisOptions
 
     def __init__(self, context: RemoteContext, options: RedisOptions) -> None:
         super().__init__(context, options)
-        self.codec = Codec(context.codec.fingerprint, compress=options.compress)
+        self.codec = context.codec.variant(compress=options.compress)
         parsed = urlparse(options.url)
         self._seed = (parsed.hostname or "127.0.0.1", parsed.port or DEFAULT_PORT)
         self.username = options.username or (unquote(parsed.username) if parsed.username else None)
@@ -51,9 +50,11 @@ class RedisTier(RemoteTier):
         ttl = options.ttl_s
         ttl_ms = str(int(ttl * MILLISECONDS)).encode() if ttl else b""
         self._set_tail = CRLF + (b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl_ms), ttl_ms) if ttl else b"")
-        self._set_parts = b"*5\r\n" if ttl else b"*3\r\n"
-        self._value_bytes = HEADER_SIZE + self.block_bytes
-        self._depth = max(1, options.pipeline_bytes // self._value_bytes)
+        self.connections = options.connections_for(self.block_bytes)
+        """Lanes (connection + I/O thread) per node."""
+        self.window = options.window_for(self.block_bytes)
+        """Requests in flight per lane."""
+        self._plan = ReadPlan.of(self.codec, self.block_bytes, options.stage_reads)
         self._nodes: dict[str, Node] = {}
         self._slots: list[Node | None] = []
         self._refresh_task: asyncio.Task | None = None
@@ -95,14 +96,13 @@ class RedisTier(RemoteTier):
 
     async def _control(self, node: Node, *parts: bytes) -> Any:
         """One control command on ``node``; its reply, or None when the node failed."""
-        reply: list[Any] = []
+        job = await node.call(ControlJob(*parts))
+        return job.reply if job.failure is None else None
 
-        def job(conn: Connection, outcomes: Counter) -> None:
-            reply.append(conn.call(*parts))
-            outcomes["ok"] += 1
-
-        await node.call(job, 1)
-        return reply[0] if reply else None
+    def redis_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``redis_key`` of every key."""
+        prefix = self._prefix
+        return [prefix + key.hex().encode() for key in keys]
 
     async def _refresh_slots(self) -> bool:
         """Rebuild the slot map from the first node that answers ``CLUSTER SLOTS``."""
@@ -139,33 +139,25 @@ class RedisTier(RemoteTier):
             self._refresh_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresh_task
-        for node in self._nodes.values():
-            node.close()
+        await asyncio.gather(*(node.close() for node in self._nodes.values()))
         self._nodes.clear()
         self._slots = []
 
     # -- batched operations ---------------------------------------------
 
-    async def _run(
-        self,
-        op: str,
-        keys: Sequence[bytes],
-        make_job: Callable[[list[int]], Job],
-        spread: bool,
-    ) -> None:
-        """Route, split per node (and over its connections), run, count outcomes."""
+    async def _run(self, op: str, keys: Sequence[bytes], make_job: Callable[[list[int]], Job], spread: bool) -> None:
+        """Route, split per node (and over its lanes), run, count outcomes."""
         groups, unrouted = self._route(keys)
         calls = []
         for node, indices in groups.items():
             pieces = 1
             if spread:
-                pieces = max(1, min(self.options.connections, len(indices) // MIN_KEYS_PER_CONNECTION))
+                pieces = max(1, min(self.connections, len(indices) // MIN_KEYS_PER_CONNECTION))
             for piece in range(pieces):
-                chunk = indices[piece::pieces]
-                calls.append(node.call(make_job(chunk), len(chunk)))
+                calls.append(node.call(make_job(indices[piece::pieces]), piece))
         outcomes: Counter = Counter(unrouted=len(unrouted)) if unrouted else Counter()
-        for result in await asyncio.gather(*calls):
-            outcomes.update(result)
+        for job in await asyncio.gather(*calls):
+            outcomes.update(job.outcomes)
         moved = outcomes.pop(BYTES, 0)
         if moved:
             self._counts["bytes_read" if op == "get" else "bytes_written"] += moved
@@ -179,145 +171,33 @@ class RedisTier(RemoteTier):
     ) -> list[bool]:
         results = [False] * len(keys)
         if keys:
-            await self._run("get", keys, lambda chunk: self._get_job(chunk, keys, dests, results), True)
+            rkeys = self.redis_keys(keys)
+            await self._run("get", keys, lambda chunk: GetJob(self._plan, chunk, keys, rkeys, dests, results), True)
         return results
 
     async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         results = [False] * len(keys)
         if keys:
-            await self._run("put", keys, lambda chunk: self._put_job(chunk, keys, payloads, results), True)
+            rkeys = self.redis_keys(keys)
+            allow = self.options.allow_unbounded
+
+            def make(chunk: list[int]) -> Job:
+                return PutJob(self.codec, chunk, keys, rkeys, payloads, results, self._set_tail, allow)
+
+            await self._run("put", keys, make, True)
         return results
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
         results = [False] * len(keys)
         if keys:
-            await self._run("contains", keys, lambda chunk: self._exists_job(chunk, keys, results), False)
+            rkeys = self.redis_keys(keys)
+            await self._run("contains", keys, lambda chunk: KeysJob(b"EXISTS", chunk, rkeys, results, "miss"), False)
         return results
 
     async def delete(self, keys: Sequence[bytes]) -> None:
         if keys:
-            await self._run("delete", keys, lambda chunk: self._delete_job(chunk, keys), False)
-
-    # -- worker-thread jobs (each returns outcome counts) ----------------
-
-    def _get_job(
-        self, chunk: list[int], keys: Sequence[bytes], dests: Sequence[memoryview], results: list[bool]
-    ) -> Job:
-        requests = [command(b"GET", self.redis_key(keys[i])) for i in chunk]
-
-        def job(conn: Connection, outcomes: Counter) -> None:
-            def handle(j: int) -> None:
-                index = chunk[j]
-                outcome = self._read_value(conn, keys[index], memoryview(dests[index]).cast("B"))
-                results[index] = outcome == "hit"
-                outcomes[outcome] += 1
-                if outcome == "hit":
-                    outcomes[BYTES] += self.block_bytes
-
-            conn.pipeline(len(chunk), self._depth, lambda j: [requests[j]], handle)
-
-        return job
-
-    def _read_value(self, conn: Connection, key: bytes, dest: memoryview) -> str:
-        """Read one GET reply and, if valid, its payload into ``dest``; return the outcome."""
-        line = conn.read_line()
-        if line[:1] == b"-":
-            return ServerError(line[1:].decode(errors="replace")).outcome
-        if line[:1] != b"$":
-            raise ConnectionFailed("protocol", f"unexpected GET reply {line[:40]!r}")
-        length = int(line[1:])
-        if length < 0:
-            return "miss"
-        staging = conn.staging
-        if length > len(staging):
-            conn.skip(length)
-            conn.expect_crlf()
-            return DecodeStatus.BAD_LENGTH.value
-        direct = not self.options.stage_reads and length == HEADER_SIZE + len(dest)
-        if not direct:
-            conn.read_into(staging[:length])
-            conn.expect_crlf()
-            return self._decoded(self.codec.decode_into(key, staging[:length], dest).status)
-        conn.read_into(staging[:HEADER_SIZE])
-        header = self.codec.parse_header(key, staging[:length])
-        if isinstance(header, DecodeStatus):
-            conn.skip(length - HEADER_SIZE)
-            conn.expect_crlf()
-            return header.value
-        if header.flags & FLAG_LZ4:
-            conn.read_into(staging[HEADER_SIZE:length])
-            conn.expect_crlf()
-            return self._decoded(self.codec.decode_into(key, staging[:length], dest).status)
-        conn.read_into(dest)
-        conn.expect_crlf()
-        if header.raw_length != len(dest):
-            return DecodeStatus.BAD_LENGTH.value
-        # The codec's checksum (xxh3-64 of the stored payload), computed where the payload landed.
-        if xxhash.xxh3_64_intdigest(dest) != header.checksum:
-            return DecodeStatus.BAD_CHECKSUM.value
-        return "hit"
-
-    @staticmethod
-    def _decoded(status: DecodeStatus) -> str:
-        return "hit" if status is DecodeStatus.OK else status.value
-
-    def _put_job(
-        self, chunk: list[int], keys: Sequence[bytes], payloads: Sequence[memoryview], results: list[bool]
-    ) -> Job:
-        sizes: dict[int, int] = {}
-
-        def job(conn: Connection, outcomes: Counter) -> None:
-            if not (conn.capacity and conn.capacity.bounded) and not self.options.allow_unbounded:
-                outcomes["refused_unbounded"] += len(chunk)
-                return
-
-            def request(j: int) -> list[bytes | memoryview]:
-                key = keys[chunk[j]]
-                header, stored = self.codec.encode(key, payloads[chunk[j]])
-                rkey = self.redis_key(key)
-                size = len(header) + len(stored)
-                sizes[j] = size
-                prefix = b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (self._set_parts, len(rkey), rkey, size)
-                return [prefix, header, stored, self._set_tail]
-
-            def handle(j: int) -> None:
-                reply = conn.read_reply()
-                ok = reply == b"OK"
-                results[chunk[j]] = ok
-                outcomes["ok" if ok else getattr(reply, "outcome", "server_error")] += 1
-                if ok:
-                    outcomes[BYTES] += sizes[j]
-
-            conn.pipeline(len(chunk), self._depth, request, handle)
-
-        return job
-
-    def _exists_job(
-        self, chunk: list[int], keys: Sequence[bytes], results: list[bool]
-    ) -> Job:
-        requests = [command(b"EXISTS", self.redis_key(keys[i])) for i in chunk]
-
-        def job(conn: Connection, outcomes: Counter) -> None:
-            def handle(j: int) -> None:
-                reply = conn.read_reply()
-                results[chunk[j]] = reply == 1
-                outcomes["hit" if reply == 1 else getattr(reply, "outcome", "miss")] += 1
-
-            conn.pipeline(len(chunk), len(chunk), lambda j: [requests[j]], handle)
-
-        return job
-
-    def _delete_job(self, chunk: list[int], keys: Sequence[bytes]) -> Job:
-        requests = [command(b"UNLINK", self.redis_key(keys[i])) for i in chunk]
-
-        def job(conn: Connection, outcomes: Counter) -> None:
-            def handle(j: int) -> None:
-                reply = conn.read_reply()
-                outcomes[getattr(reply, "outcome", "ok")] += 1
-
-            conn.pipeline(len(chunk), len(chunk), lambda j: [requests[j]], handle)
-
-        return job
+            rkeys = self.redis_keys(keys)
+            await self._run("delete", keys, lambda chunk: KeysJob(b"UNLINK", chunk, rkeys, None, "ok"), False)
 
     # -- stats -------------------------------------------------------------
 
