@@ -61,19 +61,19 @@ def tamper(server, tier: RedisTier, keys: list[bytes], payloads: list[memoryview
 @pytest.mark.parametrize("options", [{}, {"stage_reads": True}, {"connections": 2}, {"pipeline_bytes": BLOCK}])
 async def test_every_edge_case_is_exact_and_the_rest_is_served(redis_server, options: dict) -> None:
     writer = await open_tier(redis_server.url)
-    keys, payloads = random_blocks(COUNT, BLOCK)
-    assert all(await writer.put(keys, payloads))
-    spoiled = tamper(redis_server, writer, keys, payloads)
-    await writer.close()
     tier = await open_tier(redis_server.url, **options)
+    keys, payloads = random_blocks(COUNT, BLOCK)
     try:
         for _ in range(2):  # the second round starts with whatever the first left buffered
+            assert all(await writer.put(keys, payloads))  # the first round deleted the invalid values
+            spoiled = tamper(redis_server, writer, keys, payloads)
             out = empty_dests(COUNT, BLOCK)
             results = await tier.get_into(keys, out)
             assert results == [i not in spoiled for i in range(COUNT)]
             for i in range(COUNT):
                 if i not in spoiled:
                     assert bytes(out[i]) == bytes(payloads[i]), i
+            await tier.settle()
         stats = tier.stats()
         expected: dict[str, int] = {}
         for outcome in spoiled.values():
@@ -81,8 +81,10 @@ async def test_every_edge_case_is_exact_and_the_rest_is_served(redis_server, opt
         for name, count in expected.items():
             assert stats.get(name) == count, (name, stats)
         assert stats["get_hit"] == 2 * (COUNT - len(spoiled))
+        assert stats["invalid_deleted"] == 2 * sum(o not in ("miss", "server_error") for o in spoiled.values())
         assert stats["breaker_state"] == 0 and stats["connects"] == tier.connections
     finally:
+        await writer.close()
         await tier.close()
 
 

@@ -128,13 +128,13 @@ async def test_bad_values_are_misses_and_the_rest_is_served(redis_server) -> Non
         flipped = bytearray(client.get(tier.redis_key(keys[2])))
         flipped[-1] ^= 0xFF
         foreign = Codec(OTHER_FINGERPRINT).encode_value(keys[4], payloads[4])
-        client.set(tier.redis_key(keys[1]), b"\x00garbage" * 100)
-        client.set(tier.redis_key(keys[2]), bytes(flipped))
         own = client.get(tier.redis_key(keys[3]))
-        client.set(tier.redis_key(keys[3]), own[: HEADER_SIZE + BLOCK // 2])
-        client.set(tier.redis_key(keys[4]), foreign)
-        client.set(tier.redis_key(keys[5]), good)  # another key's value
-        for stage_reads in (False, True):
+        for stage_reads in (False, True):  # each reader deletes the bad values it found: store them again
+            client.set(tier.redis_key(keys[1]), b"\x00garbage" * 100)
+            client.set(tier.redis_key(keys[2]), bytes(flipped))
+            client.set(tier.redis_key(keys[3]), own[: HEADER_SIZE + BLOCK // 2])
+            client.set(tier.redis_key(keys[4]), foreign)
+            client.set(tier.redis_key(keys[5]), good)  # another key's value
             reader = await open_tier(redis_server.url, stage_reads=stage_reads)
             out = empty_dests(7, BLOCK)
             assert await reader.get_into(keys, out) == [True, False, False, False, False, False, True]
@@ -144,6 +144,8 @@ async def test_bad_values_are_misses_and_the_rest_is_served(redis_server) -> Non
             assert stats.get("get_truncated", 0) == 1
             assert stats.get("get_wrong_namespace", 0) == 1 and stats.get("get_wrong_key", 0) == 1
             assert stats["misses"] == 5 and stats["breaker_state"] == 0
+            await reader.settle()
+            assert stats["misses"] == 5 and reader.stats()["invalid_deleted"] == 5
             await reader.close()
     finally:
         client.close()
@@ -162,4 +164,30 @@ async def test_cancelled_read_leaves_the_tier_usable(redis_server) -> None:
         await asyncio.gather(task, return_exceptions=True)
         assert await tier.get_into(keys[:3], empty_dests(3, block)) == [True] * 3
     finally:
+        await tier.close()
+
+
+async def test_invalid_values_are_deleted_so_the_next_store_rewrites_them(redis_server) -> None:
+    tier = await open_tier(redis_server.url)
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    try:
+        keys, payloads = random_blocks(6, BLOCK)
+        assert all(await tier.put(keys, payloads))
+        names = [tier.redis_key(k) for k in keys]
+        flipped = bytearray(client.get(names[1]))
+        flipped[HEADER_SIZE + 7] ^= 0xFF
+        client.set(names[1], bytes(flipped))
+        client.set(names[2], b"\x00garbage" * 100)
+        client.set(names[3], client.get(names[3])[: HEADER_SIZE + 10])
+        client.set(names[4], client.get(names[0]))
+        assert await tier.get_into(keys, empty_dests(6, BLOCK)) == [True, False, False, False, False, True]
+        await tier.settle()
+        assert [client.exists(n) for n in names] == [1, 0, 0, 0, 0, 1]
+        assert tier.stats()["invalid_deleted"] == 4
+        assert all(await tier.put(keys, payloads))
+        out = empty_dests(6, BLOCK)
+        assert await tier.get_into(keys, out) == [True] * 6
+        assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+    finally:
+        client.close()
         await tier.close()

@@ -60,6 +60,7 @@ class RedisTier(RemoteTier):
         self._refresh_task: asyncio.Task | None = None
         self._last_refresh = 0.0
         self._counts: Counter = Counter()
+        self._cleanups: set[asyncio.Task] = set()
 
     # -- routing ---------------------------------------------------------
 
@@ -134,7 +135,13 @@ class RedisTier(RemoteTier):
         if await self._control(node, b"PING") is None:
             logger.warning("redis tier %s: %s unreachable at start", self.name, node.address)
 
+    async def settle(self) -> None:
+        """Wait for the background deletions of invalid values started so far."""
+        while self._cleanups:
+            await asyncio.gather(*self._cleanups, return_exceptions=True)
+
     async def close(self) -> None:
+        await self.settle()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -145,8 +152,10 @@ class RedisTier(RemoteTier):
 
     # -- batched operations ---------------------------------------------
 
-    async def _run(self, op: str, keys: Sequence[bytes], make_job: Callable[[list[int]], Job], spread: bool) -> None:
-        """Route, split per node (and over its lanes), run, count outcomes."""
+    async def _run(
+        self, op: str, keys: Sequence[bytes], make_job: Callable[[list[int]], Job], spread: bool
+    ) -> list[Job]:
+        """Route, split per node (and over its lanes), run, count outcomes; the jobs run."""
         groups, unrouted = self._route(keys)
         calls = []
         for node, indices in groups.items():
@@ -156,7 +165,8 @@ class RedisTier(RemoteTier):
             for piece in range(pieces):
                 calls.append(node.call(make_job(indices[piece::pieces]), piece))
         outcomes: Counter = Counter(unrouted=len(unrouted)) if unrouted else Counter()
-        for job in await asyncio.gather(*calls):
+        jobs = await asyncio.gather(*calls)
+        for job in jobs:
             outcomes.update(job.outcomes)
         moved = outcomes.pop(BYTES, 0)
         if moved:
@@ -165,6 +175,7 @@ class RedisTier(RemoteTier):
             self._counts[f"{op}_{outcome}"] += count
         if self.options.cluster and outcomes.keys() & TOPOLOGY_HINTS:
             self._schedule_refresh()
+        return jobs
 
     async def get_into(
         self, keys: Sequence[bytes], dests: Sequence[memoryview], *, force_latest: bool = False
@@ -172,8 +183,28 @@ class RedisTier(RemoteTier):
         results = [False] * len(keys)
         if keys:
             rkeys = self.redis_keys(keys)
-            await self._run("get", keys, lambda chunk: GetJob(self._plan, chunk, keys, rkeys, dests, results), True)
+            jobs = await self._run(
+                "get", keys, lambda chunk: GetJob(self._plan, chunk, keys, rkeys, dests, results), True
+            )
+            invalid = [keys[i] for job in jobs if isinstance(job, GetJob) for i in job.invalid]
+            if invalid:
+                task = asyncio.get_running_loop().create_task(self._delete_invalid(invalid))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
         return results
+
+    async def _delete_invalid(self, keys: list[bytes]) -> None:
+        """Delete values that failed validation, so that the next store of those blocks rewrites them.
+
+        Off the read's path and best-effort: a failure is counted like any
+        delete's (``invalid_delete_<outcome>``); ``invalid_deleted`` counts the
+        values removed. A value rewritten since it was read is removed too: a
+        lost block, never a wrong one.
+        """
+        rkeys = self.redis_keys(keys)
+        removed = [False] * len(keys)
+        await self._run("invalid_delete", keys, lambda chunk: KeysJob(b"UNLINK", chunk, rkeys, removed, "gone"), False)
+        self._counts["invalid_deleted"] += sum(removed)
 
     async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         results = [False] * len(keys)
