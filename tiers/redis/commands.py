@@ -98,6 +98,9 @@ class GetJob(Job):
             outcome = HIT if status is DecodeStatus.OK else status.value
         else:
             outcome = read_value(conn, plan, key, dest, readahead)
+            if isinstance(outcome, ServerError):
+                self.error = outcome.message
+                outcome = outcome.outcome
         if outcome == HIT:
             self.hits += 1
             self.results[position] = True
@@ -116,11 +119,14 @@ def _status_outcome(status: DecodeStatus) -> str:
     return HIT if status is DecodeStatus.OK else status.value
 
 
-def read_value(conn: Connection, plan: ReadPlan, key: bytes, dest: memoryview, readahead: int) -> str:
-    """The general path: read one GET reply and, if valid, its payload into ``dest``; the outcome."""
+def read_value(
+    conn: Connection, plan: ReadPlan, key: bytes, dest: memoryview, readahead: int
+) -> str | ServerError:
+    """The general path: read one GET reply and, if valid, its payload into ``dest``; the outcome
+    (an error reply as itself)."""
     line = conn.read_line()
     if line[:1] == b"-":
-        return ServerError(line[1:].decode(errors="replace")).outcome
+        return ServerError(line[1:].decode(errors="replace"))
     if line[:1] != b"$":
         raise ConnectionFailed("protocol", f"unexpected GET reply {line[:40]!r}")
     length = int(line[1:])
@@ -184,8 +190,10 @@ class PutJob(Job):
         return max(1, min(SET_GROUP_VALUES, window // 3))
 
     def begin(self, conn: Connection) -> bool:
-        if (conn.capacity is None or not conn.capacity.bounded) and not self._allow_unbounded:
-            self.outcomes["refused_unbounded"] += self.count
+        capacity = conn.capacity
+        if (capacity is None or not capacity.bounded) and not self._allow_unbounded:
+            denied = capacity is not None and capacity.denied is not None
+            self.outcomes["refused_noperm" if denied else "refused_unbounded"] += self.count
             return False
         return True
 
@@ -211,8 +219,11 @@ class PutJob(Job):
             self.results[self.indices[index]] = True
             self.outcomes["ok"] += 1
             self.outcomes[BYTES] += self._sizes[index]
+        elif isinstance(reply, ServerError):
+            self.outcomes[reply.outcome] += 1
+            self.error = reply.message
         else:
-            self.outcomes[getattr(reply, "outcome", "server_error")] += 1
+            self.outcomes["server_error"] += 1
 
 
 class KeysJob(Job):
@@ -235,6 +246,7 @@ class KeysJob(Job):
         reply = conn.read_reply()
         if isinstance(reply, ServerError):
             self.outcomes[reply.outcome] += 1
+            self.error = reply.message
         elif self.results is None:
             self.outcomes["ok"] += 1
         elif reply == 1:

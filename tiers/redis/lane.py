@@ -51,6 +51,8 @@ class Job:
         self.read = 0
         self.outcomes: Counter = Counter()
         self.failure: str | None = None
+        self.error: str | None = None
+        """The last error seen: the failure's cause, or an error reply (``NOPERM ...``)."""
         self.cancelled = False
         """Set from the event loop: read what was sent without touching the caller's buffers, send no more."""
         self.future: asyncio.Future | None = None
@@ -164,7 +166,7 @@ class Lane:
                 except queue.Empty:
                     break
                 if job is not _STOP:
-                    self._fail([job], "closed")
+                    self._fail([job], "closed", "closed: the tier is closing")
             self._stopped.set()
 
     def _serve(self, first: Job) -> bool:
@@ -222,7 +224,8 @@ class Lane:
         except BaseException as error:  # every failure becomes an outcome
             kind = failure_kind(error)
             self._drop_connection()
-            self._fail(list(dict.fromkeys([*reading, *sending])), kind)
+            detail = error.detail if isinstance(error, ConnectionFailed) else str(error)
+            self._fail(list(dict.fromkeys([*reading, *sending])), kind, f"{kind}: {detail or type(error).__name__}")
         return stop
 
     def _drop_connection(self) -> None:
@@ -230,9 +233,10 @@ class Lane:
             self._conn.close()
             self._conn = None
 
-    def _fail(self, jobs: list[Job], kind: str) -> None:
+    def _fail(self, jobs: list[Job], kind: str, error: str) -> None:
         for job in jobs:
             job.failure = kind
+            job.error = error
             job.outcomes[kind] += job.count - job.read
             self._complete(job)
 

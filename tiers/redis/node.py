@@ -28,10 +28,11 @@ MICROSECONDS = 1_000_000
 
 @dataclass(frozen=True)
 class Capacity:
-    """What the server said about its memory bound."""
+    """What the server said about its memory bound (``denied``: why it would not say)."""
 
     maxmemory: int | None
     policy: str | None
+    denied: str | None = None
 
     @property
     def bounded(self) -> bool:
@@ -39,14 +40,22 @@ class Capacity:
 
 
 def capacity_of(conn: Connection) -> Capacity:
-    """Ask the server for maxmemory and its policy (CONFIG GET, else INFO memory)."""
+    """Ask the server for maxmemory and its policy (CONFIG GET, else INFO memory).
+
+    A server that wants credentials we did not send (``NOAUTH``) fails the
+    connection with that cause; an ACL that denies both commands leaves the
+    capacity unknown with the denial as the reason.
+    """
     memory = conn.call(b"CONFIG", b"GET", b"maxmemory")
+    if isinstance(memory, ServerError) and memory.outcome == "auth_noauth":
+        raise ConnectionFailed(memory.outcome, memory.message)
     policy = conn.call(b"CONFIG", b"GET", b"maxmemory-policy")
     if isinstance(memory, list) and len(memory) == 2 and isinstance(policy, list) and len(policy) == 2:
         return Capacity(int(memory[1]), policy[1].decode())
     info = conn.call(b"INFO", b"memory")
     if not isinstance(info, bytes):
-        return Capacity(None, None)
+        refusals = [reply.message for reply in (memory, info) if isinstance(reply, ServerError) and reply.auth]
+        return Capacity(None, None, "; ".join(refusals) or None)
     fields = dict(line.split(":", 1) for line in info.decode().splitlines() if ":" in line)
     maxmemory = fields.get("maxmemory")
     return Capacity(int(maxmemory) if maxmemory else None, fields.get("maxmemory_policy"))
@@ -78,6 +87,8 @@ class Node:
             Lane(f"{tier.name}-{self.address}-{i}", self._open, tier.window) for i in range(tier.connections)
         ]
         self._capacity_logged = False
+        self._cause_logged: str | None = None
+        """The cause of the error last logged (logged again only when it changes)."""
 
     @property
     def connects(self) -> int:
@@ -111,11 +122,11 @@ class Node:
                     credentials.insert(0, tier.username.encode())
                 reply = conn.call(b"AUTH", *credentials)
                 if isinstance(reply, ServerError):
-                    raise ConnectionFailed("auth", reply.message)
+                    raise ConnectionFailed(reply.outcome if reply.auth else "auth", reply.message)
             if tier.db:
                 reply = conn.call(b"SELECT", str(tier.db).encode())
                 if isinstance(reply, ServerError):
-                    raise ConnectionFailed("auth", reply.message)
+                    raise ConnectionFailed(reply.outcome if reply.auth else "select", reply.message)
             conn.capacity = capacity_of(conn)
             return conn
         except BaseException:
@@ -146,16 +157,34 @@ class Node:
                 self._check_capacity(chosen.last_connection)
         else:
             self.breaker.failure()
+        self._note(job.error)
         return job
+
+    def _note(self, error: str | None) -> None:
+        """Hand an error to the tier's stats; log it when its cause differs from the last one logged."""
+        if error is None:
+            self._cause_logged = None
+            return
+        self._tier.note_error(error)
+        cause = error.split(" ", 1)[0]
+        if cause != self._cause_logged:
+            self._cause_logged = cause
+            logger.warning("redis tier %s: %s: %s", self._tier.name, self.address, error)
 
     def _check_capacity(self, conn: Connection) -> None:
         if self._capacity_logged:
             return
         self._capacity_logged = True
         capacity, options = conn.capacity or Capacity(None, None), self._tier.options
-        if not capacity.bounded and not options.allow_unbounded:
+        if capacity.denied is not None and not options.allow_unbounded:
             logger.error(
-                "redis tier %s: %s has no maxmemory (or hides it); writes are refused "
+                "redis tier %s: %s does not let this user read maxmemory (%s); writes are refused "
+                "(allow CONFIG GET or INFO for the user, or allow_unbounded: true)",
+                self._tier.name, self.address, capacity.denied,
+            )
+        elif not capacity.bounded and not options.allow_unbounded:
+            logger.error(
+                "redis tier %s: %s has no maxmemory; writes are refused "
                 "(set maxmemory with an allkeys-* policy, or allow_unbounded: true)",
                 self._tier.name, self.address,
             )

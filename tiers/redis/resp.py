@@ -25,11 +25,28 @@ SENDMSG_MAX_BUFFERS = 512
 
 
 class ConnectionFailed(Exception):
-    """Inside a worker thread: the connection is unusable; ``kind`` names why."""
+    """Inside a worker thread: the connection is unusable; ``kind`` names why, ``detail`` says more."""
 
     def __init__(self, kind: str, detail: str = "") -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+        self.detail = detail
+
+
+ERROR_OUTCOMES = {
+    "MOVED": "moved",
+    "ASK": "moved",
+    "TRYAGAIN": "moved",
+    "CLUSTERDOWN": "moved",
+    "OOM": "server_oom",
+    "NOAUTH": "auth_noauth",
+    "WRONGPASS": "auth_wrongpass",
+    "NOPERM": "auth_noperm",
+}
+"""The outcome an error reply is counted under, by its code (any other: ``server_error``).
+``auth_*`` name why the server refused us: no credentials sent although it needs some
+(``NOAUTH``), wrong user or password (``WRONGPASS``), or an ACL that denies the command
+or key (``NOPERM``)."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +57,12 @@ class ServerError:
 
     @property
     def outcome(self) -> str:
-        code = self.message.split(" ", 1)[0]
-        if code in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"):
-            return "moved"
-        return "server_oom" if code == "OOM" else "server_error"
+        return ERROR_OUTCOMES.get(self.message.split(" ", 1)[0], "server_error")
+
+    @property
+    def auth(self) -> bool:
+        """Whether the server refused us for who we are (``NOAUTH``, ``WRONGPASS``, ``NOPERM``)."""
+        return self.outcome.startswith("auth_")
 
 
 def command(*parts: bytes) -> bytes:

@@ -61,6 +61,8 @@ class RedisTier(RemoteTier):
         self._last_refresh = 0.0
         self._counts: Counter = Counter()
         self._cleanups: set[asyncio.Task] = set()
+        self.last_error: str | None = None
+        """The most recent failure or error reply, with its cause (``auth_wrongpass: WRONGPASS ...``)."""
 
     # -- routing ---------------------------------------------------------
 
@@ -123,6 +125,10 @@ class RedisTier(RemoteTier):
         self._counts["cluster_refresh_failures"] += 1
         return False
 
+    def note_error(self, error: str) -> None:
+        """Remember the most recent error for ``stats()`` (called on the event loop)."""
+        self.last_error = error
+
     # -- lifecycle -------------------------------------------------------
 
     async def start(self) -> None:
@@ -131,9 +137,7 @@ class RedisTier(RemoteTier):
             if not await self._refresh_slots():
                 logger.warning("redis tier %s: no cluster node answered at start", self.name)
             return
-        node = self._node(*self._seed)
-        if await self._control(node, b"PING") is None:
-            logger.warning("redis tier %s: %s unreachable at start", self.name, node.address)
+        await self._node(*self._seed).call(ControlJob(b"PING"))  # a failure is logged with its cause
 
     async def settle(self) -> None:
         """Wait for the background deletions of invalid values started so far."""
@@ -232,9 +236,12 @@ class RedisTier(RemoteTier):
 
     # -- stats -------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
-        """``<op>_<outcome>`` counts per block, hits/misses, bytes, breaker and connection state."""
-        out: dict[str, float] = {k: float(v) for k, v in self._counts.items()}
+    def stats(self) -> dict[str, float | str]:
+        """``<op>_<outcome>`` counts per block, hits/misses, bytes, breaker and connection state,
+        and ``last_error`` (text) once anything failed."""
+        out: dict[str, float | str] = {k: float(v) for k, v in self._counts.items()}
+        if self.last_error is not None:
+            out["last_error"] = self.last_error
         hits = self._counts["get_hit"]
         gets = sum(v for k, v in self._counts.items() if k.startswith("get_"))
         out["hits"] = float(hits)
