@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 from redis_servers import (
+    FINGERPRINT,
     OTHER_FINGERPRINT,
     RedisServer,
     empty_dests,
@@ -17,6 +18,7 @@ from redis_servers import (
 )
 
 from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 64 * 1024
@@ -191,3 +193,36 @@ async def test_invalid_values_are_deleted_so_the_next_store_rewrites_them(redis_
     finally:
         client.close()
         await tier.close()
+
+
+async def test_a_forger_with_store_access_but_no_secret_gets_nothing_loaded(redis_server) -> None:
+    secret = b"the victim's namespace secret!!!"
+
+    async def tier_with(codec: Codec, **options: object) -> RedisTier:
+        tier = RedisTier(RemoteContext("remote", codec, BLOCK), RedisOptions(url=redis_server.url, **FAST, **options))
+        await tier.start()
+        return tier
+
+    victim = await tier_with(Codec(FINGERPRINT, secret=secret))
+    forger = await tier_with(Codec(FINGERPRINT))  # knows the namespace (model id, tenant, layout)
+    guesser = await tier_with(Codec(FINGERPRINT, secret=b"a guessed secret of 32 bytes...."))
+    try:
+        keys, payloads = random_blocks(8, BLOCK)
+        assert all(await forger.put(keys[:4], payloads[:4]))
+        assert all(await guesser.put(keys[4:], payloads[4:]))
+        for stage_reads in (False, True):
+            reader = await tier_with(Codec(FINGERPRINT, secret=secret), stage_reads=stage_reads)
+            assert await reader.get_into(keys, empty_dests(8, BLOCK)) == [False] * 8
+            assert reader.stats()["get_bad_mac"] == 8
+            await reader.close()
+            assert all(await forger.put(keys[:4], payloads[:4]))  # the reader deleted the forgeries
+            assert all(await guesser.put(keys[4:], payloads[4:]))
+        assert all(await victim.put(keys, payloads))
+        out = empty_dests(8, BLOCK)
+        assert await victim.get_into(keys, out) == [True] * 8
+        assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+        assert await forger.get_into(keys, empty_dests(8, BLOCK)) == [False] * 8
+        assert forger.stats()["get_bad_format"] == 8
+    finally:
+        for tier in (victim, forger, guesser):
+            await tier.close()
