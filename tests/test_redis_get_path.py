@@ -122,7 +122,10 @@ async def test_one_io_thread_per_connection_and_none_after_close(redis_server) -
         assert len(names) == 2, names
     finally:
         await tier.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith(f"tiercache-{tier.name}-") and t.is_alive()]
+    for thread in threading.enumerate():
+        if thread.name.startswith(f"tiercache-{tier.name}-"):
+            thread.join(5.0)  # close() has returned: the thread is on its way out
+            assert not thread.is_alive(), thread.name
 
 
 def test_default_connections_and_window_follow_the_value_size() -> None:

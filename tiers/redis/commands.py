@@ -21,6 +21,10 @@ from tiercache.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.redis.lane import Job
 from tiercache.tiers.redis.resp import CRLF, Connection, ConnectionFailed, ServerError, command
 
+GET_REQUEST = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
+"""A GET command, formatted with the key's length and the key."""
+OK_REPLY = b"+OK\r\n"
+"""SET's answer when the value was stored."""
 BYTES = "bytes"
 """Outcome counters carry the payload bytes moved under this name."""
 HIT = "hit"
@@ -53,10 +57,6 @@ class ReadPlan:
         return cls(codec, block_bytes, stage_reads, b"$%d\r\n" % (HEADER_SIZE + block_bytes))
 
 
-def _byte_view(buffer: memoryview) -> memoryview:
-    return buffer if buffer.format == "B" and buffer.ndim == 1 else memoryview(buffer).cast("B")
-
-
 class GetJob(Job):
     """GET of ``keys[i]`` into ``dests[i]`` for ``i`` in ``indices``; ``results[i]`` True where filled."""
 
@@ -81,30 +81,50 @@ class GetJob(Job):
         """Indices whose value failed validation."""
 
     def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
-        return [b"".join(command(b"GET", self.redis_keys[i]) for i in self.indices[start:stop])]
+        keys = self.redis_keys
+        return [b"".join([GET_REQUEST % (len(keys[i]), keys[i]) for i in self.indices[start:stop]])]
 
     def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
         position = self.indices[index]
-        dest = _byte_view(self.dests[position])
+        dest = self.dests[position]
+        if dest.format != "B" or dest.ndim != 1:
+            dest = memoryview(dest).cast("B")
         plan = self.plan
+        readahead = MIN_REPLY_BYTES * pending_after
+        if readahead > len(plan.line):
+            readahead = len(plan.line)
+        if plan.stage_reads or not conn.receive_value(plan.line, dest, readahead):
+            self._read_slowly(conn, position, dest, readahead)
+            return
+        status = plan.codec.check_in_place(self.keys[position], conn.header, dest)
+        if status is DecodeStatus.OK:
+            self.hits += 1
+            self.results[position] = True
+        else:
+            self._count(position, status.value)
+
+    def _read_slowly(self, conn: Connection, position: int, dest: memoryview, readahead: int) -> None:
+        """The reply line is not (all) buffered yet, or is not the expected one."""
+        line = self.plan.line
         key = self.keys[position]
-        line = plan.line
-        readahead = min(len(line), MIN_REPLY_BYTES * pending_after)
         conn.prefetch(min(len(line), GET_MIN_REPLY_BYTES + readahead))
         if conn.buffered_prefix_of(line) >= SURE_PREFIX_BYTES and line[1:SURE_PREFIX_BYTES].isdigit():
             conn.prefetch(len(line))
-        if not plan.stage_reads and conn.receive_value(line, conn.header_view, dest, readahead):
-            status = plan.codec.check_in_place(key, conn.header, dest)
-            outcome = HIT if status is DecodeStatus.OK else status.value
+        if not self.plan.stage_reads and conn.receive_value(line, dest, readahead):
+            status = self.plan.codec.check_in_place(key, conn.header, dest)
+            outcome: str | ServerError = HIT if status is DecodeStatus.OK else status.value
         else:
-            outcome = read_value(conn, plan, key, dest, readahead)
-            if isinstance(outcome, ServerError):
-                self.error = outcome.message
-                outcome = outcome.outcome
+            outcome = read_value(conn, self.plan, key, dest, readahead)
+        if isinstance(outcome, ServerError):
+            self.error = outcome.message
+            outcome = outcome.outcome
         if outcome == HIT:
             self.hits += 1
             self.results[position] = True
-            return
+        else:
+            self._count(position, outcome)
+
+    def _count(self, position: int, outcome: str) -> None:
         self.outcomes[outcome] += 1
         if outcome in INVALID_OUTCOMES:
             self.invalid.append(position)
@@ -185,6 +205,8 @@ class PutJob(Job):
         self._set_parts = b"*5\r\n" if len(set_tail) > len(CRLF) else b"*3\r\n"
         self._allow_unbounded = allow_unbounded
         self._sizes = [0] * len(indices)
+        self._stored = 0
+        self._stored_bytes = 0
 
     def send_group(self, window: int) -> int:
         return max(1, min(SET_GROUP_VALUES, window // 3))
@@ -214,16 +236,27 @@ class PutJob(Job):
         return buffers
 
     def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
+        if conn.consume(OK_REPLY):
+            self.results[self.indices[index]] = True
+            self._stored += 1
+            self._stored_bytes += self._sizes[index]
+            return
         reply = conn.read_reply()
         if reply == b"OK":
             self.results[self.indices[index]] = True
-            self.outcomes["ok"] += 1
-            self.outcomes[BYTES] += self._sizes[index]
+            self._stored += 1
+            self._stored_bytes += self._sizes[index]
         elif isinstance(reply, ServerError):
             self.outcomes[reply.outcome] += 1
             self.error = reply.message
         else:
             self.outcomes["server_error"] += 1
+
+
+    def finish(self) -> None:
+        if self._stored:
+            self.outcomes["ok"] += self._stored
+            self.outcomes[BYTES] += self._stored_bytes
 
 
 class KeysJob(Job):

@@ -112,7 +112,8 @@ class Lane:
         self._opener = opener
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()
+        self._on_stop: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        """Set by ``close`` before it queues the stop: the future the thread resolves on exit."""
         self._conn: Connection | None = None
         self.connects = 0
         self.last_connection: Connection | None = None
@@ -123,7 +124,7 @@ class Lane:
         job.loop = asyncio.get_running_loop()
         job.future = job.loop.create_future()
         if self._thread is None:
-            self._stopped = threading.Event()
+            self._on_stop = None
             self._thread = threading.Thread(target=self._run, name=f"tiercache-{self.name}", daemon=True)
             self._thread.start()
         self._queue.put(job)
@@ -133,21 +134,15 @@ class Lane:
         """Stop the thread: jobs still queued fail as ``closed``; a blocked receive is aborted."""
         if self._thread is None:
             return
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+        self._on_stop = (loop, stopped)
         self._queue.put(_STOP)
         conn = self._conn
         if conn is not None:
             conn.abort()
-        loop = asyncio.get_running_loop()
-        stopped = loop.create_future()
-        event = self._stopped
-
-        def wait() -> None:
-            event.wait(CLOSE_TIMEOUT_S)
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(_set_done, stopped)
-
-        threading.Thread(target=wait, name=f"tiercache-{self.name}-close", daemon=True).start()
-        await stopped
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped, CLOSE_TIMEOUT_S)
         self._thread = None
 
     # -- the thread ------------------------------------------------------
@@ -167,7 +162,10 @@ class Lane:
                     break
                 if job is not _STOP:
                     self._fail([job], "closed", "closed: the tier is closing")
-            self._stopped.set()
+            if self._on_stop is not None:
+                loop, stopped = self._on_stop
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(_set_done, stopped)
 
     def _serve(self, first: Job) -> bool:
         """Serve ``first`` and every job queued while requests are in flight; True if told to stop."""
@@ -183,13 +181,12 @@ class Lane:
             conn = self._conn
             while sending or reading:
                 while True:
-                    if not sending and not stop:
-                        with contextlib.suppress(queue.Empty):
-                            queued = self._queue.get_nowait()
-                            if queued is _STOP:
-                                stop = True
-                            else:
-                                sending.append(queued)
+                    if not sending and not stop and not self._queue.empty():
+                        queued = self._queue.get_nowait()  # only this thread takes from the queue
+                        if queued is _STOP:
+                            stop = True
+                        else:
+                            sending.append(queued)
                     if not sending:
                         break
                     job = sending[0]
@@ -213,12 +210,18 @@ class Lane:
                 if not reading:
                     continue
                 job = reading[0]
-                if job.cancelled:
-                    job.discard_reply(conn)
-                else:
-                    job.read_reply(conn, job.read, in_flight - 1)
-                job.read += 1
-                in_flight -= 1
+                # Read down to where the next send group fits (or half a window when nothing
+                # waits to be sent: new jobs are looked for from there on, one reply at a time).
+                next_group = sending[0].send_group(self.window) if sending else self.window // 2
+                replies = min(job.sent - job.read, max(1, in_flight + next_group - self.window))
+                read_reply = job.read_reply
+                for _ in range(replies):
+                    in_flight -= 1
+                    if job.cancelled:
+                        job.discard_reply(conn)
+                    else:
+                        read_reply(conn, job.read, in_flight)
+                    job.read += 1
                 if job.done:
                     self._complete(reading.popleft())
         except BaseException as error:  # every failure becomes an outcome

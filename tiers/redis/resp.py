@@ -20,6 +20,8 @@ LINE_BUFFER_BYTES = 1024
 so at most this many payload bytes are copied instead of received in place."""
 CRLF = b"\r\n"
 WAITALL = getattr(socket, "MSG_WAITALL", 0)
+MAX_READAHEAD = 32
+"""The most bytes of the next reply a value's receive may take along (a reply line is shorter)."""
 SENDMSG_MAX_BUFFERS = 512
 """Below the kernel's IOV_MAX (1024) per sendmsg call."""
 
@@ -88,6 +90,8 @@ class Connection:
         self.header = bytearray(header_bytes)
         """Where a value's header is received (the fast path compares it in place)."""
         self.header_view = memoryview(self.header)
+        self._tails = [self._line_view[: len(CRLF) + readahead] for readahead in range(MAX_READAHEAD + 1)]
+        """The CRLF that ends a value plus 0..MAX_READAHEAD bytes of what follows, by read-ahead."""
         self.capacity: Capacity | None = None
         """What the server said about its memory bound (set when the connection opens)."""
 
@@ -118,38 +122,49 @@ class Connection:
                     views[first] = views[first][sent:]
                     sent = 0
 
-    def receive_value(self, line: bytes, header: memoryview, dest: memoryview, readahead: int) -> bool:
+    def receive_value(self, line: bytes, dest: memoryview, readahead: int) -> bool:
         """The fast path of a value whose reply line is already buffered and is exactly ``line``.
 
-        Receives the rest of the header, the payload straight into ``dest``, the
-        closing CRLF and ``readahead`` bytes of whatever follows (never more than
-        pending replies must contain, so it cannot block) in one ``recvmsg_into``.
-        Returns False, having consumed nothing, when the buffer does not start with
-        ``line`` (a miss, an error, another length, a partial line) or holds more
-        than the header after it, or on TLS (no ``recvmsg_into``): the caller then
-        takes the general path.
+        Receives the rest of the header (into ``header``), the payload straight into
+        ``dest``, the closing CRLF and ``readahead`` bytes of whatever follows (never
+        more than pending replies must contain, so it cannot block) in one
+        ``recvmsg_into``. Returns False, having consumed nothing, when the buffer
+        does not start with ``line`` (a miss, an error, another length, a partial
+        line) or holds more than the header after it, or on TLS (no
+        ``recvmsg_into``): the caller then takes the general path.
         """
         start, end = self._start, self._end
         extra = end - start - len(line)
-        if self._tls or extra < 0 or extra > len(header) or not self._line.startswith(line, start, end):
+        header = self.header_view
+        if extra < 0 or extra > len(header) or self._tls or not self._line.startswith(line, start, end):
             return False
+        tail = self._tails[readahead]
         if extra:
             header[:extra] = self._line_view[end - extra : end]
-        tail = self._line_view[: len(CRLF) + readahead]
-        views = [view for view in (header[extra:], dest, tail) if len(view)]
+            views = [header[extra:], dest, tail] if extra < len(header) else [dest, tail]
+        else:
+            views = [header, dest, tail]
         self._start = self._end = 0
-        while views:
-            count = self.sock.recvmsg_into(views, 0, WAITALL)[0]
+        count = self.sock.recvmsg_into(views, 0, WAITALL)[0]
+        if count != len(header) - extra + len(dest) + len(tail):
+            self._receive_rest(views, count)
+        if not self._line.startswith(CRLF):
+            raise ConnectionFailed("protocol", "bulk reply not terminated by CRLF")
+        self._start, self._end = len(CRLF), len(tail)
+        return True
+
+    def _receive_rest(self, views: list[memoryview], count: int) -> None:
+        """Finish a ``recvmsg_into`` that returned early (a signal, a slow sender)."""
+        while True:
             if count == 0:
                 raise ConnectionFailed("connection", "closed by the server")
             while views and count >= len(views[0]):
                 count -= len(views.pop(0))
+            if not views:
+                return
             if count:
                 views[0] = views[0][count:]
-        if tail[: len(CRLF)] != CRLF:
-            raise ConnectionFailed("protocol", "bulk reply not terminated by CRLF")
-        self._start, self._end = len(CRLF), len(tail)
-        return True
+            count = self.sock.recvmsg_into(views, 0, WAITALL)[0]
 
     def _recv_into(self, view: memoryview, flags: int) -> int:
         count = self.sock.recv_into(view, len(view), 0 if self._tls else flags)
@@ -215,6 +230,15 @@ class Connection:
             count = self._recv_into(self._line_view[self._end : self._end + missing], WAITALL)
             self._end += count
             missing -= count
+
+    def consume(self, reply: bytes) -> bool:
+        """Whether the next reply is exactly ``reply`` (then it is consumed); reads more if none is buffered."""
+        if self._start == self._end:
+            self._fill()
+        if self._line.startswith(reply, self._start, self._end):
+            self._start += len(reply)
+            return True
+        return False
 
     def buffered_prefix_of(self, line: bytes) -> int:
         """How many bytes are buffered if they are a prefix of ``line``; -1 if they are not."""

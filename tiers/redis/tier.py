@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import binascii
 import contextlib
 import logging
 import time
@@ -74,7 +75,7 @@ class RedisTier(RemoteTier):
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of a block key (prefix + hex, so no accidental hash tags)."""
-        return self._prefix + key.hex().encode()
+        return self._prefix + binascii.hexlify(key)
 
     def _route(self, keys: Sequence[bytes]) -> tuple[dict[Node, list[int]], list[int]]:
         """Indices per node, and the indices no node owns (cluster slot uncovered)."""
@@ -104,8 +105,8 @@ class RedisTier(RemoteTier):
 
     def redis_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """``redis_key`` of every key."""
-        prefix = self._prefix
-        return [prefix + key.hex().encode() for key in keys]
+        prefix, hexlify = self._prefix, binascii.hexlify
+        return [prefix + hexlify(key) for key in keys]
 
     async def _refresh_slots(self) -> bool:
         """Rebuild the slot map from the first node that answers ``CLUSTER SLOTS``."""
@@ -169,7 +170,7 @@ class RedisTier(RemoteTier):
             for piece in range(pieces):
                 calls.append(node.call(make_job(indices[piece::pieces]), piece))
         outcomes: Counter = Counter(unrouted=len(unrouted)) if unrouted else Counter()
-        jobs = await asyncio.gather(*calls)
+        jobs = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         for job in jobs:
             outcomes.update(job.outcomes)
         moved = outcomes.pop(BYTES, 0)
