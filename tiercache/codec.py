@@ -143,7 +143,9 @@ class Codec:
 
     def encode(self, key: bytes, payload: memoryview | bytes, version: int = 0) -> tuple[bytes, bytes | memoryview]:
         """Return (header, stored payload): send both back to back as one value."""
-        raw = memoryview(payload).cast("B")
+        raw = payload
+        if not isinstance(raw, memoryview) or raw.format != "B" or raw.ndim != 1:
+            raw = memoryview(payload).cast("B")
         flags = self._flags
         stored: bytes | memoryview = raw
         if self.compress:

@@ -139,6 +139,8 @@ class Node:
         If the caller is cancelled, the job is told to stop touching the caller's
         buffers and the cancel waits until the lane has let go of them.
         """
+        if not job.count:
+            return job
         if not self.breaker.allow():
             job.outcomes["breaker_open"] += job.count
             return job
