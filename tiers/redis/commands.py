@@ -54,6 +54,7 @@ class ReadPlan:
 
     @classmethod
     def of(cls, codec: Codec, block_bytes: int, stage_reads: bool) -> ReadPlan:
+        """The plan of a tier whose blocks are ``block_bytes`` long."""
         return cls(codec, block_bytes, stage_reads, b"$%d\r\n" % (HEADER_SIZE + block_bytes))
 
 

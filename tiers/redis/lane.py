@@ -83,6 +83,7 @@ class Job:
 
     @property
     def done(self) -> bool:
+        """Every request that will be sent is sent and answered."""
         return self.read == self.sent and (self.sent == self.count or self.cancelled)
 
 

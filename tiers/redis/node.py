@@ -36,6 +36,7 @@ class Capacity:
 
     @property
     def bounded(self) -> bool:
+        """Whether the server has a memory bound."""
         return bool(self.maxmemory)
 
 
@@ -62,6 +63,7 @@ def capacity_of(conn: Connection) -> Capacity:
 
 
 def ssl_context(options: RedisOptions) -> ssl.SSLContext:
+    """The TLS context of ``rediss://`` / ``ssl: true`` (CA, client certificate, verification)."""
     context = ssl.create_default_context(cafile=options.ssl_ca)
     if options.ssl_cert:
         context.load_cert_chain(options.ssl_cert, options.ssl_key)
@@ -203,6 +205,7 @@ class Node:
 
 
 def evicts(policy: str | None, ttl_s: float | None) -> bool:
+    """Whether a full server with this ``maxmemory-policy`` evicts our keys (volatile-* only with a TTL)."""
     if policy is None:
         return False
     return policy.startswith("allkeys-") or (policy.startswith("volatile-") and ttl_s is not None)

@@ -59,6 +59,7 @@ class ServerError:
 
     @property
     def outcome(self) -> str:
+        """The counter this reply is counted under (``ERROR_OUTCOMES``)."""
         return ERROR_OUTCOMES.get(self.message.split(" ", 1)[0], "server_error")
 
     @property
@@ -101,6 +102,7 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        """Close the socket (errors ignored)."""
         with contextlib.suppress(OSError):
             self.sock.close()
 
