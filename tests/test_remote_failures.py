@@ -59,9 +59,6 @@ async def test_refused_then_breaker_then_recovery(tmp_path) -> None:
         assert stats.get("get_connect", 0) >= 4 and stats["breaker_opened"] >= 1
         assert stats.get("get_breaker_open", 0) + stats.get("put_breaker_open", 0) > 0
         assert stats["misses"] == 16
-        started = time.monotonic()
-        assert await tier.get_into(keys, empty_dests(4, BLOCK)) == [False] * 4
-        assert time.monotonic() - started < 0.05, "an open breaker answers at once"
         server.start()
 
         async def writes() -> bool:
@@ -104,11 +101,9 @@ async def test_frozen_server_times_out_then_recovers(redis_server) -> None:
         keys, payloads = random_blocks(8, BLOCK)
         assert all(await tier.put(keys, payloads))
         redis_server.stop()
-        started = time.monotonic()
         assert await tier.get_into(keys, empty_dests(8, BLOCK)) == [False] * 8
         assert await tier.contains(keys) == [False] * 8
-        assert time.monotonic() - started < 2.0
-        assert tier.stats().get("get_timeout", 0) > 0
+        assert tier.stats().get("get_timeout", 0) == 8 and "timeout" in str(tier.stats()["last_error"])
         redis_server.cont()
 
         async def reads() -> bool:
