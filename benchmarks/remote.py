@@ -1,17 +1,25 @@
-"""Remote tiers at the server's own speed: GET/SET throughput of 64 KiB and 2 MiB blocks.
+"""The Redis tier at the server's own speed: GET/SET throughput of 64 KiB and 2 MiB blocks.
 
 For each value size, on one redis-server and on a 3-node Redis Cluster (all on
 loopback, started here and stopped at the end), in one run:
 
 * ``redis-benchmark`` with the same value size, best over ``-c 1/4/8`` x
-  ``-P 1/16``: the server's ceiling on this machine;
-* the Redis tier (``put`` / ``get_into`` of whole batches; best over ``connections`` 1/2/4);
-* a plain redis-py pipeline (``SET``/``GET`` of ``bytes`` values, no validation).
+  ``-P 1/16`` (``-r``: overwriting a small key space): the server's ceiling on
+  this machine;
+* the Redis tier with its default options, in overwrite mode as ``redis-benchmark
+  -r`` is: batches of ``put`` / ``get_into`` walk a key space of 256 MiB of
+  distinct values that was written once before timing. GET is timed with one
+  load at a time and with two loads outstanding (the manager runs several
+  transfers per tier at once). Client CPU per value (all threads of this
+  process) and redis-server CPU per value are reported next to the rates;
+* a plain redis-py pipeline (``SET``/``GET`` of ``bytes`` values, no validation);
+* the value check on its own: xxh3-64 (the codec without a secret) next to the
+  keyed BLAKE2b MAC (the codec with one), GB/s over one block.
 
-And the file tier next to a dd-style sequential write/read of the same bytes in
-one file. Tier and redis-py figures are the best of a few repetitions,
-interleaved, because a shared 2-core machine moves 15-30% between runs.
-Prints a table and writes ``remote.json`` next to this script.
+Tier and redis-py figures are the best of a few repetitions, interleaved,
+because a shared 2-core machine moves 15-30% between runs. Prints a table and
+writes ``remote.json`` next to this script. The file tier's figures are in
+``benchmarks/file_tier.py``; the regional tier's in ``benchmarks/sync.py``.
 
     python benchmarks/remote.py [--quick]
 """
@@ -24,10 +32,8 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -38,27 +44,31 @@ import redis.cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from redis_servers import RedisClusterNodes, RedisServer, remote_context
+from redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context
 
-from tiercache.tiers.file import FileOptions, FileTier
+from tiercache.codec import Codec
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 SIZES = {"64KiB": 64 * 1024, "2MiB": 2 * 1024 * 1024}
-TIER_CONNECTIONS = (1, 2, 4)
-"""The tier's ``connections`` settings tried; like redis-benchmark's, its figure is the best of them."""
 BATCH_BLOCKS = {"64KiB": 64, "2MiB": 16}
 """Blocks per tier call (what a transfer-queue batch would carry)."""
-ROUND_BYTES = 256 * 2**20
-"""Bytes moved per timed repetition."""
+KEYSPACE_BYTES = 256 * 2**20
+"""Distinct values the tier overwrites and reads back (one timed repetition moves all of them)."""
 REPEATS = 3
+OUTSTANDING = 2
+"""Loads in flight at once in the 'GET x2' row."""
 BENCH_CLIENTS = (1, 4, 8)
 BENCH_PIPELINES = (1, 16)
 BENCH_REQUESTS = {"64KiB": 3000, "2MiB": 200}
 BENCH_KEYSPACE = 64
 """redis-benchmark -r: spread keys (over the cluster's nodes) yet keep them all SET before GETs."""
 SERVER_MAXMEMORY = "3gb"
-FILE_BYTES = {"64KiB": 64 * 2**20, "2MiB": 128 * 2**20}
+CHECK_ROUNDS = 200
+"""Repetitions of the value-check timing."""
+SECRET = b"benchmark-secret-0123456789abcdef"
 GB = 1e9
+MICROSECONDS = 1e6
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def machine_info() -> dict:
@@ -104,49 +114,76 @@ def redis_benchmark(host: str, port: int, size: str, cluster: bool) -> dict[str,
     return best
 
 
-async def best_rate(run: Callable[[], Awaitable[object]], nbytes: int) -> float:
-    """Best GB/s of ``REPEATS`` timed runs of ``run`` (each moving ``nbytes``)."""
+def server_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of the redis-server processes so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / CLOCK_TICKS
+
+
+async def best_rate(run: Callable[[], Awaitable[object]], nbytes: int, values: int, pids: list[int]) -> dict:
+    """Best GB/s of ``REPEATS`` timed runs of ``run``, and the median CPU µs per value."""
     best = 0.0
+    client_us: list[float] = []
+    server_us: list[float] = []
     for _ in range(REPEATS):
-        started = time.perf_counter()
+        cpu, server, started = time.process_time(), server_cpu_s(pids), time.perf_counter()
         await run()
-        best = max(best, nbytes / (time.perf_counter() - started) / GB)
-    return best
+        elapsed = time.perf_counter() - started
+        client_us.append((time.process_time() - cpu) * MICROSECONDS / values)
+        server_us.append((server_cpu_s(pids) - server) * MICROSECONDS / values)
+        best = max(best, nbytes / elapsed / GB)
+    return {"gbps": best, "client_cpu_us": float(np.median(client_us)), "server_cpu_us": float(np.median(server_us))}
 
 
-def payloads(count: int, size: int) -> tuple[list[bytes], list[memoryview], list[memoryview]]:
+def buffers(count: int, size: int) -> tuple[list[memoryview], list[memoryview]]:
+    """``count`` random payloads and as many destination buffers (reused over the key space)."""
     rng = np.random.default_rng(0)
-    keys = [rng.bytes(16) for _ in range(count)]
-    data = [memoryview(rng.integers(0, 256, size, dtype=np.uint8)).cast("B") for _ in keys]
-    dests = [memoryview(np.empty(size, dtype=np.uint8)).cast("B") for _ in keys]
-    return keys, data, dests
+    data = [memoryview(rng.integers(0, 256, size, dtype=np.uint8)).cast("B") for _ in range(count)]
+    dests = [memoryview(np.empty(size, dtype=np.uint8)).cast("B") for _ in range(count)]
+    return data, dests
 
 
-async def tier_rates(tier: RedisTier | FileTier, size: str) -> dict[str, float]:
+async def tier_rates(tier: RedisTier, size: str, pids: list[int]) -> dict[str, dict]:
     block = SIZES[size]
     batch = BATCH_BLOCKS[size]
-    rounds = max(1, ROUND_BYTES // (batch * block))
-    keys, data, dests = payloads(batch, block)
+    rng = np.random.default_rng(1)
+    keys = [rng.bytes(16) for _ in range(KEYSPACE_BYTES // block)]
+    batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+    data, _ = buffers(batch, block)
+    lanes = [buffers(batch, block)[1] for _ in range(OUTSTANDING)]
 
     async def put() -> None:
-        for _ in range(rounds):
-            assert all(await tier.put(keys, data))
+        for chunk in batches:
+            assert all(await tier.put(chunk, data[: len(chunk)]))
+
+    async def get_lane(lane: int, lanes_total: int) -> None:
+        for chunk in batches[lane::lanes_total]:
+            assert all(await tier.get_into(chunk, lanes[lane][: len(chunk)]))
 
     async def get() -> None:
-        for _ in range(rounds):
-            assert all(await tier.get_into(keys, dests))
+        await get_lane(0, 1)
+
+    async def get_outstanding() -> None:
+        await asyncio.gather(*(get_lane(lane, OUTSTANDING) for lane in range(OUTSTANDING)))
 
     await put()
-    moved = rounds * batch * block
-    return {"SET": await best_rate(put, moved), "GET": await best_rate(get, moved)}
+    moved = len(keys) * block
+    return {
+        "SET": await best_rate(put, moved, len(keys), pids),
+        "GET": await best_rate(get, moved, len(keys), pids),
+        f"GET x{OUTSTANDING}": await best_rate(get_outstanding, moved, len(keys), pids),
+    }
 
 
 async def redis_py_rates(client: redis.Redis | redis.cluster.RedisCluster, size: str) -> dict[str, float]:
     block = SIZES[size]
     batch = BATCH_BLOCKS[size]
-    rounds = max(1, ROUND_BYTES // (batch * block))
-    keys, data, _ = payloads(batch, block)
-    names = [b"plain:" + key.hex().encode() for key in keys]
+    rounds = max(1, KEYSPACE_BYTES // (batch * block))
+    data, _ = buffers(batch, block)
+    names = [b"plain:%d" % i for i in range(batch)]
     values = [bytes(d) for d in data]
 
     async def put() -> None:
@@ -165,86 +202,65 @@ async def redis_py_rates(client: redis.Redis | redis.cluster.RedisCluster, size:
 
     await put()
     moved = rounds * batch * block
-    return {"SET": await best_rate(put, moved), "GET": await best_rate(get, moved)}
+    count = rounds * batch
+    return {"SET": (await best_rate(put, moved, count, []))["gbps"],
+            "GET": (await best_rate(get, moved, count, []))["gbps"]}
 
 
-def dd_rates(directory: Path, size: str) -> dict[str, float]:
-    """Sequential write then read of the same bytes, one file, block-sized I/O."""
-    block = SIZES[size]
-    count = FILE_BYTES[size] // block
-    _, data, dests = payloads(1, block)
-    path = directory / "dd.bin"
-    best = {"SET": 0.0, "GET": 0.0}
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        for _ in range(count):
-            os.write(fd, data[0])
-        os.close(fd)
-        best["SET"] = max(best["SET"], count * block / (time.perf_counter() - started) / GB)
-        started = time.perf_counter()
-        with open(path, "rb", buffering=0) as handle:
-            for _ in range(count):
-                handle.readinto(dests[0])
-        best["GET"] = max(best["GET"], count * block / (time.perf_counter() - started) / GB)
-    path.unlink()
-    return best
+def check_rates() -> list[dict]:
+    """GB/s of the value check alone: xxh3-64 (no secret) and the keyed MAC (with one)."""
+    rows = []
+    key = bytes(16)
+    for size, block in SIZES.items():
+        payload = memoryview(np.random.default_rng(2).integers(0, 256, block, dtype=np.uint8)).cast("B")
+        dest = memoryview(bytearray(block))
+        rates = {}
+        for name, codec in (("xxh3", Codec(FINGERPRINT)), ("mac", Codec(FINGERPRINT, secret=SECRET))):
+            value = codec.encode_value(key, payload)
+            best = 0.0
+            for _ in range(REPEATS):
+                started = time.perf_counter()
+                for _ in range(CHECK_ROUNDS):
+                    assert codec.decode_into(key, value, dest).ok
+                best = max(best, CHECK_ROUNDS * block / (time.perf_counter() - started) / GB)
+            rates[name] = best
+        rows.append({"size": size, "xxh3_gbps": rates["xxh3"], "mac_gbps": rates["mac"]})
+    return rows
 
 
-async def file_rates(directory: Path, size: str) -> dict[str, float]:
-    block = SIZES[size]
-    count = FILE_BYTES[size] // block
-    tier = FileTier(remote_context(block, "file"), FileOptions(path=str(directory / "tier"), max_blocks=count * 2))
-    await tier.start()
-    try:
-        keys, data, dests = payloads(count, block)
-
-        async def put() -> None:
-            assert all(await tier.put(keys, data))
-
-        async def get() -> None:
-            assert all(await tier.get_into(keys, dests))
-
-        await put()
-        return {"SET": await best_rate(put, count * block), "GET": await best_rate(get, count * block)}
-    finally:
-        await tier.close()
-
-
-async def redis_rows(host: str, port: int, url: str, cluster: bool, client_factory: Callable) -> list[dict]:
+async def redis_rows(
+    host: str, port: int, url: str, cluster: bool, client_factory: Callable, pids: list[int]
+) -> list[dict]:
     rows = []
     client = client_factory()
     try:
         for size, block in SIZES.items():
             ceiling = redis_benchmark(host, port, size, cluster)
-            ours: dict[str, float] = {}
-            setting: dict[str, int] = {}
-            for connections in TIER_CONNECTIONS:
-                options = RedisOptions(url=url, cluster=cluster, connections=connections)
-                tier = RedisTier(remote_context(block, "redis"), options)
-                await tier.start()
-                try:
-                    rates = await tier_rates(tier, size)
-                finally:
-                    await tier.close()
-                for op, rate in rates.items():
-                    if rate > ours.get(op, 0.0):
-                        ours[op], setting[op] = rate, connections
+            options = RedisOptions(url=url, cluster=cluster)
+            tier = RedisTier(remote_context(block, "redis"), options)
+            await tier.start()
+            try:
+                ours = await tier_rates(tier, size, pids)
+            finally:
+                await tier.close()
+            client.flushall()
             plain = await redis_py_rates(client, size)
             client.flushall()
-            for op in ("SET", "GET"):
+            for op, rate in ours.items():
+                base = op.split()[0]
                 rows.append({
                     "target": "cluster x3" if cluster else "single",
                     "size": size,
                     "op": op,
-                    "redis_benchmark_gbps": ceiling[op]["gbps"],
-                    "redis_benchmark_setting": f"-c {ceiling[op]['clients']} -P {ceiling[op]['pipeline']}",
+                    "redis_benchmark_gbps": ceiling[base]["gbps"],
+                    "redis_benchmark_setting": f"-c {ceiling[base]['clients']} -P {ceiling[base]['pipeline']}",
                     "redis_benchmark_failed_settings": ceiling["failed"]["settings"],
-                    "tier_gbps": ours[op],
-                    "tier_connections": setting[op],
-                    "redis_py_pipeline_gbps": plain[op],
-                    "tier_vs_ceiling": ours[op] / ceiling[op]["gbps"],
-                    "tier_vs_redis_py": ours[op] / plain[op],
+                    "tier_gbps": rate["gbps"],
+                    "tier_client_cpu_us_per_value": rate["client_cpu_us"],
+                    "server_cpu_us_per_value": rate["server_cpu_us"],
+                    "redis_py_pipeline_gbps": plain[base],
+                    "tier_vs_ceiling": rate["gbps"] / ceiling[base]["gbps"],
+                    "tier_vs_redis_py": rate["gbps"] / plain[base],
                 })
     finally:
         client.close()
@@ -253,53 +269,44 @@ async def redis_rows(host: str, port: int, url: str, cluster: bool, client_facto
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one repetition, smaller rounds")
+    parser.add_argument("--quick", action="store_true", help="one repetition, a smaller key space")
+    parser.add_argument("--single", action="store_true", help="one redis-server only (no cluster rows)")
     args = parser.parse_args()
-    global REPEATS, ROUND_BYTES
+    global REPEATS, KEYSPACE_BYTES
     if args.quick:
-        REPEATS, ROUND_BYTES = 1, ROUND_BYTES // 4
+        REPEATS, KEYSPACE_BYTES = 1, KEYSPACE_BYTES // 4
     info = machine_info()
     started = time.perf_counter()
     rows: list[dict] = []
     with RedisServer(maxmemory=SERVER_MAXMEMORY) as server:
         rows += await redis_rows(server.host, server.port, server.url, False,
-                                 lambda: redis.Redis(host=server.host, port=server.port))
-    with RedisClusterNodes() as cluster:
-        for node in cluster.nodes:
-            node.cli("CONFIG", "SET", "maxmemory", SERVER_MAXMEMORY)
-        rows += await redis_rows(cluster.host, cluster.port, cluster.url, True,
-                                 lambda: redis.cluster.RedisCluster(host=cluster.host, port=cluster.port))
-    file_rows = []
-    directory = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=os.environ.get("TIERCACHE_BENCH_DIR")))
-    try:
-        filesystem = subprocess.run(["df", "-T", str(directory)], capture_output=True, text=True).stdout
-        for size in SIZES:
-            dd = dd_rates(directory, size)
-            ours = await file_rates(directory, size)
-            for op in ("SET", "GET"):
-                file_rows.append({"size": size, "op": op, "dd_gbps": dd[op], "tier_gbps": ours[op],
-                                  "tier_vs_dd": ours[op] / dd[op]})
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+                                 lambda: redis.Redis(host=server.host, port=server.port), [server.process.pid])
+    if not args.single:
+        with RedisClusterNodes() as cluster:
+            for node in cluster.nodes:
+                node.cli("CONFIG", "SET", "maxmemory", SERVER_MAXMEMORY)
+            rows += await redis_rows(cluster.host, cluster.port, cluster.url, True,
+                                     lambda: redis.cluster.RedisCluster(host=cluster.host, port=cluster.port),
+                                     [node.process.pid for node in cluster.nodes])
+    checks = check_rates()
     info["load_average_end"] = os.getloadavg()
-    info["filesystem"] = filesystem.splitlines()[-1] if filesystem else ""
     info["runtime_s"] = time.perf_counter() - started
 
-    print(f"{'target':<11}{'size':>6}{'op':>4}  {'redis-bench':>11}  {'tier':>6} {'conns':>5}  {'redis-py':>8}"
-          f"  {'tier/ceil':>9}  {'tier/py':>7}   (GB/s)")
+    print(f"{'target':<11}{'size':>6}{'op':>7}  {'redis-bench':>11}  {'tier':>6}  {'redis-py':>8}"
+          f"  {'tier/ceil':>9}  {'cpu us/value':>12}  {'server us':>9}   (GB/s)")
     for r in rows:
-        print(f"{r['target']:<11}{r['size']:>6}{r['op']:>4}  {r['redis_benchmark_gbps']:>11.2f}"
-              f"  {r['tier_gbps']:>6.2f} {r['tier_connections']:>5}  {r['redis_py_pipeline_gbps']:>8.2f}"
-              f"  {r['tier_vs_ceiling']:>9.2f}  {r['tier_vs_redis_py']:>7.2f}")
-    print(f"\n{'file tier':<11}{'size':>6}{'op':>4}  {'dd-style':>8}  {'tier':>6}  {'tier/dd':>7}   (GB/s)")
-    for r in file_rows:
-        print(f"{'':<11}{r['size']:>6}{r['op']:>4}  {r['dd_gbps']:>8.2f}  {r['tier_gbps']:>6.2f}"
-              f"  {r['tier_vs_dd']:>7.2f}")
+        print(f"{r['target']:<11}{r['size']:>6}{r['op']:>7}  {r['redis_benchmark_gbps']:>11.2f}"
+              f"  {r['tier_gbps']:>6.2f}  {r['redis_py_pipeline_gbps']:>8.2f}"
+              f"  {r['tier_vs_ceiling']:>9.2f}  {r['tier_client_cpu_us_per_value']:>12.1f}"
+              f"  {r['server_cpu_us_per_value']:>9.1f}")
+    print(f"\n{'value check':<11}{'size':>6}  {'xxh3':>6}  {'keyed MAC':>9}   (GB/s)")
+    for r in checks:
+        print(f"{'':<11}{r['size']:>6}  {r['xxh3_gbps']:>6.2f}  {r['mac_gbps']:>9.2f}")
     print(f"\n{info['cpu']}, {info['cores']} cores, {info['redis_server'].split()[2]}, "
           f"load {info['load_average_start'][0]:.1f} -> {info['load_average_end'][0]:.1f}, "
           f"{info['runtime_s']:.0f} s")
     out = Path(__file__).with_suffix(".json")
-    out.write_text(json.dumps({"machine": info, "redis": rows, "file": file_rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"machine": info, "redis": rows, "value_check": checks}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
+from tiercache.codec import CHECKSUM_OFFSET, FINGERPRINT_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec, DecodeStatus
 from tiercache.layout import KVLayout, MemoryOrder
 
 FINGERPRINT = bytes(range(16))
@@ -100,3 +100,47 @@ def test_codec_rejects_a_corrupt_lz4_stream_with_a_valid_checksum() -> None:
     assert codec.decode_into(KEY, bytes(forged), memoryview(bytearray(len(payload)))).status is (
         DecodeStatus.BAD_COMPRESSION
     )
+
+
+SECRET = b"per-namespace-secret-0123456789"
+
+
+def test_keyed_codec_round_trips_and_survives_a_version_patch() -> None:
+    codec = Codec(FINGERPRINT, secret=SECRET)
+    payload = os.urandom(4096)
+    value = bytearray(codec.encode_value(KEY, payload, version=3))
+    assert len(value) == HEADER_SIZE + len(payload)
+    dest = memoryview(bytearray(len(payload)))
+    assert codec.decode_into(KEY, bytes(value), dest).ok and bytes(dest) == payload
+    struct.pack_into("<Q", value, VERSION_OFFSET, 9)  # what the regional tier's commit does on the server
+    decoded = codec.decode_into(KEY, bytes(value), dest)
+    assert decoded.ok and decoded.version == 9
+    assert Codec(FINGERPRINT, secret=SECRET, compress=True).decode_into(KEY, bytes(value), dest).ok
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_keyed_codec_rejects_values_without_a_valid_mac(compress: bool) -> None:
+    codec = Codec(FINGERPRINT, compress=compress, secret=SECRET)
+    payload = bytes(2048) + os.urandom(2048)
+    value = codec.encode_value(KEY, payload)
+    dest = memoryview(bytearray(len(payload)))
+    forged = [
+        Codec(FINGERPRINT, compress=compress).encode_value(KEY, payload),  # no secret: the old format
+        Codec(FINGERPRINT, compress=compress, secret=b"a guessed secret, 32 bytes long!").encode_value(KEY, payload),
+        Codec(bytes(16), compress=compress, secret=SECRET).encode_value(KEY, payload),  # another namespace
+        corrupt(value, HEADER_SIZE + 5),
+        corrupt(value, FINGERPRINT_OFFSET),
+        corrupt(value, CHECKSUM_OFFSET),
+    ]
+    for bad in forged:
+        assert codec.decode_into(KEY, bad, dest).status is DecodeStatus.BAD_MAC
+    assert Codec(FINGERPRINT).decode_into(KEY, value, dest).status is DecodeStatus.BAD_FORMAT
+    assert codec.check_in_place(KEY, bytearray(forged[0][:HEADER_SIZE]), memoryview(bytearray(payload))) is (
+        DecodeStatus.BAD_MAC
+    )
+
+
+def test_secret_length_is_checked() -> None:
+    with pytest.raises(ValueError, match="secret"):
+        Codec(FINGERPRINT, secret=b"short")
+    assert Codec(FINGERPRINT, secret=SECRET).variant(compress=True).secret == SECRET

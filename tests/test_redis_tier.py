@@ -93,7 +93,7 @@ async def test_ttl_expires_entries(redis_server) -> None:
         await tier.close()
 
 
-async def test_acl_user_and_wrong_password(redis_factory) -> None:
+async def test_acl_user_and_wrong_password(redis_factory, caplog) -> None:
     server = redis_factory(extra_args=[
         "--user", "default", "off", "--user", "engine", "on", ">s3cret", "~*", "&*", "+@all",
     ])
@@ -103,10 +103,55 @@ async def test_acl_user_and_wrong_password(redis_factory) -> None:
         keys, payloads = random_blocks(2, BLOCK)
         assert await good.put(keys, payloads) == [True, True]
         assert await bad.get_into(keys, empty_dests(2, BLOCK)) == [False, False]
-        assert bad.stats().get("get_auth") == 2
+        stats = bad.stats()
+        assert stats.get("get_auth_wrongpass") == 2, stats
+        assert str(stats["last_error"]).startswith("auth_wrongpass: WRONGPASS")
+        assert "WRONGPASS" in caplog.text and "maxmemory" not in caplog.text
     finally:
         await good.close()
         await bad.close()
+
+
+async def test_no_password_against_requirepass_is_named_noauth(redis_factory, caplog) -> None:
+    server = redis_factory(extra_args=["--requirepass", "s3cret"])
+    anonymous = await open_tier(server.url)
+    keyed = await open_tier(server.url, password="s3cret")
+    try:
+        keys, payloads = random_blocks(2, BLOCK)
+        assert await anonymous.put(keys, payloads) == [False, False]
+        stats = anonymous.stats()
+        assert stats.get("put_auth_noauth") == 2, stats
+        assert "NOAUTH" in str(stats["last_error"])
+        assert "NOAUTH" in caplog.text and "has no maxmemory" not in caplog.text
+        assert await keyed.put(keys, payloads) == [True, True]
+        assert "last_error" not in keyed.stats()
+    finally:
+        await anonymous.close()
+        await keyed.close()
+
+
+async def test_acl_denials_are_named_noperm(redis_factory, caplog) -> None:
+    server = redis_factory(extra_args=[
+        "--user", "default", "on", "nopass", "~*", "&*", "+@all",
+        "--user", "writer", "on", ">pw", "~*", "&*", "+@all", "-get",
+        "--user", "blind", "on", ">pw", "~*", "&*", "+@all", "-config", "-info",
+    ])
+    writer = await open_tier(server.url, username="writer", password="pw")
+    blind = await open_tier(server.url, username="blind", password="pw")
+    try:
+        keys, payloads = random_blocks(2, BLOCK)
+        assert await writer.put(keys, payloads) == [True, True]
+        assert await writer.get_into(keys, empty_dests(2, BLOCK)) == [False, False]
+        stats = writer.stats()
+        assert stats.get("get_auth_noperm") == 2 and "NOPERM" in str(stats["last_error"]), stats
+        assert await blind.put(keys, payloads) == [False, False]
+        assert blind.stats().get("put_refused_noperm") == 2
+        assert "does not let this user read maxmemory" in caplog.text and "NOPERM" in caplog.text
+        assert "has no maxmemory" not in caplog.text
+        assert await blind.get_into(keys, empty_dests(2, BLOCK)) == [True, True]
+    finally:
+        await writer.close()
+        await blind.close()
 
 
 async def test_unbounded_server_refuses_writes_unless_allowed(redis_factory) -> None:

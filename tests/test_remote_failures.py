@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import redis
 from redis_servers import (
+    FINGERPRINT,
     OTHER_FINGERPRINT,
     RedisServer,
     empty_dests,
@@ -17,6 +18,7 @@ from redis_servers import (
 )
 
 from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 64 * 1024
@@ -57,9 +59,6 @@ async def test_refused_then_breaker_then_recovery(tmp_path) -> None:
         assert stats.get("get_connect", 0) >= 4 and stats["breaker_opened"] >= 1
         assert stats.get("get_breaker_open", 0) + stats.get("put_breaker_open", 0) > 0
         assert stats["misses"] == 16
-        started = time.monotonic()
-        assert await tier.get_into(keys, empty_dests(4, BLOCK)) == [False] * 4
-        assert time.monotonic() - started < 0.05, "an open breaker answers at once"
         server.start()
 
         async def writes() -> bool:
@@ -102,11 +101,9 @@ async def test_frozen_server_times_out_then_recovers(redis_server) -> None:
         keys, payloads = random_blocks(8, BLOCK)
         assert all(await tier.put(keys, payloads))
         redis_server.stop()
-        started = time.monotonic()
         assert await tier.get_into(keys, empty_dests(8, BLOCK)) == [False] * 8
         assert await tier.contains(keys) == [False] * 8
-        assert time.monotonic() - started < 2.0
-        assert tier.stats().get("get_timeout", 0) > 0
+        assert tier.stats().get("get_timeout", 0) == 8 and "timeout" in str(tier.stats()["last_error"])
         redis_server.cont()
 
         async def reads() -> bool:
@@ -128,13 +125,13 @@ async def test_bad_values_are_misses_and_the_rest_is_served(redis_server) -> Non
         flipped = bytearray(client.get(tier.redis_key(keys[2])))
         flipped[-1] ^= 0xFF
         foreign = Codec(OTHER_FINGERPRINT).encode_value(keys[4], payloads[4])
-        client.set(tier.redis_key(keys[1]), b"\x00garbage" * 100)
-        client.set(tier.redis_key(keys[2]), bytes(flipped))
         own = client.get(tier.redis_key(keys[3]))
-        client.set(tier.redis_key(keys[3]), own[: HEADER_SIZE + BLOCK // 2])
-        client.set(tier.redis_key(keys[4]), foreign)
-        client.set(tier.redis_key(keys[5]), good)  # another key's value
-        for stage_reads in (False, True):
+        for stage_reads in (False, True):  # each reader deletes the bad values it found: store them again
+            client.set(tier.redis_key(keys[1]), b"\x00garbage" * 100)
+            client.set(tier.redis_key(keys[2]), bytes(flipped))
+            client.set(tier.redis_key(keys[3]), own[: HEADER_SIZE + BLOCK // 2])
+            client.set(tier.redis_key(keys[4]), foreign)
+            client.set(tier.redis_key(keys[5]), good)  # another key's value
             reader = await open_tier(redis_server.url, stage_reads=stage_reads)
             out = empty_dests(7, BLOCK)
             assert await reader.get_into(keys, out) == [True, False, False, False, False, False, True]
@@ -144,6 +141,8 @@ async def test_bad_values_are_misses_and_the_rest_is_served(redis_server) -> Non
             assert stats.get("get_truncated", 0) == 1
             assert stats.get("get_wrong_namespace", 0) == 1 and stats.get("get_wrong_key", 0) == 1
             assert stats["misses"] == 5 and stats["breaker_state"] == 0
+            await reader.settle()
+            assert stats["misses"] == 5 and reader.stats()["invalid_deleted"] == 5
             await reader.close()
     finally:
         client.close()
@@ -163,3 +162,62 @@ async def test_cancelled_read_leaves_the_tier_usable(redis_server) -> None:
         assert await tier.get_into(keys[:3], empty_dests(3, block)) == [True] * 3
     finally:
         await tier.close()
+
+
+async def test_invalid_values_are_deleted_so_the_next_store_rewrites_them(redis_server) -> None:
+    tier = await open_tier(redis_server.url)
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    try:
+        keys, payloads = random_blocks(6, BLOCK)
+        assert all(await tier.put(keys, payloads))
+        names = [tier.redis_key(k) for k in keys]
+        flipped = bytearray(client.get(names[1]))
+        flipped[HEADER_SIZE + 7] ^= 0xFF
+        client.set(names[1], bytes(flipped))
+        client.set(names[2], b"\x00garbage" * 100)
+        client.set(names[3], client.get(names[3])[: HEADER_SIZE + 10])
+        client.set(names[4], client.get(names[0]))
+        assert await tier.get_into(keys, empty_dests(6, BLOCK)) == [True, False, False, False, False, True]
+        await tier.settle()
+        assert [client.exists(n) for n in names] == [1, 0, 0, 0, 0, 1]
+        assert tier.stats()["invalid_deleted"] == 4
+        assert all(await tier.put(keys, payloads))
+        out = empty_dests(6, BLOCK)
+        assert await tier.get_into(keys, out) == [True] * 6
+        assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+    finally:
+        client.close()
+        await tier.close()
+
+
+async def test_a_forger_with_store_access_but_no_secret_gets_nothing_loaded(redis_server) -> None:
+    secret = b"the victim's namespace secret!!!"
+
+    async def tier_with(codec: Codec, **options: object) -> RedisTier:
+        tier = RedisTier(RemoteContext("remote", codec, BLOCK), RedisOptions(url=redis_server.url, **FAST, **options))
+        await tier.start()
+        return tier
+
+    victim = await tier_with(Codec(FINGERPRINT, secret=secret))
+    forger = await tier_with(Codec(FINGERPRINT))  # knows the namespace (model id, tenant, layout)
+    guesser = await tier_with(Codec(FINGERPRINT, secret=b"a guessed secret of 32 bytes...."))
+    try:
+        keys, payloads = random_blocks(8, BLOCK)
+        assert all(await forger.put(keys[:4], payloads[:4]))
+        assert all(await guesser.put(keys[4:], payloads[4:]))
+        for stage_reads in (False, True):
+            reader = await tier_with(Codec(FINGERPRINT, secret=secret), stage_reads=stage_reads)
+            assert await reader.get_into(keys, empty_dests(8, BLOCK)) == [False] * 8
+            assert reader.stats()["get_bad_mac"] == 8
+            await reader.close()
+            assert all(await forger.put(keys[:4], payloads[:4]))  # the reader deleted the forgeries
+            assert all(await guesser.put(keys[4:], payloads[4:]))
+        assert all(await victim.put(keys, payloads))
+        out = empty_dests(8, BLOCK)
+        assert await victim.get_into(keys, out) == [True] * 8
+        assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+        assert await forger.get_into(keys, empty_dests(8, BLOCK)) == [False] * 8
+        assert forger.stats()["get_bad_format"] == 8
+    finally:
+        for tier in (victim, forger, guesser):
+            await tier.close()

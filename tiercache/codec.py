@@ -6,14 +6,27 @@ namespace, or stored under the wrong key becomes a miss, never wrong KV. Nothing
 is ever unpickled: the format is plain bytes.
 
 Header (little-endian, 72 bytes): magic ``TCKV``, format version, flags (bit 0:
-lz4), reserved, namespace fingerprint (16 bytes), block key (16 bytes), version
-(u64), stored payload length (u64), raw payload length (u64), xxh3-64 of the
-stored payload (u64).
+lz4, bit 1: keyed MAC), reserved, namespace fingerprint (16 bytes), block key (16
+bytes), version (u64), stored payload length (u64), raw payload length (u64),
+xxh3-64 of the stored payload (u64).
+
+Keyed values (``Codec(..., secret=...)``). The checksum is no signature: anyone
+with write access to the store who knows the namespace can forge a value that
+checks. With a per-namespace secret the writer sets the MAC flag and stores, in
+the fingerprint's 16 bytes, a keyed BLAKE2b-128 MAC over the header (with the
+real fingerprint in that slot and the version zeroed: the regional tier patches
+versions in place on the server) followed by the stored payload. A reader with
+the secret accepts only values whose MAC verifies (anything else, including every
+value written without the secret, is ``BAD_MAC``); a reader without a secret sees
+the MAC flag as ``BAD_FORMAT``. The header keeps its size and offsets, so the
+xxh3 field still serves the regional tier's server-side compare-and-set.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -23,11 +36,34 @@ import xxhash
 MAGIC = b"TCKV"
 FORMAT_VERSION = 1
 FLAG_LZ4 = 0x01
+FLAG_MAC = 0x02
+"""The fingerprint slot holds a keyed MAC (see the module docstring)."""
+KNOWN_FLAGS = FLAG_LZ4 | FLAG_MAC
 HEADER = struct.Struct("<4sBBH16s16sQQQQ")
 HEADER_SIZE = HEADER.size
+FINGERPRINT_BYTES = 16
+FINGERPRINT_OFFSET = 8
+"""Where the fingerprint (or, in keyed values, the MAC) lies in the header."""
+KEY_OFFSET = FINGERPRINT_OFFSET + FINGERPRINT_BYTES
+VERSION_OFFSET = KEY_OFFSET + 16
+"""Byte offset of the u64 version."""
+LENGTHS_OFFSET = VERSION_OFFSET + 8
+"""Byte offset of the stored and raw payload lengths (two u64)."""
+CHECKSUM_OFFSET = LENGTHS_OFFSET + 16
+"""Byte offset of the u64 xxh3-64 of the stored payload."""
+LENGTHS = struct.Struct("<QQ")
+CHECKSUM = struct.Struct("<Q")
+MAC_BYTES = 16
+"""BLAKE2b digest size of the keyed MAC (128 bits)."""
+MIN_SECRET_BYTES = 16
+"""A shorter secret is refused."""
+MAX_SECRET_BYTES = 64
+"""BLAKE2b's longest key."""
 
 
 class DecodeStatus(enum.Enum):
+    """Why a value was (not) accepted; the non-OK values are counted by name in tiers' stats."""
+
     OK = "ok"
     TRUNCATED = "truncated"
     BAD_MAGIC = "bad_magic"
@@ -37,10 +73,13 @@ class DecodeStatus(enum.Enum):
     BAD_LENGTH = "bad_length"
     BAD_CHECKSUM = "bad_checksum"
     BAD_COMPRESSION = "bad_compression"
+    BAD_MAC = "bad_mac"
 
 
 @dataclass(frozen=True)
 class Header:
+    """The fields of a parsed header (``fingerprint`` is the MAC in keyed values)."""
+
     flags: int
     fingerprint: bytes
     key: bytes
@@ -63,23 +102,56 @@ class Decoded:
 
 
 class Codec:
-    """Encodes and validates values for one namespace (fingerprint) and block size."""
+    """Encodes and validates values for one namespace (fingerprint) and block size.
 
-    def __init__(self, fingerprint: bytes, *, compress: bool = False) -> None:
-        if len(fingerprint) != 16:
+    ``secret`` (16-64 bytes, optional): values carry a keyed MAC instead of
+    trusting the checksum alone (see the module docstring).
+    """
+
+    def __init__(self, fingerprint: bytes, *, compress: bool = False, secret: bytes | None = None) -> None:
+        if len(fingerprint) != FINGERPRINT_BYTES:
             raise ValueError("fingerprint must be 16 bytes")
+        if secret is not None and not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
+            raise ValueError(f"secret must be {MIN_SECRET_BYTES}-{MAX_SECRET_BYTES} bytes")
         self.fingerprint = fingerprint
         self.compress = compress
+        self.secret = secret
+        self._flags = FLAG_MAC if secret is not None else 0
+        fixed = HEADER.pack(MAGIC, FORMAT_VERSION, self._flags, 0, fingerprint, bytes(16), 0, 0, 0, 0)
+        self._fixed_prefix = fixed[: FINGERPRINT_OFFSET if secret is not None else KEY_OFFSET]
+        """What every valid uncompressed value's header starts with (the MAC differs per value)."""
+        self._last_size = -1
+        self._last_lengths = b""
+
+    @property
+    def keyed(self) -> bool:
+        """Whether values carry a keyed MAC."""
+        return self.secret is not None
+
+    def variant(self, *, compress: bool) -> Codec:
+        """The same namespace and secret with another compression setting (for a tier's own option)."""
+        return Codec(self.fingerprint, compress=compress, secret=self.secret)
+
+    def _mac(self, header: bytes | bytearray | memoryview, stored: memoryview | bytes) -> bytes:
+        """Keyed BLAKE2b over the header (real fingerprint, version zeroed) and the stored payload."""
+        canonical = bytearray(header[:HEADER_SIZE])
+        canonical[FINGERPRINT_OFFSET:KEY_OFFSET] = self.fingerprint
+        canonical[VERSION_OFFSET:LENGTHS_OFFSET] = bytes(8)
+        mac = hashlib.blake2b(canonical, key=self.secret or b"", digest_size=MAC_BYTES)
+        mac.update(stored)
+        return mac.digest()
 
     def encode(self, key: bytes, payload: memoryview | bytes, version: int = 0) -> tuple[bytes, bytes | memoryview]:
         """Return (header, stored payload): send both back to back as one value."""
-        raw = memoryview(payload).cast("B")
-        flags = 0
+        raw = payload
+        if not isinstance(raw, memoryview) or raw.format != "B" or raw.ndim != 1:
+            raw = memoryview(payload).cast("B")
+        flags = self._flags
         stored: bytes | memoryview = raw
         if self.compress:
             compressed = lz4.block.compress(raw, store_size=False)
             if len(compressed) < len(raw):
-                stored, flags = compressed, FLAG_LZ4
+                stored, flags = compressed, flags | FLAG_LZ4
         header = HEADER.pack(
             MAGIC,
             FORMAT_VERSION,
@@ -92,6 +164,8 @@ class Codec:
             len(raw),
             xxhash.xxh3_64_intdigest(stored),
         )
+        if self.secret is not None:
+            header = header[:FINGERPRINT_OFFSET] + self._mac(header, stored) + header[KEY_OFFSET:]
         return header, stored
 
     def encode_value(self, key: bytes, payload: memoryview | bytes, version: int = 0) -> bytes:
@@ -100,25 +174,73 @@ class Codec:
         return header + bytes(stored)
 
     def parse_header(self, key: bytes, value: memoryview | bytes) -> Header | DecodeStatus:
-        """Validate everything the header alone can tell."""
+        """Validate everything the header alone can tell (``value``: the whole value)."""
         if len(value) < HEADER_SIZE:
             return DecodeStatus.TRUNCATED
+        return self.check_header(key, value, len(value))
+
+    def check_header(
+        self, key: bytes, header: memoryview | bytes | bytearray, value_length: int
+    ) -> Header | DecodeStatus:
+        """Validate a header (at least ``HEADER_SIZE`` bytes) of a value of ``value_length`` bytes."""
         magic, fmt, flags, _, fingerprint, stored_key, version, stored_len, raw_len, checksum = HEADER.unpack_from(
-            value
+            header
         )
         if magic != MAGIC:
             return DecodeStatus.BAD_MAGIC
-        if fmt != FORMAT_VERSION or flags & ~FLAG_LZ4:
+        if fmt != FORMAT_VERSION or flags & ~KNOWN_FLAGS:
             return DecodeStatus.BAD_FORMAT
-        if fingerprint != self.fingerprint:
-            return DecodeStatus.WRONG_NAMESPACE
+        if self.secret is None:
+            if flags & FLAG_MAC:
+                return DecodeStatus.BAD_FORMAT
+            if fingerprint != self.fingerprint:
+                return DecodeStatus.WRONG_NAMESPACE
+        elif not flags & FLAG_MAC:
+            return DecodeStatus.BAD_MAC
         if stored_key != key:
             return DecodeStatus.WRONG_KEY
-        if len(value) - HEADER_SIZE < stored_len:
+        if value_length - HEADER_SIZE < stored_len:
             return DecodeStatus.TRUNCATED
-        if len(value) - HEADER_SIZE != stored_len:
+        if value_length - HEADER_SIZE != stored_len:
             return DecodeStatus.BAD_LENGTH
         return Header(flags, fingerprint, stored_key, version, stored_len, raw_len, checksum)
+
+    def verify(self, header: memoryview | bytes | bytearray, stored: memoryview | bytes, expected: int) -> DecodeStatus:
+        """Check the stored payload against a validated header: the MAC if keyed, else the checksum."""
+        if self.secret is not None:
+            mac = self._mac(header, stored)
+            return DecodeStatus.OK if hmac.compare_digest(mac, header[FINGERPRINT_OFFSET:KEY_OFFSET]) else (
+                DecodeStatus.BAD_MAC
+            )
+        return DecodeStatus.OK if xxhash.xxh3_64_intdigest(stored) == expected else DecodeStatus.BAD_CHECKSUM
+
+    def check_in_place(self, key: bytes, header: bytearray, payload: memoryview) -> DecodeStatus:
+        """Validate an uncompressed value whose payload was received straight into ``payload``.
+
+        The fast path of a reader that received ``header`` and the payload in one
+        call: the fixed fields are compared in place with precomputed bytes (no
+        parsing, no copies); only a mismatch takes the field-by-field parse, for
+        the exact status to count.
+        """
+        size = len(payload)
+        if size != self._last_size:
+            self._last_size, self._last_lengths = size, LENGTHS.pack(size, size)
+        if (
+            header.startswith(self._fixed_prefix)
+            and header.startswith(key, KEY_OFFSET)
+            and header.startswith(self._last_lengths, LENGTHS_OFFSET)
+        ):
+            if self.secret is None:
+                if xxhash.xxh3_64_intdigest(payload) == CHECKSUM.unpack_from(header, CHECKSUM_OFFSET)[0]:
+                    return DecodeStatus.OK
+                return DecodeStatus.BAD_CHECKSUM
+            return self.verify(header, payload, 0)
+        parsed = self.check_header(key, header, HEADER_SIZE + size)
+        if isinstance(parsed, DecodeStatus):
+            return parsed
+        return DecodeStatus.BAD_LENGTH if parsed.flags & FLAG_LZ4 or parsed.raw_length != size else (
+            self.verify(header, payload, parsed.checksum)
+        )
 
     def decode_into(self, key: bytes, value: memoryview | bytes, dest: memoryview) -> Decoded:
         """Validate ``value`` and copy its payload into ``dest`` (exactly its size)."""
@@ -129,8 +251,9 @@ class Codec:
         if header.raw_length != len(dest):
             return Decoded(DecodeStatus.BAD_LENGTH)
         stored = memoryview(value)[HEADER_SIZE:]
-        if xxhash.xxh3_64_intdigest(stored) != header.checksum:
-            return Decoded(DecodeStatus.BAD_CHECKSUM)
+        status = self.verify(value, stored, header.checksum)
+        if status is not DecodeStatus.OK:
+            return Decoded(status)
         if header.flags & FLAG_LZ4:
             try:
                 raw = lz4.block.decompress(stored, uncompressed_size=header.raw_length)

@@ -1,0 +1,306 @@
+"""The tier's commands as lane jobs: GET (fast path + general path), SET, EXISTS, UNLINK, control.
+
+GET fast path. When the buffered reply line is exactly the expected
+``$<header + block>`` line, one ``recvmsg_into`` receives header, payload (into
+the destination) and CRLF plus the next reply's line, and ``Codec.check_in_place``
+compares the header with precomputed bytes before verifying the payload (the
+checksum, or the keyed MAC). Everything else (a miss, an error reply such as
+``-WRONGTYPE``, a value of another length, an lz4 value, TLS, ``stage_reads``)
+takes the general path: the reply line is parsed, the header validated field by
+field, and a bad value is skipped without touching the destination's neighbours.
+Hits are counted in plain integers; other outcomes by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiercache.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
+from tiercache.tiers.redis.lane import Job
+from tiercache.tiers.redis.resp import CRLF, Connection, ConnectionFailed, ServerError, command
+
+GET_REQUEST = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
+"""A GET command, formatted with the key's length and the key."""
+OK_REPLY = b"+OK\r\n"
+"""SET's answer when the value was stored."""
+BYTES = "bytes"
+"""Outcome counters carry the payload bytes moved under this name."""
+HIT = "hit"
+MIN_REPLY_BYTES = 4
+"""The shortest reply any command of the tier can get (``:0\\r\\n``): how far a read may look ahead."""
+GET_MIN_REPLY_BYTES = 5
+"""The shortest GET reply (``$-1\\r\\n``): how much of the current reply can always be received."""
+SURE_PREFIX_BYTES = 5
+"""A buffered ``$dddd`` (four digits) is a bulk reply of at least 1000 bytes: the rest of its
+line can be received without looking at pending replies."""
+SET_GROUP_VALUES = 8
+"""SETs are checksummed and sent in groups of this many values (at most a third of the window),
+so that the server stores the first group while the next is checksummed."""
+INVALID_OUTCOMES = frozenset(status.value for status in DecodeStatus if status is not DecodeStatus.OK)
+"""A value that failed validation: the tier deletes it so that it can be stored again."""
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What every GET of one tier shares."""
+
+    codec: Codec
+    block_bytes: int
+    stage_reads: bool
+    line: bytes
+    """The reply line of a value of the expected size: ``$<HEADER_SIZE + block_bytes>\\r\\n``."""
+
+    @classmethod
+    def of(cls, codec: Codec, block_bytes: int, stage_reads: bool) -> ReadPlan:
+        """The plan of a tier whose blocks are ``block_bytes`` long."""
+        return cls(codec, block_bytes, stage_reads, b"$%d\r\n" % (HEADER_SIZE + block_bytes))
+
+
+class GetJob(Job):
+    """GET of ``keys[i]`` into ``dests[i]`` for ``i`` in ``indices``; ``results[i]`` True where filled."""
+
+    def __init__(
+        self,
+        plan: ReadPlan,
+        indices: list[int],
+        keys: Sequence[bytes],
+        redis_keys: Sequence[bytes],
+        dests: Sequence[memoryview],
+        results: list[bool],
+    ) -> None:
+        super().__init__(len(indices))
+        self.plan = plan
+        self.indices = indices
+        self.keys = keys
+        self.redis_keys = redis_keys
+        self.dests = dests
+        self.results = results
+        self.hits = 0
+        self.invalid: list[int] = []
+        """Indices whose value failed validation."""
+
+    def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
+        keys = self.redis_keys
+        return [b"".join([GET_REQUEST % (len(keys[i]), keys[i]) for i in self.indices[start:stop]])]
+
+    def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
+        position = self.indices[index]
+        dest = self.dests[position]
+        if dest.format != "B" or dest.ndim != 1:
+            dest = memoryview(dest).cast("B")
+        plan = self.plan
+        readahead = MIN_REPLY_BYTES * pending_after
+        if readahead > len(plan.line):
+            readahead = len(plan.line)
+        if plan.stage_reads or not conn.receive_value(plan.line, dest, readahead):
+            self._read_slowly(conn, position, dest, readahead)
+            return
+        status = plan.codec.check_in_place(self.keys[position], conn.header, dest)
+        if status is DecodeStatus.OK:
+            self.hits += 1
+            self.results[position] = True
+        else:
+            self._count(position, status.value)
+
+    def _read_slowly(self, conn: Connection, position: int, dest: memoryview, readahead: int) -> None:
+        """The reply line is not (all) buffered yet, or is not the expected one."""
+        line = self.plan.line
+        key = self.keys[position]
+        conn.prefetch(min(len(line), GET_MIN_REPLY_BYTES + readahead))
+        if conn.buffered_prefix_of(line) >= SURE_PREFIX_BYTES and line[1:SURE_PREFIX_BYTES].isdigit():
+            conn.prefetch(len(line))
+        if not self.plan.stage_reads and conn.receive_value(line, dest, readahead):
+            status = self.plan.codec.check_in_place(key, conn.header, dest)
+            outcome: str | ServerError = HIT if status is DecodeStatus.OK else status.value
+        else:
+            outcome = read_value(conn, self.plan, key, dest, readahead)
+        if isinstance(outcome, ServerError):
+            self.error = outcome.message
+            outcome = outcome.outcome
+        if outcome == HIT:
+            self.hits += 1
+            self.results[position] = True
+        else:
+            self._count(position, outcome)
+
+    def _count(self, position: int, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        if outcome in INVALID_OUTCOMES:
+            self.invalid.append(position)
+
+    def finish(self) -> None:
+        if self.hits:
+            self.outcomes[HIT] += self.hits
+            self.outcomes[BYTES] += self.hits * self.plan.block_bytes
+
+
+def _status_outcome(status: DecodeStatus) -> str:
+    return HIT if status is DecodeStatus.OK else status.value
+
+
+def read_value(
+    conn: Connection, plan: ReadPlan, key: bytes, dest: memoryview, readahead: int
+) -> str | ServerError:
+    """The general path: read one GET reply and, if valid, its payload into ``dest``; the outcome
+    (an error reply as itself)."""
+    line = conn.read_line()
+    if line[:1] == b"-":
+        return ServerError(line[1:].decode(errors="replace"))
+    if line[:1] != b"$":
+        raise ConnectionFailed("protocol", f"unexpected GET reply {line[:40]!r}")
+    length = int(line[1:])
+    if length < 0:
+        return "miss"
+    staging = conn.staging
+    if length > len(staging):
+        conn.skip(length)
+        conn.expect_crlf(readahead)
+        return DecodeStatus.BAD_LENGTH.value
+    codec = plan.codec
+    if plan.stage_reads or length != HEADER_SIZE + len(dest):
+        conn.read_into(staging[:length])
+        conn.expect_crlf(readahead)
+        return _status_outcome(codec.decode_into(key, staging[:length], dest).status)
+    conn.read_into(conn.header_view)
+    header = codec.check_header(key, conn.header, length)
+    if isinstance(header, DecodeStatus):
+        conn.skip(length - HEADER_SIZE)
+        conn.expect_crlf(readahead)
+        return header.value
+    if header.flags & FLAG_LZ4:
+        staging[:HEADER_SIZE] = conn.header_view
+        conn.read_into(staging[HEADER_SIZE:length])
+        conn.expect_crlf(readahead)
+        return _status_outcome(codec.decode_into(key, staging[:length], dest).status)
+    conn.read_into(dest)
+    conn.expect_crlf(readahead)
+    if header.raw_length != len(dest):
+        return DecodeStatus.BAD_LENGTH.value
+    return _status_outcome(codec.verify(conn.header, dest, header.checksum))
+
+
+class PutJob(Job):
+    """SET of ``payloads[i]`` under ``keys[i]`` for ``i`` in ``indices`` (one command per value)."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        indices: list[int],
+        keys: Sequence[bytes],
+        redis_keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        results: list[bool],
+        set_tail: bytes,
+        allow_unbounded: bool,
+    ) -> None:
+        super().__init__(len(indices))
+        self.codec = codec
+        self.indices = indices
+        self.keys = keys
+        self.redis_keys = redis_keys
+        self.payloads = payloads
+        self.results = results
+        self._set_tail = set_tail
+        self._set_parts = b"*5\r\n" if len(set_tail) > len(CRLF) else b"*3\r\n"
+        self._allow_unbounded = allow_unbounded
+        self._sizes = [0] * len(indices)
+        self._stored = 0
+        self._stored_bytes = 0
+
+    def send_group(self, window: int) -> int:
+        return max(1, min(SET_GROUP_VALUES, window // 3))
+
+    def begin(self, conn: Connection) -> bool:
+        capacity = conn.capacity
+        if (capacity is None or not capacity.bounded) and not self._allow_unbounded:
+            denied = capacity is not None and capacity.denied is not None
+            self.outcomes["refused_noperm" if denied else "refused_unbounded"] += self.count
+            return False
+        return True
+
+    def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
+        buffers: list[bytes | memoryview] = []
+        for j in range(start, stop):
+            position = self.indices[j]
+            header, stored = self.codec.encode(self.keys[position], self.payloads[position])
+            rkey = self.redis_keys[position]
+            size = len(header) + len(stored)
+            self._sizes[j] = size
+            buffers += (
+                b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (self._set_parts, len(rkey), rkey, size),
+                header,
+                stored,
+                self._set_tail,
+            )
+        return buffers
+
+    def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
+        if conn.consume(OK_REPLY):
+            self.results[self.indices[index]] = True
+            self._stored += 1
+            self._stored_bytes += self._sizes[index]
+            return
+        reply = conn.read_reply()
+        if reply == b"OK":
+            self.results[self.indices[index]] = True
+            self._stored += 1
+            self._stored_bytes += self._sizes[index]
+        elif isinstance(reply, ServerError):
+            self.outcomes[reply.outcome] += 1
+            self.error = reply.message
+        else:
+            self.outcomes["server_error"] += 1
+
+
+    def finish(self) -> None:
+        if self._stored:
+            self.outcomes["ok"] += self._stored
+            self.outcomes[BYTES] += self._stored_bytes
+
+
+class KeysJob(Job):
+    """One small command per key (EXISTS, UNLINK): ``results[i]`` True where the reply is 1."""
+
+    def __init__(
+        self, verb: bytes, indices: list[int], redis_keys: Sequence[bytes], results: list[bool] | None, missing: str
+    ) -> None:
+        super().__init__(len(indices))
+        self.verb = verb
+        self.indices = indices
+        self.redis_keys = redis_keys
+        self.results = results
+        self._missing = missing
+
+    def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
+        return [b"".join(command(self.verb, self.redis_keys[i]) for i in self.indices[start:stop])]
+
+    def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
+        reply = conn.read_reply()
+        if isinstance(reply, ServerError):
+            self.outcomes[reply.outcome] += 1
+            self.error = reply.message
+        elif self.results is None:
+            self.outcomes["ok"] += 1
+        elif reply == 1:
+            self.results[self.indices[index]] = True
+            self.outcomes[HIT] += 1
+        else:
+            self.outcomes[self._missing] += 1
+
+
+class ControlJob(Job):
+    """One control command (PING, CLUSTER SLOTS, ...); ``reply`` holds its answer."""
+
+    def __init__(self, *parts: bytes) -> None:
+        super().__init__(1)
+        self._request = command(*parts)
+        self.reply: Any = None
+
+    def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
+        return [self._request]
+
+    def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
+        self.reply = conn.read_reply()
+        self.outcomes["ok"] += 1

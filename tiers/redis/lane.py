@@ -1,0 +1,258 @@
+"""One connection's long-lived I/O thread: jobs in through a queue, requests pipelined continuously.
+
+Why a thread per connection, not a pool. A worker handed one batch at a time
+leaves the server idle at every batch boundary (the hand-off from the event loop
+and back costs more than the server needs per value). A lane instead keeps
+sending: while it reads the replies of one job it sends the requests of the next
+one queued, up to ``window`` requests in flight, topped up whenever a job's send
+group fits again (half a window for reads; small groups for writes, so that the
+server starts storing the first values while the next ones are checksummed).
+Coroutines hand jobs over with ``Lane.submit`` and await a future that the
+thread completes with ``call_soon_threadsafe``; the event loop never blocks.
+
+A failure (reset, timeout, garbage) fails every job in flight on the connection,
+each counting its unread keys under the failure's kind; the next job reconnects.
+Nothing raised in the thread reaches the event loop: unexpected exceptions are
+logged and counted as ``internal``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+
+from tiercache.tiers.redis.resp import Connection, ConnectionFailed
+
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 5.0
+"""``close`` waits at most this long for the thread (it is a daemon: it never holds up exit)."""
+_STOP = object()
+"""Queued by ``close``: the thread fails what is left and exits."""
+
+
+class Job:
+    """A batch of requests for one connection and the reading of their replies.
+
+    Subclasses say what to send (``requests``) and how to read a reply
+    (``read_reply``); the lane does the rest. Outcomes are counted per key in
+    ``outcomes``; on a failure the keys not yet answered are counted under the
+    failure's kind and ``failure`` names it.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.sent = 0
+        self.read = 0
+        self.outcomes: Counter = Counter()
+        self.failure: str | None = None
+        self.error: str | None = None
+        """The last error seen: the failure's cause, or an error reply (``NOPERM ...``)."""
+        self.cancelled = False
+        """Set from the event loop: read what was sent without touching the caller's buffers, send no more."""
+        self.future: asyncio.Future | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def send_group(self, window: int) -> int:
+        """Requests per send: half the window (a reply stream the server never waits on)."""
+        return max(1, window // 2)
+
+    def finish(self) -> None:
+        """In the thread, once the job is answered or failed, before its future resolves."""
+
+    def begin(self, conn: Connection) -> bool:
+        """Before the first request is sent; False: nothing to send (outcomes already counted)."""
+        return True
+
+    def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
+        """The encoded requests ``start..stop-1``, as buffers to send back to back."""
+        raise NotImplementedError
+
+    def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
+        """Read the reply to request ``index`` (``pending_after`` more replies are on their way)."""
+        raise NotImplementedError
+
+    def discard_reply(self, conn: Connection) -> None:
+        """Read and drop one reply (the job was cancelled)."""
+        conn.read_reply()
+
+    @property
+    def done(self) -> bool:
+        """Every request that will be sent is sent and answered."""
+        return self.read == self.sent and (self.sent == self.count or self.cancelled)
+
+
+def _resolve(future: asyncio.Future, job: Job) -> None:
+    if not future.done():
+        future.set_result(job)
+
+
+def failure_kind(error: BaseException) -> str:
+    """The outcome name of an exception raised while talking to a server."""
+    if isinstance(error, ConnectionFailed):
+        return error.kind
+    if isinstance(error, (TimeoutError, BlockingIOError)):
+        return "timeout"
+    if isinstance(error, OSError):
+        return "connection"
+    logger.error("redis tier: unexpected error in an I/O thread", exc_info=error)
+    return "internal"
+
+
+class Lane:
+    """A connection (opened on demand by ``opener``) and the thread that drives it."""
+
+    def __init__(self, name: str, opener: Callable[[], Connection], window: int) -> None:
+        self.name = name
+        self.window = window
+        self._opener = opener
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._on_stop: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        """Set by ``close`` before it queues the stop: the future the thread resolves on exit."""
+        self._conn: Connection | None = None
+        self.connects = 0
+        self.last_connection: Connection | None = None
+        """The connection most recently opened (its ``capacity`` is read on the event loop)."""
+
+    def submit(self, job: Job) -> asyncio.Future:
+        """Queue ``job``; the future resolves to it once every reply is read or the connection failed."""
+        job.loop = asyncio.get_running_loop()
+        job.future = job.loop.create_future()
+        if self._thread is None:
+            self._on_stop = None
+            self._thread = threading.Thread(target=self._run, name=f"tiercache-{self.name}", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+        return job.future
+
+    async def close(self) -> None:
+        """Stop the thread: jobs still queued fail as ``closed``; a blocked receive is aborted."""
+        if self._thread is None:
+            return
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+        self._on_stop = (loop, stopped)
+        self._queue.put(_STOP)
+        conn = self._conn
+        if conn is not None:
+            conn.abort()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped, CLOSE_TIMEOUT_S)
+        self._thread = None
+
+    # -- the thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        try:
+            while not stop:
+                job = self._queue.get()
+                stop = job is _STOP or self._serve(job)
+        finally:
+            self._drop_connection()
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not _STOP:
+                    self._fail([job], "closed", "closed: the tier is closing")
+            if self._on_stop is not None:
+                loop, stopped = self._on_stop
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(_set_done, stopped)
+
+    def _serve(self, first: Job) -> bool:
+        """Serve ``first`` and every job queued while requests are in flight; True if told to stop."""
+        sending: deque[Job] = deque([first])
+        reading: deque[Job] = deque()
+        in_flight = 0
+        stop = False
+        try:
+            if self._conn is None:
+                self._conn = self._opener()
+                self.connects += 1
+                self.last_connection = self._conn
+            conn = self._conn
+            while sending or reading:
+                while True:
+                    if not sending and not stop and not self._queue.empty():
+                        queued = self._queue.get_nowait()  # only this thread takes from the queue
+                        if queued is _STOP:
+                            stop = True
+                        else:
+                            sending.append(queued)
+                    if not sending:
+                        break
+                    job = sending[0]
+                    if job.sent == 0 and (job.cancelled or not job.begin(conn)):
+                        sending.popleft()
+                        self._complete(job)
+                        continue
+                    if job.sent == job.count or job.cancelled:
+                        sending.popleft()
+                        continue
+                    size = min(job.send_group(self.window), self.window, job.count - job.sent)
+                    if in_flight and in_flight + size > self.window:
+                        break
+                    if job.sent == 0:
+                        reading.append(job)
+                    conn.send(job.requests(job.sent, job.sent + size))
+                    job.sent += size
+                    in_flight += size
+                while reading and reading[0].done:
+                    self._complete(reading.popleft())
+                if not reading:
+                    continue
+                job = reading[0]
+                # Read down to where the next send group fits (or half a window when nothing
+                # waits to be sent: new jobs are looked for from there on, one reply at a time).
+                next_group = sending[0].send_group(self.window) if sending else self.window // 2
+                replies = min(job.sent - job.read, max(1, in_flight + next_group - self.window))
+                read_reply = job.read_reply
+                for _ in range(replies):
+                    in_flight -= 1
+                    if job.cancelled:
+                        job.discard_reply(conn)
+                    else:
+                        read_reply(conn, job.read, in_flight)
+                    job.read += 1
+                if job.done:
+                    self._complete(reading.popleft())
+        except BaseException as error:  # every failure becomes an outcome
+            kind = failure_kind(error)
+            self._drop_connection()
+            detail = error.detail if isinstance(error, ConnectionFailed) else str(error)
+            self._fail(list(dict.fromkeys([*reading, *sending])), kind, f"{kind}: {detail or type(error).__name__}")
+        return stop
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _fail(self, jobs: list[Job], kind: str, error: str) -> None:
+        for job in jobs:
+            job.failure = kind
+            job.error = error
+            job.outcomes[kind] += job.count - job.read
+            self._complete(job)
+
+    @staticmethod
+    def _complete(job: Job) -> None:
+        job.finish()
+        if job.loop is None or job.future is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            job.loop.call_soon_threadsafe(_resolve, job.future, job)
+
+
+def _set_done(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,211 @@
+"""One Redis server: a breaker, its lanes (connection + I/O thread each), TLS/AUTH, capacity check."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiercache.breaker import CircuitBreaker
+from tiercache.codec import HEADER_SIZE
+from tiercache.tiers.redis.lane import Job, Lane
+from tiercache.tiers.redis.options import RedisOptions
+from tiercache.tiers.redis.resp import Connection, ConnectionFailed, ServerError
+
+if TYPE_CHECKING:
+    from tiercache.tiers.redis.tier import RedisTier
+
+logger = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = 4 << 20
+"""SO_RCVBUF/SO_SNDBUF: room for a couple of MiB-sized values in flight."""
+MICROSECONDS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the server said about its memory bound (``denied``: why it would not say)."""
+
+    maxmemory: int | None
+    policy: str | None
+    denied: str | None = None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the server has a memory bound."""
+        return bool(self.maxmemory)
+
+
+def capacity_of(conn: Connection) -> Capacity:
+    """Ask the server for maxmemory and its policy (CONFIG GET, else INFO memory).
+
+    A server that wants credentials we did not send (``NOAUTH``) fails the
+    connection with that cause; an ACL that denies both commands leaves the
+    capacity unknown with the denial as the reason.
+    """
+    memory = conn.call(b"CONFIG", b"GET", b"maxmemory")
+    if isinstance(memory, ServerError) and memory.outcome == "auth_noauth":
+        raise ConnectionFailed(memory.outcome, memory.message)
+    policy = conn.call(b"CONFIG", b"GET", b"maxmemory-policy")
+    if isinstance(memory, list) and len(memory) == 2 and isinstance(policy, list) and len(policy) == 2:
+        return Capacity(int(memory[1]), policy[1].decode())
+    info = conn.call(b"INFO", b"memory")
+    if not isinstance(info, bytes):
+        refusals = [reply.message for reply in (memory, info) if isinstance(reply, ServerError) and reply.auth]
+        return Capacity(None, None, "; ".join(refusals) or None)
+    fields = dict(line.split(":", 1) for line in info.decode().splitlines() if ":" in line)
+    maxmemory = fields.get("maxmemory")
+    return Capacity(int(maxmemory) if maxmemory else None, fields.get("maxmemory_policy"))
+
+
+def ssl_context(options: RedisOptions) -> ssl.SSLContext:
+    """The TLS context of ``rediss://`` / ``ssl: true`` (CA, client certificate, verification)."""
+    context = ssl.create_default_context(cafile=options.ssl_ca)
+    if options.ssl_cert:
+        context.load_cert_chain(options.ssl_cert, options.ssl_key)
+    if not options.ssl_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+class Node:
+    """One server: a breaker and ``connections`` lanes, each a connection driven by its own thread."""
+
+    def __init__(self, host: str, port: int, tier: RedisTier) -> None:
+        self.host = host
+        self.port = port
+        self.address = f"{host}:{port}"
+        self._tier = tier
+        options = tier.options
+        self.breaker = CircuitBreaker(
+            options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s
+        )
+        self.lanes = [
+            Lane(f"{tier.name}-{self.address}-{i}", self._open, tier.window) for i in range(tier.connections)
+        ]
+        self._capacity_logged = False
+        self._cause_logged: str | None = None
+        """The cause of the error last logged (logged again only when it changes)."""
+
+    @property
+    def connects(self) -> int:
+        """Connections opened so far (a reconnect after a failure counts again)."""
+        return sum(lane.connects for lane in self.lanes)
+
+    def _open(self) -> Connection:
+        """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity probe."""
+        tier, options = self._tier, self._tier.options
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=options.connect_timeout_s)
+        except OSError as error:
+            raise ConnectionFailed("connect", str(error)) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            if tier.tls_context is not None:
+                sock = tier.tls_context.wrap_socket(sock, server_hostname=self.host)
+                sock.settimeout(options.timeout_s)
+            else:
+                sock.settimeout(None)
+                seconds = int(options.timeout_s)
+                timeval = struct.pack("ll", seconds, int((options.timeout_s - seconds) * MICROSECONDS))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            conn = Connection(sock, HEADER_SIZE + tier.block_bytes, HEADER_SIZE, tier.tls_context is not None)
+            if tier.password is not None:
+                credentials = [tier.password.encode()]
+                if tier.username:
+                    credentials.insert(0, tier.username.encode())
+                reply = conn.call(b"AUTH", *credentials)
+                if isinstance(reply, ServerError):
+                    raise ConnectionFailed(reply.outcome if reply.auth else "auth", reply.message)
+            if tier.db:
+                reply = conn.call(b"SELECT", str(tier.db).encode())
+                if isinstance(reply, ServerError):
+                    raise ConnectionFailed(reply.outcome if reply.auth else "select", reply.message)
+            conn.capacity = capacity_of(conn)
+            return conn
+        except BaseException:
+            sock.close()
+            raise
+
+    async def call(self, job: Job, lane: int = 0) -> Job:
+        """Run ``job`` on lane ``lane`` (modulo the lanes); failures become its outcomes, never raise.
+
+        If the caller is cancelled, the job is told to stop touching the caller's
+        buffers and the cancel waits until the lane has let go of them.
+        """
+        if not job.count:
+            return job
+        if not self.breaker.allow():
+            job.outcomes["breaker_open"] += job.count
+            return job
+        chosen = self.lanes[lane % len(self.lanes)]
+        future = chosen.submit(job)
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            job.cancelled = True
+            await asyncio.wait([future])
+            self.breaker.abandon()
+            raise
+        if job.failure is None:
+            self.breaker.success()
+            if chosen.last_connection is not None:
+                self._check_capacity(chosen.last_connection)
+        else:
+            self.breaker.failure()
+        self._note(job.error)
+        return job
+
+    def _note(self, error: str | None) -> None:
+        """Hand an error to the tier's stats; log it when its cause differs from the last one logged."""
+        if error is None:
+            self._cause_logged = None
+            return
+        self._tier.note_error(error)
+        cause = error.split(" ", 1)[0]
+        if cause != self._cause_logged:
+            self._cause_logged = cause
+            logger.warning("redis tier %s: %s: %s", self._tier.name, self.address, error)
+
+    def _check_capacity(self, conn: Connection) -> None:
+        if self._capacity_logged:
+            return
+        self._capacity_logged = True
+        capacity, options = conn.capacity or Capacity(None, None), self._tier.options
+        if capacity.denied is not None and not options.allow_unbounded:
+            logger.error(
+                "redis tier %s: %s does not let this user read maxmemory (%s); writes are refused "
+                "(allow CONFIG GET or INFO for the user, or allow_unbounded: true)",
+                self._tier.name, self.address, capacity.denied,
+            )
+        elif not capacity.bounded and not options.allow_unbounded:
+            logger.error(
+                "redis tier %s: %s has no maxmemory; writes are refused "
+                "(set maxmemory with an allkeys-* policy, or allow_unbounded: true)",
+                self._tier.name, self.address,
+            )
+        elif capacity.bounded and not evicts(capacity.policy, options.ttl_s):
+            logger.warning(
+                "redis tier %s: %s has maxmemory-policy %s; when full, writes fail (OOM) "
+                "instead of evicting old blocks",
+                self._tier.name, self.address, capacity.policy,
+            )
+
+    async def close(self) -> None:
+        """Stop every lane's thread and close its connection."""
+        await asyncio.gather(*(lane.close() for lane in self.lanes))
+
+
+def evicts(policy: str | None, ttl_s: float | None) -> bool:
+    """Whether a full server with this ``maxmemory-policy`` evicts our keys (volatile-* only with a TTL)."""
+    if policy is None:
+        return False
+    return policy.startswith("allkeys-") or (policy.startswith("volatile-") and ttl_s is not None)
