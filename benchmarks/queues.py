@@ -132,7 +132,7 @@ async def load_latencies(storm: bool) -> dict[str, Any]:
     return {
         **{f"p{p}_ms": float(v) for p, v in zip(PERCENTILES, cuts, strict=True)},
         "stores_dropped": stats.get("stores_dropped", 0),
-        "put_calls": stats.get("put_calls", 0),
+        "put_calls": stats.get("store", {}).get("put_calls", 0),
     }
 
 
