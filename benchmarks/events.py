@@ -28,8 +28,8 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
+from tiercache.event_config import EventsConfig
 from tiercache.event_sink import EventSink
-from tiercache.events import EventsConfig
 
 BLOCKS_PER_STORE = 64
 """One 1024-token prompt of 16-token blocks."""

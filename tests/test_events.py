@@ -12,8 +12,9 @@ import pytest
 import zmq
 from msgspec.msgpack import Decoder
 
+from tiercache.event_config import EventsConfig, EventWire
 from tiercache.event_sink import EventSink
-from tiercache.events import EventsConfig, EventWire, block_hash
+from tiercache.events import block_hash
 
 TOPIC = "kv-events"
 BLOCK_SIZE = 4

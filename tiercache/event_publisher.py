@@ -23,7 +23,8 @@ from itertools import count
 import msgspec
 import zmq
 
-from tiercache.events import EventsConfig, EventWire, KVEventBatch, to_map_wire
+from tiercache.event_config import EventsConfig, EventWire
+from tiercache.events import KVEventBatch, to_map_wire
 
 logger = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from tiercache.event_config import EventsConfig
 from tiercache.event_lineage import BlockLineage
 from tiercache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventsConfig,
     KVEvent,
     KVEventBatch,
     block_hash,
