@@ -14,9 +14,8 @@ from redis_servers import RedisServer
 
 from tiercache.codec import Codec
 from tiercache.manager import TierManager
-from tiercache.sync import SyncMode, value_version
 from tiercache.tiers.base import RemoteContext
-from tiercache.tiers.regional import RegionalOptions, RegionalTier
+from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode, value_version
 
 BLOCK_BYTES = 256
 FINGERPRINT = bytes(range(16, 32))

@@ -1,8 +1,8 @@
-"""A versioned remote tier over a regional Redis and a central one (DESIGN.md, central/regional sync).
+"""``RegionalTier``: a versioned remote tier over a regional Redis and a central one.
 
 Modes: ``central`` reads and writes the central store directly; ``regional``
 reads and writes the region, replicates writes to central in the background
-(``tiercache.sync.Replicator``) and reads a regional miss through from central,
+(``replicator.Replicator``) and reads a regional miss through from central,
 back-filling the region.
 
 ``force_latest`` reads check central's version of every key of the batch first
@@ -28,69 +28,19 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import Codec, Decoded
-from tiercache.sync import (
-    CentralStore,
-    GuardedClient,
-    Invalidator,
-    RegionStore,
-    ReplicationItem,
-    Replicator,
-    SyncMode,
-    connect,
-    value_checksum,
-    value_version,
-)
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.regional.client import GuardedClient, connect
+from tiercache.tiers.regional.invalidation import Invalidator
+from tiercache.tiers.regional.options import RegionalOptions, SyncMode
+from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
+from tiercache.tiers.regional.stores import CentralStore, RegionStore
+from tiercache.tiers.regional.versions import value_checksum, value_version
 
 MS_PER_SECOND = 1000.0
-
-
-@dataclass
-class RegionalOptions:
-    """The YAML ``options`` of a ``regional`` tier."""
-
-    central_url: str
-    region_url: str = ""
-    """Required in ``regional`` mode."""
-    mode: SyncMode = SyncMode.REGIONAL
-    key_prefix: str = "tc:"
-    channel: str = "tiercache:updates"
-    """Central's pub/sub channel of committed versions."""
-    invalidate: bool = True
-    """Subscribe to the channel and drop older regional copies early."""
-    replication_queue_blocks: int = 4096
-    replication_workers: int = 2
-    replication_batch_blocks: int = 32
-    replication_retries: int = 5
-    retry_backoff_ms: float = 20.0
-    """First retry pause; doubles per attempt."""
-    socket_timeout_ms: float = 500.0
-    breaker_failures: int = 3
-    """Consecutive failures after which calls to that server fail at once (misses) for a back-off."""
-    breaker_backoff_s: float = 0.5
-    breaker_backoff_max_s: float = 30.0
-    close_flush_ms: float = 2000.0
-    """How long ``close`` lets queued replications finish."""
-    compress: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mode is SyncMode.REGIONAL and not self.region_url:
-            raise ValueError("region_url is required in regional mode")
-        for name in ("replication_queue_blocks", "replication_workers", "replication_batch_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.replication_retries < 0:
-            raise ValueError(f"replication_retries must be >= 0, got {self.replication_retries}")
-        if self.breaker_failures < 1 or not 0 < self.breaker_backoff_s <= self.breaker_backoff_max_s:
-            raise ValueError("need breaker_failures >= 1 and 0 < breaker_backoff_s <= breaker_backoff_max_s")
-        for name in ("retry_backoff_ms", "socket_timeout_ms", "close_flush_ms"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class RegionalTier(RemoteTier):

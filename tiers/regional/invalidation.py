@@ -1,0 +1,80 @@
+"""Invalidation of stale regional copies from central's update channel.
+
+Central publishes ``key + version`` for every commit; a region that hears it drops
+its copy if older, so plain regional reads see new values early. force_latest
+reads do not depend on it (they check central's versions themselves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from tiercache.tiers.regional.stores import RegionStore
+from tiercache.tiers.regional.versions import U64
+
+log = logging.getLogger(__name__)
+KEY_BYTES = 16
+"""Length of a block key in an update message (followed by the u64 version)."""
+RESUBSCRIBE_MAX_S = 1.0
+"""Longest pause between attempts to re-subscribe to central's updates."""
+SUBSCRIBE_POLL_S = 0.5
+"""How long one wait for a message lasts before the loop looks around again."""
+
+
+class Invalidator:
+    """Subscribes to central's update channel and drops older regional copies.
+
+    Reconnects with back-off while central is down; updates published meanwhile
+    are missed, which only delays plain reads (force_latest checks versions).
+    """
+
+    def __init__(self, url: str, channel: str, region: RegionStore) -> None:
+        self.url = url
+        self.channel = channel
+        self.region = region
+        self.received = 0
+        self.dropped = 0
+        self.subscribed = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        pause = SUBSCRIBE_POLL_S / 10
+        while True:
+            client = aioredis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0))
+            try:
+                async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.channel)
+                    self.subscribed.set()
+                    pause = SUBSCRIBE_POLL_S / 10
+                    while True:
+                        message = await pubsub.get_message(timeout=SUBSCRIBE_POLL_S)
+                        if message is not None:
+                            await self._handle(message.get("data"))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.debug("update channel lost; re-subscribing", exc_info=True)
+            finally:
+                self.subscribed.clear()
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RESUBSCRIBE_MAX_S)
+
+    async def _handle(self, data: object) -> None:
+        if not isinstance(data, bytes) or len(data) != KEY_BYTES + U64.size:
+            return
+        key, version = data[:KEY_BYTES], U64.unpack_from(data, KEY_BYTES)[0]
+        self.received += 1
+        if await self.region.drop_older(key, version):
+            self.dropped += 1

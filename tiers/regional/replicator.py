@@ -1,0 +1,129 @@
+"""Bounded background replication of a region's writes to central, with retries.
+
+A bounded queue (a full queue drops the replication, counted; the regional copy
+stays), worker tasks that commit batches at central, retry with exponential
+back-off, then patch the assigned version into the regional copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiercache.tiers.regional.stores import CentralStore, RegionStore
+
+log = logging.getLogger(__name__)
+MS_PER_SECOND = 1000.0
+
+
+@dataclass
+class ReplicationItem:
+    """One regional write on its way to central."""
+
+    key: bytes
+    value: bytes
+    checksum: bytes
+    enqueued: float
+
+
+class Replicator:
+    """Bounded background replication of a region's writes to central, with retries.
+
+    ``on_done(item, version)`` runs after each item settles (``version`` None when
+    it was given up). Nothing raises out of the workers.
+    """
+
+    def __init__(
+        self,
+        central: CentralStore,
+        region: RegionStore | None,
+        *,
+        capacity: int,
+        workers: int,
+        batch: int,
+        retries: int,
+        backoff_s: float,
+        on_done: Callable[[ReplicationItem, int | None], None],
+    ) -> None:
+        self.central = central
+        self.region = region
+        self.queue: asyncio.Queue[ReplicationItem] = asyncio.Queue(capacity)
+        self.batch = batch
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.on_done = on_done
+        self.running = asyncio.Event()
+        self.running.set()
+        self.counters = {"replicated": 0, "replication_retries": 0, "replication_failed": 0, "replication_dropped": 0}
+        self.lag_ms_total = 0.0
+        self.lag_ms_max = 0.0
+        self._workers = [asyncio.get_running_loop().create_task(self._work()) for _ in range(workers)]
+
+    def offer(self, item: ReplicationItem) -> bool:
+        """Queue ``item``; False (counted) when the queue is full."""
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self.counters["replication_dropped"] += 1
+            return False
+        return True
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been replicated or given up."""
+        await self.queue.join()
+
+    async def close(self) -> None:
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+
+    async def _work(self) -> None:
+        while True:
+            items = [await self.queue.get()]
+            while len(items) < self.batch and not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            try:
+                await self.running.wait()
+                await self._replicate(items)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("replication batch failed; giving it up")
+                for item in items:
+                    self._settle(item, None)
+            finally:
+                for _ in items:
+                    self.queue.task_done()
+
+    async def _replicate(self, items: list[ReplicationItem]) -> None:
+        pending = items
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.counters["replication_retries"] += 1
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            versions = await self.central.commit([(item.key, item.value) for item in pending])
+            done = [(item, v) for item, v in zip(pending, versions, strict=True) if v is not None]
+            if done and self.region is not None:
+                await self.region.stamp([(item.key, item.checksum, v) for item, v in done])
+            for item, version in done:
+                self._settle(item, version)
+            pending = [item for item, v in zip(pending, versions, strict=True) if v is None]
+            if not pending:
+                return
+        for item in pending:
+            self._settle(item, None)
+
+    def _settle(self, item: ReplicationItem, version: int | None) -> None:
+        if version is None:
+            self.counters["replication_failed"] += 1
+        else:
+            self.counters["replicated"] += 1
+            lag_ms = (time.monotonic() - item.enqueued) * MS_PER_SECOND
+            self.lag_ms_total += lag_ms
+            self.lag_ms_max = max(self.lag_ms_max, lag_ms)
+        self.on_done(item, version)
+
+

@@ -1,0 +1,160 @@
+"""The two kinds of store a regional tier talks to, as operations on blocks.
+
+- ``CentralStore`` commits values with central versions (``versions.COMMIT_SCRIPT``:
+  one Lua call assigns the version, patches it into the value's header, records
+  it in a per-key version key and publishes ``key + version`` on the update
+  channel), and answers version lookups and reads.
+- ``RegionStore`` holds a region's copies: refreshing from central never
+  overwrites a newer copy nor a copy still waiting for its version (version 0,
+  a write of this region not yet replicated).
+
+Every call goes through a ``GuardedClient``: a failure is a ``None`` / ``False``
+answer, never an exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tiercache.tiers.regional.client import GuardedClient, pipelined
+from tiercache.tiers.regional.versions import (
+    CLOCK_TICKS_PER_MS,
+    COMMIT_SCRIPT,
+    DROP_OLDER_SCRIPT,
+    PATCH_SCRIPT,
+    REFRESH_SCRIPT,
+    U64,
+)
+
+
+class _Keys:
+    """Redis key names: ``{prefix}{hex}`` hash tags keep a value and its version in one slot."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.clock = f"{prefix}clock"
+
+    def value(self, key: bytes) -> str:
+        return f"{self.prefix}{{{key.hex()}}}:v"
+
+    def version(self, key: bytes) -> str:
+        return f"{self.prefix}{{{key.hex()}}}:n"
+
+
+class CentralStore:
+    """The central store: version assignment, version lookups, reads, the update channel."""
+
+    def __init__(self, server: GuardedClient, prefix: str, channel: str) -> None:
+        self.server = server
+        self.keys = _Keys(prefix)
+        self.channel = channel
+
+    async def commit(self, items: Sequence[tuple[bytes, bytes]]) -> list[int | None]:
+        """Store each (key, value) with a fresh version; the version, or None where it failed."""
+        if not items:
+            return []
+
+        def queue(pipe) -> None:
+            for key, value in items:
+                pipe.eval(
+                    COMMIT_SCRIPT,
+                    3,
+                    self.keys.clock,
+                    self.keys.value(key),
+                    self.keys.version(key),
+                    value,
+                    self.channel,
+                    key,
+                    CLOCK_TICKS_PER_MS,
+                )
+
+        replies = await self.server.call(lambda client: pipelined(client, queue), None)
+        if replies is None:
+            return [None] * len(items)
+        return [None if isinstance(reply, Exception) else int(reply) for reply in replies]
+
+    async def versions(self, keys: Sequence[bytes]) -> list[int] | None:
+        """The committed version of each key (0: none), or None when central is unreachable."""
+        names = [self.keys.version(key) for key in keys]
+        replies = await self.server.call(lambda client: client.mget(names), None)
+        if replies is None:
+            return None
+        return [int(reply) if reply is not None else 0 for reply in replies]
+
+    async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
+        names = [self.keys.value(key) for key in keys]
+        return await self.server.call(lambda client: client.mget(names), None)
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+        return await _exists(self.server, [self.keys.value(key) for key in keys])
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        names = [self.keys.value(key) for key in keys]
+        await self.server.call(lambda client: client.delete(*names), None)
+
+
+class RegionStore:
+    """A region's copies of central's values (and its own writes awaiting a version)."""
+
+    def __init__(self, server: GuardedClient, prefix: str) -> None:
+        self.server = server
+        self.keys = _Keys(prefix)
+
+    async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
+        names = [self.keys.value(key) for key in keys]
+        return await self.server.call(lambda client: client.mget(names), None)
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+        return await _exists(self.server, [self.keys.value(key) for key in keys])
+
+    async def write(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        return await self._pipeline(items, lambda pipe, key, value: pipe.set(self.keys.value(key), value))
+
+    async def refresh(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool]:
+        """Store copies read from central unless the region holds a newer or unversioned one."""
+        return await self._pipeline(
+            items, lambda pipe, key, value, version: pipe.eval(REFRESH_SCRIPT, 1, self.keys.value(key), value, version)
+        )
+
+    async def stamp(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool]:
+        """Patch central's version into our own copies (key, checksum, version)."""
+        return await self._pipeline(
+            items,
+            lambda pipe, key, checksum, version: pipe.eval(
+                PATCH_SCRIPT, 1, self.keys.value(key), checksum, U64.pack(version), version
+            ),
+        )
+
+    async def drop_older(self, key: bytes, version: int) -> bool:
+        name = self.keys.value(key)
+        return bool(await self.server.call(lambda client: client.eval(DROP_OLDER_SCRIPT, 1, name, version), False))
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        names = [self.keys.value(key) for key in keys]
+        await self.server.call(lambda client: client.delete(*names), None)
+
+    async def _pipeline(self, items: Sequence[tuple], queue: Callable[..., object]) -> list[bool]:
+        if not items:
+            return []
+
+        def queue_all(pipe) -> None:
+            for item in items:
+                queue(pipe, *item)
+
+        replies = await self.server.call(lambda client: pipelined(client, queue_all), None)
+        if replies is None:
+            return [False] * len(items)
+        return [not isinstance(reply, Exception) and bool(reply) for reply in replies]
+
+
+async def _exists(server: GuardedClient, names: list[str]) -> list[bool] | None:
+    def queue(pipe) -> None:
+        for name in names:
+            pipe.exists(name)
+
+    replies = await server.call(lambda client: pipelined(client, queue), None)
+    if replies is None or any(isinstance(reply, Exception) for reply in replies):
+        return None
+    return [bool(reply) for reply in replies]
+
+
