@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 from redis_servers import RedisServer
@@ -269,3 +271,48 @@ async def test_frozen_central_opens_the_breaker_and_recovers(sites: Topology) ->
 
 async def _latest_is(tier: RegionalTier, block: bytes, expected: bytes) -> bool:
     return await read(tier, [block], force_latest=True) == [expected]
+
+
+CLOSES = 50
+CLOSE_BOUND_S = 60.0
+"""Failure detector only: a close that has not returned by then is taken as hung (it normally takes ms)."""
+
+
+async def _publish_until(stop: asyncio.Event, url: str, channel: str) -> None:
+    """Publish update messages (key + version) as fast as the server takes them, until ``stop`` is set.
+
+    A stop flag, not a cancel: redis-py can swallow a cancel (the very bug under test).
+    """
+    client = aioredis.Redis.from_url(url)
+    try:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            await client.publish(channel, key(i % 64) + (i + 1).to_bytes(8, "little"))
+    finally:
+        await client.aclose()
+
+
+async def test_close_is_bounded_under_publish_traffic(sites: Topology) -> None:
+    """Issue 11 item 1: a cancel swallowed inside redis-py once left close() waiting forever on the invalidator."""
+    stop = asyncio.Event()
+    publisher = asyncio.create_task(_publish_until(stop, sites.central.url, "tiercache:updates"))
+    try:
+        for i in range(CLOSES):
+            tier = RegionalTier(
+                RemoteContext("regional", Codec(FINGERPRINT), BLOCK_BYTES),
+                RegionalOptions(central_url=sites.central.url, region_url=sites.region_a.url),
+            )
+            await tier.start()
+            assert tier.invalidator is not None
+            await eventually(lambda tier=tier: _true(tier.invalidator.received > 0))
+            assert await tier.put([key(1000 + i)], [payload(i)]) == [True]
+            tasks = tier.background_tasks()
+            closing = asyncio.create_task(tier.close())
+            done, _ = await asyncio.wait({closing}, timeout=CLOSE_BOUND_S)
+            assert closing in done, f"close {i} did not return"
+            assert all(task.done() for task in tasks), f"close {i} left background tasks running"
+            assert tier.stats()["close_abandoned"] == 0
+    finally:
+        stop.set()
+        await publisher

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
+from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import RegionStore
 from tiercache.tiers.regional.versions import U64
 
@@ -32,31 +32,35 @@ class Invalidator:
 
     Reconnects with back-off while central is down; updates published meanwhile
     are missed, which only delays plain reads (force_latest checks versions).
+    ``close`` is bounded: the loop checks a stop flag at every message or poll
+    and is cancelled through ``shutdown.stop_tasks``.
     """
 
-    def __init__(self, url: str, channel: str, region: RegionStore) -> None:
-        self.url = url
+    def __init__(self, connect: Callable[[], aioredis.Redis], channel: str, region: RegionStore) -> None:
+        self.connect = connect
         self.channel = channel
         self.region = region
         self.received = 0
         self.dropped = 0
         self.subscribed = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._stopping = False
+        self.task = asyncio.get_running_loop().create_task(self._run(), name="tiercache-invalidator")
 
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+    async def close(self, deadline_s: float) -> int:
+        """Stop listening within ``deadline_s``; 1 if the task had to be abandoned, else 0."""
+        self._stopping = True
+        return await stop_tasks([self.task], grace_s=0.0, cancel_s=deadline_s, what="invalidator")
 
     async def _run(self) -> None:
         pause = SUBSCRIBE_POLL_S / 10
-        while True:
-            client = aioredis.Redis.from_url(self.url, retry=Retry(NoBackoff(), 0))
+        while not self._stopping:
+            client = self.connect()
             try:
                 async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.channel)
                     self.subscribed.set()
                     pause = SUBSCRIBE_POLL_S / 10
-                    while True:
+                    while not self._stopping:
                         message = await pubsub.get_message(timeout=SUBSCRIBE_POLL_S)
                         if message is not None:
                             await self._handle(message.get("data"))
@@ -68,8 +72,9 @@ class Invalidator:
                 self.subscribed.clear()
                 with contextlib.suppress(Exception):
                     await client.aclose()
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, RESUBSCRIBE_MAX_S)
+            if not self._stopping:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RESUBSCRIBE_MAX_S)
 
     async def _handle(self, data: object) -> None:
         if not isinstance(data, bytes) or len(data) != KEY_BYTES + U64.size:

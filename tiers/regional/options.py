@@ -1,4 +1,11 @@
-"""The YAML ``options`` of a ``regional`` tier, and its modes (DESIGN.md, "Central and regional sync")."""
+"""The YAML ``options`` of a ``regional`` tier, and its modes (DESIGN.md, "Central and regional sync").
+
+Each field's docstring says what it does. Shutdown: ``close`` gives queued
+replications ``close_flush_ms``, then the background tasks (replication workers,
+invalidator) ``close_timeout_ms`` to stop and the connections ``close_timeout_ms``
+to close; whatever is left is abandoned with a log line, so ``close`` never
+hangs on a remote.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ class RegionalOptions:
     breaker_backoff_max_s: float = 30.0
     close_flush_ms: float = 2000.0
     """How long ``close`` lets queued replications finish."""
+    close_timeout_ms: float = 1000.0
+    """How long ``close`` waits for background tasks, then for connections, to stop before abandoning them."""
     compress: bool = False
 
     def __post_init__(self) -> None:
@@ -53,7 +62,7 @@ class RegionalOptions:
             raise ValueError(f"replication_retries must be >= 0, got {self.replication_retries}")
         if self.breaker_failures < 1 or not 0 < self.breaker_backoff_s <= self.breaker_backoff_max_s:
             raise ValueError("need breaker_failures >= 1 and 0 < breaker_backoff_s <= breaker_backoff_max_s")
-        for name in ("retry_backoff_ms", "socket_timeout_ms", "close_flush_ms"):
+        for name in ("retry_backoff_ms", "socket_timeout_ms", "close_flush_ms", "close_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -3,6 +3,10 @@
 A bounded queue (a full queue drops the replication, counted; the regional copy
 stays), worker tasks that commit batches at central, retry with exponential
 back-off, then patch the assigned version into the regional copy.
+
+Stopping is bounded (``close``): the workers check a stop flag and are cancelled
+through ``shutdown.stop_tasks``; what is still queued then is given up, counted
+as ``replication_abandoned``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
 
 log = logging.getLogger(__name__)
@@ -57,10 +62,20 @@ class Replicator:
         self.on_done = on_done
         self.running = asyncio.Event()
         self.running.set()
-        self.counters = {"replicated": 0, "replication_retries": 0, "replication_failed": 0, "replication_dropped": 0}
+        self.counters = {
+            "replicated": 0,
+            "replication_retries": 0,
+            "replication_failed": 0,
+            "replication_dropped": 0,
+            "replication_abandoned": 0,
+        }
         self.lag_ms_total = 0.0
         self.lag_ms_max = 0.0
-        self._workers = [asyncio.get_running_loop().create_task(self._work()) for _ in range(workers)]
+        self._stopping = False
+        loop = asyncio.get_running_loop()
+        self.workers = [
+            loop.create_task(self._work(), name=f"tiercache-replication-{i}") for i in range(workers)
+        ]
 
     def offer(self, item: ReplicationItem) -> bool:
         """Queue ``item``; False (counted) when the queue is full."""
@@ -75,13 +90,18 @@ class Replicator:
         """Wait until everything queued so far has been replicated or given up."""
         await self.queue.join()
 
-    async def close(self) -> None:
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
+    async def close(self, deadline_s: float) -> int:
+        """Stop the workers within ``deadline_s`` and give up what is still queued; how many were abandoned."""
+        self._stopping = True
+        abandoned = await stop_tasks(self.workers, grace_s=0.0, cancel_s=deadline_s, what="replication")
+        while not self.queue.empty():
+            self.queue.get_nowait()
+            self.counters["replication_abandoned"] += 1
+            self.queue.task_done()
+        return abandoned
 
     async def _work(self) -> None:
-        while True:
+        while not self._stopping:
             items = [await self.queue.get()]
             while len(items) < self.batch and not self.queue.empty():
                 items.append(self.queue.get_nowait())

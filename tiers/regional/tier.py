@@ -25,7 +25,6 @@ tombstone version.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
 from typing import ClassVar
@@ -37,6 +36,7 @@ from tiercache.tiers.regional.client import GuardedClient, connect
 from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
 from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
+from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
 from tiercache.tiers.regional.versions import value_checksum, value_version
 
@@ -72,6 +72,7 @@ class RegionalTier(RemoteTier):
             "bytes_read": 0,
             "bytes_written": 0,
             "write_failures": 0,
+            "close_abandoned": 0,
         }
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -92,7 +93,10 @@ class RegionalTier(RemoteTier):
             on_done=self._replicated,
         )
         if options.invalidate:
-            self.invalidator = Invalidator(options.central_url, options.channel, self.region)
+            timeout_s = options.socket_timeout_ms / MS_PER_SECOND
+            self.invalidator = Invalidator(
+                lambda: connect(options.central_url, timeout_s), options.channel, self.region
+            )
 
     def _server(self, url: str) -> GuardedClient:
         options = self.options
@@ -100,15 +104,39 @@ class RegionalTier(RemoteTier):
         return GuardedClient(connect(url, options.socket_timeout_ms / MS_PER_SECOND), breaker)
 
     async def close(self) -> None:
+        """Flush, stop and disconnect, bounded whatever a remote does.
+
+        Queued replications get ``close_flush_ms``; the background tasks then
+        ``close_timeout_ms`` to stop, and the connections ``close_timeout_ms`` to
+        close. What does not stop in time is abandoned (logged, counted as
+        ``close_abandoned``), so this returns within ``close_flush_ms + 2 x
+        close_timeout_ms``.
+        """
+        options = self.options
+        timeout_s = options.close_timeout_ms / MS_PER_SECOND
+        loop = asyncio.get_running_loop()
+        abandoned = 0
         if self.replicator is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.replicator.flush(), self.options.close_flush_ms / MS_PER_SECOND)
-            await self.replicator.close()
+            flush = loop.create_task(self.replicator.flush(), name="tiercache-close-flush")
+            flush_s = options.close_flush_ms / MS_PER_SECOND
+            await stop_tasks([flush], grace_s=flush_s, cancel_s=timeout_s, what=self.name)
+        stopping = [part.close(timeout_s) for part in (self.replicator, self.invalidator) if part is not None]
+        abandoned += sum(await asyncio.gather(*stopping))
+        clients = [
+            loop.create_task(store.server.aclose(), name=f"tiercache-close-{kind}")
+            for kind, store in (("central", self.central), ("region", self.region))
+            if store is not None
+        ]
+        half_s = timeout_s / 2
+        abandoned += await stop_tasks(clients, grace_s=half_s, cancel_s=half_s, what=self.name)
+        self.counters["close_abandoned"] += abandoned
+
+    def background_tasks(self) -> list[asyncio.Task]:
+        """The tier's long-running tasks (replication workers, invalidator); all done after ``close``."""
+        tasks = list(self.replicator.workers) if self.replicator is not None else []
         if self.invalidator is not None:
-            await self.invalidator.close()
-        for store in (self.central, self.region):
-            if store is not None:
-                await store.server.aclose()
+            tasks.append(self.invalidator.task)
+        return tasks
 
     async def flush(self) -> None:
         """Wait until this node's queued replications have been committed or given up."""
