@@ -316,3 +316,32 @@ async def test_close_is_bounded_under_publish_traffic(sites: Topology) -> None:
     finally:
         stop.set()
         await publisher
+
+
+async def test_garbage_keys_are_misses_for_themselves_only(
+    sites: Topology, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 11 item 3: one garbage value or version key used to fail the whole force_latest chunk."""
+    a = await sites.tier(sites.region_a, invalidate=False)
+    keys = [key(500 + i) for i in range(24)]
+    await a.put(keys, [payload(i) for i in range(24)])
+    await a.flush()
+    region = aioredis.Redis.from_url(sites.region_a.url)
+    central = aioredis.Redis.from_url(sites.central.url)
+    try:
+        await region.set(a.region.keys.value(keys[10]), b"short")  # central still holds it
+        await central.set(a.central.keys.version(keys[11]), b"not-a-version")
+        await region.set(a.region.keys.value(keys[12]), b"\x00" * 7)
+        await central.set(a.central.keys.value(keys[12]), b"tiny")
+    finally:
+        await region.aclose()
+        await central.aclose()
+    with caplog.at_level("WARNING"):
+        got = await read(a, keys, force_latest=True)
+    expected = [bytes(payload(i)) for i in range(24)]
+    expected[11] = expected[12] = None
+    assert got == expected
+    stats = a.stats()
+    assert stats["invalid_versions"] == 1
+    assert stats["invalid_values"] == 1
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -24,6 +24,7 @@ from tiercache.tiers.regional.versions import (
     PATCH_SCRIPT,
     REFRESH_SCRIPT,
     U64,
+    parse_version,
 )
 
 
@@ -71,15 +72,15 @@ class CentralStore:
         replies = await self.server.call(lambda client: pipelined(client, queue), None)
         if replies is None:
             return [None] * len(items)
-        return [None if isinstance(reply, Exception) else int(reply) for reply in replies]
+        return [None if isinstance(reply, Exception) else parse_version(reply) or None for reply in replies]
 
-    async def versions(self, keys: Sequence[bytes]) -> list[int] | None:
-        """The committed version of each key (0: none), or None when central is unreachable."""
+    async def versions(self, keys: Sequence[bytes]) -> list[int | None] | None:
+        """The committed version of each key (0: none; None: a garbage version key), or None when unreachable."""
         names = [self.keys.version(key) for key in keys]
         replies = await self.server.call(lambda client: client.mget(names), None)
         if replies is None:
             return None
-        return [int(reply) if reply is not None else 0 for reply in replies]
+        return [parse_version(reply) for reply in replies]
 
     async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
         names = [self.keys.value(key) for key in keys]

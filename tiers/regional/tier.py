@@ -69,6 +69,7 @@ class RegionalTier(RemoteTier):
             "refreshed": 0,
             "latest_unavailable": 0,
             "invalid_values": 0,
+            "invalid_versions": 0,
             "bytes_read": 0,
             "bytes_written": 0,
             "write_failures": 0,
@@ -220,21 +221,28 @@ class RegionalTier(RemoteTier):
         values = list(await self.region.read(keys) or [None] * len(keys))
         results = [False] * len(keys)
         from_central, floors = [], []
-        for i, (key, value, dest) in enumerate(zip(keys, values, dests, strict=True)):
-            own = self._own.get(key)
-            current = value is not None and (
-                (own is not None and value_checksum(value) == own)
-                or (versions[i] > 0 and value_version(value) >= versions[i])
-            )
-            if current and self._decode(key, value, dest) is not None:
+        for i, (key, value, dest, version) in enumerate(zip(keys, values, dests, versions, strict=True)):
+            if version is None:
+                self.counters["invalid_versions"] += 1
+            elif self._serves_as_latest(key, value, version) and self._decode(key, value, dest) is not None:
                 results[i] = True
                 self.counters["regional_hits"] += 1
-            elif own is None and versions[i] > 0:
+            elif key not in self._own and version > 0:
                 from_central.append(i)
-                floors.append(versions[i])
+                floors.append(version)
         if from_central:
             await self._from_central(keys, dests, from_central, floors, values, results)
         return self._count(results, values)
+
+    def _serves_as_latest(self, key: bytes, value: bytes | None, version: int) -> bool:
+        """Whether a regional ``value`` is central's ``version`` or newer, or this node's own unreplicated write."""
+        if value is None:
+            return False
+        own = self._own.get(key)
+        if own is not None and value_checksum(value) == own:
+            return True
+        held = value_version(value)
+        return version > 0 and held is not None and held >= version
 
     async def _from_central(
         self,

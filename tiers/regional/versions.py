@@ -28,6 +28,8 @@ VERSION_FIELD = 6
 """Index of the version among the codec header's fields (magic, format, flags, reserved, fingerprint, key, version)."""
 CHECKSUM_FIELD = 9
 """Index of the payload checksum among the codec header's fields (the last one)."""
+MAX_VERSION = 2**64 - 1
+"""The largest version a header can carry."""
 CLOCK_TICKS_PER_MS = 1024
 """Versions per millisecond of the central clock's starting point."""
 _STRUCT_FIELD = re.compile(r"(\d*)([xcbB?hHiIlLqQnNefdspP])")
@@ -89,7 +91,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('SET', KEYS[1], string.format('%.0f', ms * tonumber(ARGV[4])))
 end
 local v = redis.call('INCR', KEYS[1])
-local current = tonumber(redis.call('GET', KEYS[3]) or '0')
+local current = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
 if v <= current then
   v = current + 1
   redis.call('SET', KEYS[1], string.format('%.0f', v))
@@ -150,9 +152,21 @@ return 0
 """Drop a regional copy older than a version central published."""
 
 
-def value_version(value: bytes) -> int:
-    """The version in a value's header (0: not yet committed at central)."""
+def value_version(value: bytes) -> int | None:
+    """The version in a value's header (0: not yet committed at central); None for a value shorter than a header."""
+    if len(value) < HEADER_SIZE:
+        return None
     return U64.unpack_from(value, VERSION_OFFSET)[0]
+
+
+def parse_version(reply: object) -> int | None:
+    """A version key's content as a version (absent: 0); None unless it is a decimal u64, as the scripts write it."""
+    if reply is None:
+        return 0
+    if not isinstance(reply, bytes) or not reply.isdigit():
+        return None
+    version = int(reply)
+    return version if version <= MAX_VERSION else None
 
 
 def value_checksum(value: bytes) -> bytes:
