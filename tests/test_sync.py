@@ -343,5 +343,36 @@ async def test_garbage_keys_are_misses_for_themselves_only(
     assert got == expected
     stats = a.stats()
     assert stats["invalid_versions"] == 1
-    assert stats["invalid_values"] == 1
+    assert stats["invalid_values"] == 3  # keys 10 and 12 in the region, key 12 at central
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_invalid_values_are_deleted_from_their_store(sites: Topology) -> None:
+    """Issue 10 defect 8: a value that fails validation is removed where it was read, unless rewritten since."""
+    a = await sites.tier(sites.region_a, invalidate=False)
+    c = await sites.tier(None)
+    keys = [key(600 + i) for i in range(3)]
+    await c.put(keys[1:2], [payload(1)])
+    region = aioredis.Redis.from_url(sites.region_a.url)
+    central = aioredis.Redis.from_url(sites.central.url)
+    try:
+        good = Codec(FINGERPRINT).encode_value(keys[0], payload(0))
+        await region.set(a.region.keys.value(keys[0]), good[:-1] + b"!")  # central never had it
+        await central.setrange(c.central.keys.value(keys[1]), len(good) - 1, b"!")
+        assert await read(a, keys[:1]) == [None]
+        assert await read(c, keys[1:2]) == [None]
+
+        async def deleted() -> bool:
+            return a.stats()["invalid_deleted"] == 1 and c.stats()["invalid_deleted"] == 1
+
+        await eventually(deleted)
+        assert await region.exists(a.region.keys.value(keys[0])) == 0
+        assert await central.exists(c.central.keys.value(keys[1])) == 0
+        # A value rewritten since it was read is kept.
+        await region.set(a.region.keys.value(keys[2]), b"garbage")
+        await a.put(keys[2:], [payload(9)])
+        assert await a.region.discard([(keys[2], b"garbage")]) == 0
+        assert await read(a, keys[2:]) == [bytes(payload(9))]
+    finally:
+        await region.aclose()
+        await central.aclose()

@@ -14,12 +14,14 @@ answer, never an exception.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 
 from tiercache.tiers.regional.client import GuardedClient, pipelined
 from tiercache.tiers.regional.versions import (
     CLOCK_TICKS_PER_MS,
     COMMIT_SCRIPT,
+    DELETE_IF_SAME_SCRIPT,
     DROP_OLDER_SCRIPT,
     PATCH_SCRIPT,
     REFRESH_SCRIPT,
@@ -93,6 +95,10 @@ class CentralStore:
         names = [self.keys.value(key) for key in keys]
         await self.server.call(lambda client: client.delete(*names), None)
 
+    async def discard(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete values that failed validation (key, value as read); how many were deleted."""
+        return await _discard(self.server, [(self.keys.value(key), value) for key, value in items])
+
 
 class RegionStore:
     """A region's copies of central's values (and its own writes awaiting a version)."""
@@ -134,6 +140,10 @@ class RegionStore:
         names = [self.keys.value(key) for key in keys]
         await self.server.call(lambda client: client.delete(*names), None)
 
+    async def discard(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete values that failed validation (key, value as read); how many were deleted."""
+        return await _discard(self.server, [(self.keys.value(key), value) for key, value in items])
+
     async def _pipeline(self, items: Sequence[tuple], queue: Callable[..., object]) -> list[bool]:
         if not items:
             return []
@@ -159,3 +169,14 @@ async def _exists(server: GuardedClient, names: list[str]) -> list[bool] | None:
     return [bool(reply) for reply in replies]
 
 
+async def _discard(server: GuardedClient, items: list[tuple[str, bytes]]) -> int:
+    """Delete each (name, value) unless the value was replaced since it was read (compared by SHA-1)."""
+    if not items:
+        return 0
+
+    def queue(pipe) -> None:
+        for name, value in items:
+            pipe.eval(DELETE_IF_SAME_SCRIPT, 1, name, hashlib.sha1(value).hexdigest())
+
+    replies = await server.call(lambda client: pipelined(client, queue), None)
+    return sum(reply == 1 for reply in replies or [])

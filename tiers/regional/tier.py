@@ -32,6 +32,7 @@ from typing import ClassVar
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import Codec, Decoded
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.regional.cleanup import Cleaner
 from tiercache.tiers.regional.client import GuardedClient, connect
 from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
@@ -58,6 +59,7 @@ class RegionalTier(RemoteTier):
         self.region: RegionStore | None = None
         self.replicator: Replicator | None = None
         self.invalidator: Invalidator | None = None
+        self.cleaner = Cleaner(f"{context.name}-invalid")
         self._own: dict[bytes, bytes] = {}
         """This node's acknowledged writes awaiting a central version: key -> checksum."""
         self.counters: dict[str, float] = {
@@ -121,7 +123,8 @@ class RegionalTier(RemoteTier):
             flush = loop.create_task(self.replicator.flush(), name="tiercache-close-flush")
             flush_s = options.close_flush_ms / MS_PER_SECOND
             await stop_tasks([flush], grace_s=flush_s, cancel_s=timeout_s, what=self.name)
-        stopping = [part.close(timeout_s) for part in (self.replicator, self.invalidator) if part is not None]
+        parts = (self.replicator, self.invalidator, self.cleaner)
+        stopping = [part.close(timeout_s) for part in parts if part is not None]
         abandoned += sum(await asyncio.gather(*stopping))
         clients = [
             loop.create_task(store.server.aclose(), name=f"tiercache-close-{kind}")
@@ -137,7 +140,7 @@ class RegionalTier(RemoteTier):
         tasks = list(self.replicator.workers) if self.replicator is not None else []
         if self.invalidator is not None:
             tasks.append(self.invalidator.task)
-        return tasks
+        return tasks + self.cleaner.tasks()
 
     async def flush(self) -> None:
         """Wait until this node's queued replications have been committed or given up."""
@@ -158,14 +161,21 @@ class RegionalTier(RemoteTier):
             del self._own[item.key]
 
     # ---- reads -----------------------------------------------------------------------
-    def _decode(self, key: bytes, value: bytes | None, dest: memoryview) -> Decoded | None:
+    def _decode(
+        self, key: bytes, value: bytes | None, dest: memoryview, invalid: list[tuple[bytes, bytes]]
+    ) -> Decoded | None:
+        """Validate ``value`` into ``dest``; a value that fails is counted and added to ``invalid``."""
         if value is None:
             return None
         decoded = self.codec.decode_into(key, value, dest)
         if not decoded.ok:
-            self.counters["invalid_values"] += 1
+            self._invalid(key, value, invalid)
             return None
         return decoded
+
+    def _invalid(self, key: bytes, value: bytes, invalid: list[tuple[bytes, bytes]]) -> None:
+        self.counters["invalid_values"] += 1
+        invalid.append((key, value))
 
     def _count(self, results: list[bool], values: Sequence[bytes | None]) -> list[bool]:
         hits = sum(results)
@@ -193,19 +203,25 @@ class RegionalTier(RemoteTier):
         if self.region is None:
             values = await self.central.read(keys) or [None] * len(keys)
             self.counters["central_reads"] += len(keys)
-            results = [self._decode(k, v, d) is not None for k, v, d in zip(keys, values, dests, strict=True)]
+            invalid: list[tuple[bytes, bytes]] = []
+            results = [
+                self._decode(k, v, d, invalid) is not None for k, v, d in zip(keys, values, dests, strict=True)
+            ]
+            self.cleaner.discard(self.central.discard, invalid)
             return self._count(results, values)
         if force_latest:
             return await self._get_latest(keys, dests)
         values = list(await self.region.read(keys) or [None] * len(keys))
         results = [False] * len(keys)
         missing = []
+        invalid: list[tuple[bytes, bytes]] = []
         for i, (key, value, dest) in enumerate(zip(keys, values, dests, strict=True)):
-            if self._decode(key, value, dest) is not None:
+            if self._decode(key, value, dest, invalid) is not None:
                 results[i] = True
                 self.counters["regional_hits"] += 1
             else:
                 missing.append(i)
+        self.cleaner.discard(self.region.discard, invalid)
         if missing:
             await self._from_central(keys, dests, missing, [0] * len(missing), values, results)
             self.counters["read_through"] += sum(results[i] for i in missing)
@@ -221,15 +237,19 @@ class RegionalTier(RemoteTier):
         values = list(await self.region.read(keys) or [None] * len(keys))
         results = [False] * len(keys)
         from_central, floors = [], []
+        invalid: list[tuple[bytes, bytes]] = []
         for i, (key, value, dest, version) in enumerate(zip(keys, values, dests, versions, strict=True)):
+            if value is not None and value_version(value) is None:
+                self._invalid(key, value, invalid)
             if version is None:
                 self.counters["invalid_versions"] += 1
-            elif self._serves_as_latest(key, value, version) and self._decode(key, value, dest) is not None:
+            elif self._serves_as_latest(key, value, version) and self._decode(key, value, dest, invalid) is not None:
                 results[i] = True
                 self.counters["regional_hits"] += 1
             elif key not in self._own and version > 0:
                 from_central.append(i)
                 floors.append(version)
+        self.cleaner.discard(self.region.discard, invalid)
         if from_central:
             await self._from_central(keys, dests, from_central, floors, values, results)
         return self._count(results, values)
@@ -258,14 +278,16 @@ class RegionalTier(RemoteTier):
         fetched = await self.central.read([keys[i] for i in indices]) or [None] * len(indices)
         self.counters["central_reads"] += len(indices)
         refresh = []
+        invalid: list[tuple[bytes, bytes]] = []
         for i, floor, value in zip(indices, floors, fetched, strict=True):
-            decoded = self._decode(keys[i], value, dests[i])
+            decoded = self._decode(keys[i], value, dests[i], invalid)
             if decoded is None or decoded.version < floor:
                 continue
             assert value is not None
             results[i] = True
             values[i] = value
             refresh.append((keys[i], value, decoded.version))
+        self.cleaner.discard(self.central.discard, invalid)
         if refresh:
             self.counters["refreshed"] += sum(await self.region.refresh(refresh))
 
@@ -301,7 +323,12 @@ class RegionalTier(RemoteTier):
             await self.central.delete(keys)
 
     def stats(self) -> dict[str, float]:
-        stats = {**self.counters, "own_unreplicated": len(self._own)}
+        stats = {
+            **self.counters,
+            "own_unreplicated": len(self._own),
+            "invalid_deleted": self.cleaner.deleted,
+            "invalid_delete_skipped": self.cleaner.skipped,
+        }
         if self.central is not None:
             stats.update(self.central.server.stats("central"))
         if self.region is not None:

@@ -152,6 +152,18 @@ return 0
 """Drop a regional copy older than a version central published."""
 
 
+DELETE_IF_SAME_SCRIPT = """
+-- KEYS: value. ARGV: SHA-1 of the value as read. Deletes it only if nobody has rewritten it since.
+local current = redis.call('GET', KEYS[1])
+if current and redis.sha1hex(current) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+"""Delete a value that failed validation, unless it was replaced since it was read."""
+
+
 def value_version(value: bytes) -> int | None:
     """The version in a value's header (0: not yet committed at central); None for a value shorter than a header."""
     if len(value) < HEADER_SIZE:
