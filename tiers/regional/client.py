@@ -2,8 +2,9 @@
 
 Central and region are each reached through one ``GuardedClient``: a redis-py
 asyncio client without client-side retries (a failure becomes a miss upstream at
-once) and a ``CircuitBreaker`` so that, once a server is found dead, calls fail
-immediately instead of each waiting for its socket timeout.
+once), a ``CircuitBreaker`` so that, once a server is found dead, calls fail
+immediately instead of each waiting for its socket timeout, and a ``Diagnosis``
+that names, counts and logs why calls fail (auth, ACL, OOM, unreachable).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from tiercache.breaker import BreakerState, CircuitBreaker
+from tiercache.tiers.regional.diagnosis import Diagnosis
 
 T = TypeVar("T")
 
@@ -37,12 +39,13 @@ class GuardedClient:
     and a server that answers again is used again without a restart.
     """
 
-    def __init__(self, client: aioredis.Redis, breaker: CircuitBreaker) -> None:
+    def __init__(self, client: aioredis.Redis, breaker: CircuitBreaker, diagnosis: Diagnosis) -> None:
         self.client = client
         self.breaker = breaker
+        self.diagnosis = diagnosis
 
-    async def call(self, operation: Callable[[aioredis.Redis], Awaitable[T]], failed: T) -> T:
-        """``operation(client)``, or ``failed`` when the breaker refuses or the server fails."""
+    async def call(self, operation: Callable[[aioredis.Redis], Awaitable[T]], failed: T, what: str = "call") -> T:
+        """``operation(client)``, or ``failed`` when the breaker refuses or the server fails (cause recorded)."""
         if not self.breaker.allow():
             return failed
         try:
@@ -50,20 +53,28 @@ class GuardedClient:
         except asyncio.CancelledError:
             self.breaker.abandon()
             raise
-        except (RedisError, OSError):
+        except (RedisError, OSError) as error:
             self.breaker.failure()
+            self.diagnosis.record(error, what)
             return failed
         self.breaker.success()
         return result
 
+    def check_replies(self, replies: list[object] | None, what: str) -> None:
+        """Record the cause of every failed command in a pipeline's ``replies``."""
+        for reply in replies or []:
+            if isinstance(reply, Exception):
+                self.diagnosis.record(reply, what)
+
     def stats(self, prefix: str) -> dict[str, float]:
-        """The breaker's state and counters, named ``{prefix}_breaker_*``."""
+        """The breaker's state and counters (``{prefix}_breaker_*``) and the failure causes (``{role}_errors_*``)."""
         breaker = self.breaker
         return {
             f"{prefix}_breaker_state": float(breaker.state),
             f"{prefix}_breaker_open": float(breaker.state is not BreakerState.CLOSED),
             f"{prefix}_breaker_opened": float(breaker.opened),
             f"{prefix}_breaker_rejected": float(breaker.rejected),
+            **self.diagnosis.stats(),
         }
 
     async def aclose(self) -> None:

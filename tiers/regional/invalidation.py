@@ -30,14 +30,22 @@ SUBSCRIBE_POLL_S = 0.5
 class Invalidator:
     """Subscribes to central's update channel and drops older regional copies.
 
-    Reconnects with back-off while central is down; updates published meanwhile
+    Reconnects with back-off while central is down (each failure goes to
+    ``on_error``, which names its cause); updates published meanwhile
     are missed, which only delays plain reads (force_latest checks versions).
     ``close`` is bounded: the loop checks a stop flag at every message or poll
     and is cancelled through ``shutdown.stop_tasks``.
     """
 
-    def __init__(self, connect: Callable[[], aioredis.Redis], channel: str, region: RegionStore) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], aioredis.Redis],
+        channel: str,
+        region: RegionStore,
+        on_error: Callable[[BaseException], object],
+    ) -> None:
         self.connect = connect
+        self.on_error = on_error
         self.channel = channel
         self.region = region
         self.received = 0
@@ -66,7 +74,8 @@ class Invalidator:
                             await self._handle(message.get("data"))
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as error:
+                self.on_error(error)
                 log.debug("update channel lost; re-subscribing", exc_info=True)
             finally:
                 self.subscribed.clear()

@@ -4,7 +4,9 @@ Each field's docstring says what it does. Shutdown: ``close`` gives queued
 replications ``close_flush_ms``, then the background tasks (replication workers,
 invalidator) ``close_timeout_ms`` to stop and the connections ``close_timeout_ms``
 to close; whatever is left is abandoned with a log line, so ``close`` never
-hangs on a remote.
+hangs on a remote. Retention: ``central_ttl_s`` gives central's values and
+version keys a TTL; without it central needs an ``allkeys-*`` policy, else a full
+central refuses commits (checked and logged at start, see ``retention``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class RegionalOptions:
     close_timeout_ms: float = 1000.0
     """How long ``close`` waits for background tasks, then for connections, to stop before abandoning them."""
     compress: bool = False
+    central_ttl_s: float = 0.0
+    """TTL of the values and version keys each commit writes at central (0: none); see ``retention``."""
 
     def __post_init__(self) -> None:
         if self.mode is SyncMode.REGIONAL and not self.region_url:
@@ -62,6 +66,8 @@ class RegionalOptions:
             raise ValueError(f"replication_retries must be >= 0, got {self.replication_retries}")
         if self.breaker_failures < 1 or not 0 < self.breaker_backoff_s <= self.breaker_backoff_max_s:
             raise ValueError("need breaker_failures >= 1 and 0 < breaker_backoff_s <= breaker_backoff_max_s")
+        if self.central_ttl_s < 0:
+            raise ValueError(f"central_ttl_s must be >= 0, got {self.central_ttl_s}")
         for name in ("retry_backoff_ms", "socket_timeout_ms", "close_flush_ms", "close_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

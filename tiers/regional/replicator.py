@@ -22,6 +22,8 @@ from tiercache.tiers.regional.stores import CentralStore, RegionStore
 
 log = logging.getLogger(__name__)
 MS_PER_SECOND = 1000.0
+GIVE_UP_LOG_INTERVAL_S = 10.0
+"""At most one "gave up replicating" warning per this many seconds (with the count since the last)."""
 
 
 @dataclass
@@ -72,6 +74,8 @@ class Replicator:
         self.lag_ms_total = 0.0
         self.lag_ms_max = 0.0
         self._stopping = False
+        self._warned_at: float | None = None
+        self._unwarned = 0
         loop = asyncio.get_running_loop()
         self.workers = [
             loop.create_task(self._work(), name=f"tiercache-replication-{i}") for i in range(workers)
@@ -139,6 +143,7 @@ class Replicator:
     def _settle(self, item: ReplicationItem, version: int | None) -> None:
         if version is None:
             self.counters["replication_failed"] += 1
+            self._warn_given_up()
         else:
             self.counters["replicated"] += 1
             lag_ms = (time.monotonic() - item.enqueued) * MS_PER_SECOND
@@ -146,4 +151,21 @@ class Replicator:
             self.lag_ms_max = max(self.lag_ms_max, lag_ms)
         self.on_done(item, version)
 
-
+    def _warn_given_up(self) -> None:
+        """A warning per ``GIVE_UP_LOG_INTERVAL_S`` at most, with the count since the last one."""
+        self._unwarned += 1
+        now = time.monotonic()
+        if self._warned_at is not None and now - self._warned_at < GIVE_UP_LOG_INTERVAL_S:
+            return
+        diagnosis = self.central.server.diagnosis
+        log.warning(
+            "regional tier %s: gave up replicating %d value(s) to central %s after %d retries (last cause: %s); "
+            "they stay in the region, unversioned",
+            diagnosis.tier,
+            self._unwarned,
+            diagnosis.where,
+            self.retries,
+            diagnosis.last.name if diagnosis.last is not None else "breaker open",
+        )
+        self._warned_at = now
+        self._unwarned = 0

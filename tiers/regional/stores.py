@@ -47,10 +47,14 @@ class _Keys:
 class CentralStore:
     """The central store: version assignment, version lookups, reads, the update channel."""
 
-    def __init__(self, server: GuardedClient, prefix: str, channel: str) -> None:
+    def __init__(self, server: GuardedClient, prefix: str, channel: str, ttl_ms: int = 0) -> None:
         self.server = server
         self.keys = _Keys(prefix)
         self.channel = channel
+        self.ttl_ms = ttl_ms
+        """Expiry of committed values and version keys (0: none)."""
+        self.commit_failed = 0
+        """Values whose commit failed (server unreachable, OOM, ACL...); the cause is in the diagnosis."""
 
     async def commit(self, items: Sequence[tuple[bytes, bytes]]) -> list[int | None]:
         """Store each (key, value) with a fresh version; the version, or None where it failed."""
@@ -69,17 +73,29 @@ class CentralStore:
                     self.channel,
                     key,
                     CLOCK_TICKS_PER_MS,
+                    self.ttl_ms,
                 )
 
-        replies = await self.server.call(lambda client: pipelined(client, queue), None)
+        replies = await self.server.call(lambda client: pipelined(client, queue), None, "commit")
+        self.server.check_replies(replies, "commit")
         if replies is None:
-            return [None] * len(items)
-        return [None if isinstance(reply, Exception) else parse_version(reply) or None for reply in replies]
+            versions: list[int | None] = [None] * len(items)
+        else:
+            versions = [None if isinstance(reply, Exception) else parse_version(reply) or None for reply in replies]
+        self.commit_failed += versions.count(None)
+        return versions
+
+    async def memory_policy(self) -> tuple[int, str] | None:
+        """Central's ``maxmemory`` and ``maxmemory-policy``, or None when it cannot tell (down, ACL, hidden)."""
+        config = await self.server.call(lambda client: client.config_get("maxmemory*"), None, "CONFIG GET")
+        if not config or "maxmemory" not in config or "maxmemory-policy" not in config:
+            return None
+        return int(config["maxmemory"]), str(config["maxmemory-policy"])
 
     async def versions(self, keys: Sequence[bytes]) -> list[int | None] | None:
         """The committed version of each key (0: none; None: a garbage version key), or None when unreachable."""
         names = [self.keys.version(key) for key in keys]
-        replies = await self.server.call(lambda client: client.mget(names), None)
+        replies = await self.server.call(lambda client: client.mget(names), None, "version lookup")
         if replies is None:
             return None
         return [parse_version(reply) for reply in replies]
@@ -152,7 +168,8 @@ class RegionStore:
             for item in items:
                 queue(pipe, *item)
 
-        replies = await self.server.call(lambda client: pipelined(client, queue_all), None)
+        replies = await self.server.call(lambda client: pipelined(client, queue_all), None, "write")
+        self.server.check_replies(replies, "write")
         if replies is None:
             return [False] * len(items)
         return [not isinstance(reply, Exception) and bool(reply) for reply in replies]

@@ -34,9 +34,11 @@ from tiercache.codec import Codec, Decoded
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 from tiercache.tiers.regional.cleanup import Cleaner
 from tiercache.tiers.regional.client import GuardedClient, connect
+from tiercache.tiers.regional.diagnosis import Diagnosis
 from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
 from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
+from tiercache.tiers.regional.retention import Retention, check_retention
 from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
 from tiercache.tiers.regional.versions import value_checksum, value_version
@@ -59,6 +61,8 @@ class RegionalTier(RemoteTier):
         self.region: RegionStore | None = None
         self.replicator: Replicator | None = None
         self.invalidator: Invalidator | None = None
+        self.retention = Retention.UNKNOWN
+        """What central does when full, as read at start (``retention.check_retention``)."""
         self.cleaner = Cleaner(f"{context.name}-invalid")
         self._own: dict[bytes, bytes] = {}
         """This node's acknowledged writes awaiting a central version: key -> checksum."""
@@ -80,11 +84,17 @@ class RegionalTier(RemoteTier):
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        """Connect lazily; check central's retention and (once) that both servers accept us, logging causes."""
         options = self.options
-        self.central = CentralStore(self._server(options.central_url), options.key_prefix, options.channel)
+        ttl_ms = round(options.central_ttl_s * MS_PER_SECOND)
+        server = self._server(options.central_url, "central")
+        central = CentralStore(server, options.key_prefix, options.channel, ttl_ms)
+        self.central = central
+        self.retention = await check_retention(central, options.central_ttl_s, self.name)
         if self.mode is SyncMode.CENTRAL:
             return
-        self.region = RegionStore(self._server(options.region_url), options.key_prefix)
+        self.region = RegionStore(self._server(options.region_url, "region"), options.key_prefix)
+        await self.region.server.call(lambda client: client.ping(), None, "PING")
         self.replicator = Replicator(
             self.central,
             self.region,
@@ -98,13 +108,17 @@ class RegionalTier(RemoteTier):
         if options.invalidate:
             timeout_s = options.socket_timeout_ms / MS_PER_SECOND
             self.invalidator = Invalidator(
-                lambda: connect(options.central_url, timeout_s), options.channel, self.region
+                lambda: connect(options.central_url, timeout_s),
+                options.channel,
+                self.region,
+                lambda error: central.server.diagnosis.record(error, "subscribe"),
             )
 
-    def _server(self, url: str) -> GuardedClient:
+    def _server(self, url: str, role: str) -> GuardedClient:
         options = self.options
         breaker = CircuitBreaker(options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s)
-        return GuardedClient(connect(url, options.socket_timeout_ms / MS_PER_SECOND), breaker)
+        diagnosis = Diagnosis(self.name, role, url)
+        return GuardedClient(connect(url, options.socket_timeout_ms / MS_PER_SECOND), breaker, diagnosis)
 
     async def close(self) -> None:
         """Flush, stop and disconnect, bounded whatever a remote does.
@@ -331,6 +345,8 @@ class RegionalTier(RemoteTier):
         }
         if self.central is not None:
             stats.update(self.central.server.stats("central"))
+            stats["central_commit_failed"] = self.central.commit_failed
+            stats["central_retention_stops"] = float(self.retention is Retention.STOPS)
         if self.region is not None:
             stats.update(self.region.server.stats("region"))
         if self.replicator is not None:

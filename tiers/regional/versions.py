@@ -84,7 +84,7 @@ end
 COMMIT_SCRIPT = (
     _LUA_LE64
     + f"""
--- KEYS: clock, value, version. ARGV: value, channel, raw key, ticks per ms.
+-- KEYS: clock, value, version. ARGV: value, channel, raw key, ticks per ms, TTL in ms (0: none).
 if redis.call('EXISTS', KEYS[1]) == 0 then
   local t = redis.call('TIME')
   local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -100,11 +100,15 @@ local packed = pack64(v)
 redis.call('SET', KEYS[2], ARGV[1])
 redis.call('SETRANGE', KEYS[2], {VERSION_OFFSET}, packed)
 redis.call('SET', KEYS[3], string.format('%.0f', v))
+if tonumber(ARGV[5]) > 0 then
+  redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], ARGV[5])
+end
 redis.call('PUBLISH', ARGV[2], ARGV[3] .. packed)
 return string.format('%.0f', v)
 """
 )
-"""Assign the next version, store the value with it patched in, record it and publish it."""
+"""Assign the next version, store the value with it patched in, record it (both with the TTL) and publish it."""
 
 REFRESH_SCRIPT = (
     _LUA_LE64
