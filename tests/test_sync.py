@@ -18,12 +18,15 @@ from tiercache.codec import Codec
 from tiercache.manager import TierManager
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode, value_version
+from tiercache.tools.cli import inspect_topology
 
 BLOCK_BYTES = 256
 FINGERPRINT = bytes(range(16, 32))
 WAIT_STEP_S = 0.005
 WAIT_STEPS = 2000
 """``eventually`` gives background work up to 10 s before failing (never a timing assertion)."""
+INSPECT_TIMEOUT_S = 10.0
+"""Generous: a failure detector for a hung probe, not a speed requirement."""
 FAST_RETRIES = {"replication_retries": 2, "retry_backoff_ms": 5.0, "socket_timeout_ms": 300.0}
 
 
@@ -441,3 +444,79 @@ async def test_central_ttl_frees_a_full_central(redis_factory: Callable[..., Red
         await eventually(commits_again)
     finally:
         await tier.close()
+
+
+CENTRAL_PASSWORD = "central-secret"
+REGION_PASSWORD = "region-secret"
+
+
+def with_password(server: RedisServer, password: str, user: str = "") -> str:
+    return f"redis://{user}:{password}@{server.address}"
+
+
+@pytest.fixture
+def guarded(redis_factory: Callable[..., RedisServer]) -> tuple[RedisServer, RedisServer]:
+    """A central and a region that require passwords (``requirepass``)."""
+    return (
+        redis_factory(extra_args=["--requirepass", CENTRAL_PASSWORD]),
+        redis_factory(extra_args=["--requirepass", REGION_PASSWORD]),
+    )
+
+
+async def test_auth_failures_are_named_per_server(
+    guarded: tuple[RedisServer, RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 11 item 7: a rejected or missing password, or an ACL denial, is named for central and region apart."""
+    central, region = guarded
+    admin = aioredis.Redis.from_url(with_password(central, CENTRAL_PASSWORD))
+    try:
+        await admin.execute_command("ACL", "SETUSER", "noeval", "on", ">pw", "~*", "&*", "+@all", "-eval")
+    finally:
+        await admin.aclose()
+    cases = [
+        (with_password(central, "wrong"), with_password(region, REGION_PASSWORD), "central", "wrongpass"),
+        (central.url, with_password(region, REGION_PASSWORD), "central", "noauth"),
+        (with_password(central, "pw", "noeval"), with_password(region, REGION_PASSWORD), "central", "noperm"),
+        (with_password(central, CENTRAL_PASSWORD), with_password(region, "wrong"), "region", "wrongpass"),
+    ]
+    for central_url, region_url, role, cause in cases:
+        caplog.clear()
+        options = RegionalOptions(central_url=central_url, region_url=region_url, invalidate=False, **FAST_RETRIES)
+        tier = RegionalTier(RemoteContext("regional", Codec(FINGERPRINT), BLOCK_BYTES), options)
+        with caplog.at_level("WARNING"):
+            await tier.start()
+            try:
+                await tier.put([key(700)], [payload(7)])
+                await tier.flush()
+                stats = tier.stats()
+            finally:
+                await tier.close()
+        other = "region" if role == "central" else "central"
+        assert stats[f"{role}_errors_{cause}"] > 0, (role, cause)
+        assert stats[f"{role}_auth_failed"] > 0
+        assert stats[f"{other}_auth_failed"] == 0
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"{role} redis://" in m and f"with {cause.upper()}" in m for m in messages), messages
+        assert not any(CENTRAL_PASSWORD in m or REGION_PASSWORD in m for m in messages)
+
+
+def test_inspect_probes_central_and_region_apart(guarded: tuple[RedisServer, RedisServer]) -> None:
+    """Issue 11 item 7: a central that rejects the password used to be reported reachable by ``inspect``."""
+    central, region = guarded
+
+    def inspect(central_url: str) -> tuple[str, bool]:
+        options = {"central_url": central_url, "region_url": with_password(region, REGION_PASSWORD)}
+        remote = {"type": "regional", "name": "regional", "options": options}
+        return inspect_topology(topology(4, 16, remotes=[remote]), timeout=INSPECT_TIMEOUT_S)
+
+    report, ok = inspect(with_password(central, "wrong"))
+    assert not ok
+    connectivity = report.split("connectivity:")[1].splitlines()
+    (line,) = [line for line in connectivity if line.strip().startswith("regional ")]
+    assert "UNREACHABLE" in line and "WRONGPASS" in line
+    (central_line,) = [line for line in connectivity if line.strip().startswith("central ")]
+    assert "UNREACHABLE" in central_line and "WRONGPASS" in central_line and ":wrong@" not in central_line
+    (region_line,) = [line for line in connectivity if line.strip().startswith("region ")]
+    assert "reachable" in region_line and "UNREACHABLE" not in region_line
+    report, ok = inspect(with_password(central, CENTRAL_PASSWORD))
+    assert ok, report

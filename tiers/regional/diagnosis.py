@@ -89,6 +89,8 @@ class Diagnosis:
         self.counts = dict.fromkeys(Cause, 0)
         self.last: Cause | None = None
         """The most recent cause seen (None until one is)."""
+        self.last_error = ""
+        """The most recent error's message."""
         self._clock = clock
         self._logged_at: dict[Cause, float] = {}
         self._unlogged = dict.fromkeys(Cause, 0)
@@ -98,6 +100,7 @@ class Diagnosis:
         cause = classify(error)
         self.counts[cause] += 1
         self.last = cause
+        self.last_error = str(error)
         self._unlogged[cause] += 1
         now = self._clock()
         logged_at = self._logged_at.get(cause)
@@ -118,6 +121,12 @@ class Diagnosis:
             self._logged_at[cause] = now
             self._unlogged[cause] = 0
         return cause
+
+    def explain(self) -> str:
+        """The last failure in words: cause, hint and the server's message."""
+        if self.last is None:
+            return "no error seen: the circuit breaker is open, or the answer was not what was written"
+        return f"{self.last.name}: {HINTS[self.last]} ({self.last_error})"
 
     def stats(self) -> dict[str, float]:
         """``{role}_errors_{cause}`` for every cause, and ``{role}_auth_failed`` (NOAUTH + WRONGPASS + NOPERM)."""

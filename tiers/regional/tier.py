@@ -37,6 +37,7 @@ from tiercache.tiers.regional.client import GuardedClient, connect
 from tiercache.tiers.regional.diagnosis import Diagnosis
 from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
+from tiercache.tiers.regional.probe import StoreProbe, probe_central, probe_region
 from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
 from tiercache.tiers.regional.retention import Retention, check_retention
 from tiercache.tiers.regional.shutdown import stop_tasks
@@ -148,6 +149,15 @@ class RegionalTier(RemoteTier):
         half_s = timeout_s / 2
         abandoned += await stop_tasks(clients, grace_s=half_s, cancel_s=half_s, what=self.name)
         self.counters["close_abandoned"] += abandoned
+
+    async def probe_stores(self, key: bytes) -> list[StoreProbe]:
+        """Probe central and (in regional mode) the region separately, after ``start``; never raises."""
+        assert self.central is not None
+        value = self.codec.encode_value(key, bytes(self.block_bytes))
+        probes = [await probe_central(self.central, key, value)]
+        if self.region is not None:
+            probes.append(await probe_region(self.region, key, value))
+        return probes
 
     def background_tasks(self) -> list[asyncio.Task]:
         """The tier's long-running tasks (replication workers, invalidator); all done after ``close``."""
