@@ -20,6 +20,13 @@ full replication queue drops the replication (counted), leaving an unversioned
 regional copy that force_latest reads of other nodes bypass; ``delete`` removes
 the regional copy (and, in ``central`` mode, the central one) without a
 tombstone version.
+
+Failures: garbage (a value shorter than a header, a corrupt value, a version key
+that is not a number) is a miss for its own key only, counted
+(``invalid_values``, ``invalid_versions``), and an invalid value is deleted from
+the store it was read from in the background (``cleanup``); failures of central
+and region are counted by cause (``diagnosis``: NOAUTH, WRONGPASS, NOPERM, OOM,
+unreachable); ``close`` is bounded (``shutdown``).
 """
 
 from __future__ import annotations
