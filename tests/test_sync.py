@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -18,6 +19,7 @@ from tiercache.codec import Codec
 from tiercache.manager import TierManager
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode, value_version
+from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tools.cli import inspect_topology
 
 BLOCK_BYTES = 256
@@ -520,3 +522,22 @@ def test_inspect_probes_central_and_region_apart(guarded: tuple[RedisServer, Red
     assert "reachable" in region_line and "UNREACHABLE" not in region_line
     report, ok = inspect(with_password(central, CENTRAL_PASSWORD))
     assert ok, report
+
+
+async def test_a_task_that_ignores_cancels_is_abandoned_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """``stop_tasks`` never waits without a bound, even on a task that swallows every cancel."""
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stubborn(), name="stubborn")
+    with caplog.at_level("WARNING"):
+        abandoned = await asyncio.wait_for(stop_tasks([task], grace_s=0.0, cancel_s=0.2, what="test"), CLOSE_BOUND_S)
+    assert abandoned == 1 and not task.done()
+    assert any("abandoned: stubborn" in r.getMessage() for r in caplog.records)
+    release.set()
+    task.cancel()
+    await task
