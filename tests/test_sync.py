@@ -541,3 +541,34 @@ async def test_a_task_that_ignores_cancels_is_abandoned_with_a_log_line(caplog: 
     release.set()
     task.cancel()
     await task
+
+
+MANAGER_CLOSES = 20
+
+
+async def test_manager_close_with_a_regional_tier_is_bounded_under_publish_traffic(sites: Topology) -> None:
+    """Issue 11 item 1 as an engine meets it: the manager's close waited forever on the regional tier."""
+    stop = asyncio.Event()
+    publisher = asyncio.create_task(_publish_until(stop, sites.central.url, "tiercache:updates"))
+    options = {"central_url": sites.central.url, "region_url": sites.region_a.url}
+    remote = {"type": "regional", "name": "regional", "options": options}
+    block = TINY_LAYOUT["block_size"]
+    try:
+        for i in range(MANAGER_CLOSES):
+            manager = TierManager(topology(4, 16, remotes=[remote]))
+            await manager.start()
+            tier = manager.remotes[0]
+            assert isinstance(tier, RegionalTier) and tier.invalidator is not None
+            await eventually(lambda tier=tier: _true(tier.invalidator.received > 0))
+            tokens = np.arange(block) + i * block
+            ids = manager.allocate(1)
+            await manager.store(tokens, ids)
+            manager.release(ids)
+            tasks = tier.background_tasks()
+            closing = asyncio.create_task(manager.close())
+            done, _ = await asyncio.wait({closing}, timeout=CLOSE_BOUND_S)
+            assert closing in done, f"manager close {i} did not return"
+            assert all(task.done() for task in tasks), f"manager close {i} left regional tasks running"
+    finally:
+        stop.set()
+        await publisher
