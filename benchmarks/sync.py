@@ -25,9 +25,8 @@ from common import write_result
 from redis_servers import RedisServer
 
 from tiercache.codec import Codec
-from tiercache.sync import SyncMode
 from tiercache.tiers.base import RemoteContext
-from tiercache.tiers.regional import RegionalOptions, RegionalTier
+from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode
 
 BLOCK_BYTES = 64 * 1024
 BATCH = 32

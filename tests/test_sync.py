@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 from redis_servers import RedisServer
 
 from tiercache.codec import Codec
 from tiercache.manager import TierManager
-from tiercache.sync import SyncMode, value_version
 from tiercache.tiers.base import RemoteContext
-from tiercache.tiers.regional import RegionalOptions, RegionalTier
+from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode, value_version
+from tiercache.tiers.regional.shutdown import stop_tasks
+from tiercache.tools.cli import inspect_topology
 
 BLOCK_BYTES = 256
 FINGERPRINT = bytes(range(16, 32))
 WAIT_STEP_S = 0.005
 WAIT_STEPS = 2000
 """``eventually`` gives background work up to 10 s before failing (never a timing assertion)."""
+INSPECT_TIMEOUT_S = 10.0
+"""Generous: a failure detector for a hung probe, not a speed requirement."""
 FAST_RETRIES = {"replication_retries": 2, "retry_backoff_ms": 5.0, "socket_timeout_ms": 300.0}
 
 
@@ -270,3 +276,299 @@ async def test_frozen_central_opens_the_breaker_and_recovers(sites: Topology) ->
 
 async def _latest_is(tier: RegionalTier, block: bytes, expected: bytes) -> bool:
     return await read(tier, [block], force_latest=True) == [expected]
+
+
+CLOSES = 50
+CLOSE_BOUND_S = 60.0
+"""Failure detector only: a close that has not returned by then is taken as hung (it normally takes ms)."""
+
+
+async def _publish_until(stop: asyncio.Event, url: str, channel: str) -> None:
+    """Publish update messages (key + version) as fast as the server takes them, until ``stop`` is set.
+
+    A stop flag, not a cancel: redis-py can swallow a cancel (the very bug under test).
+    """
+    client = aioredis.Redis.from_url(url)
+    try:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            await client.publish(channel, key(i % 64) + (i + 1).to_bytes(8, "little"))
+    finally:
+        await client.aclose()
+
+
+async def test_close_is_bounded_under_publish_traffic(sites: Topology) -> None:
+    """Issue 11 item 1: a cancel swallowed inside redis-py once left close() waiting forever on the invalidator."""
+    stop = asyncio.Event()
+    publisher = asyncio.create_task(_publish_until(stop, sites.central.url, "tiercache:updates"))
+    try:
+        for i in range(CLOSES):
+            tier = RegionalTier(
+                RemoteContext("regional", Codec(FINGERPRINT), BLOCK_BYTES),
+                RegionalOptions(central_url=sites.central.url, region_url=sites.region_a.url),
+            )
+            await tier.start()
+            assert tier.invalidator is not None
+            await eventually(lambda tier=tier: _true(tier.invalidator.received > 0))
+            assert await tier.put([key(1000 + i)], [payload(i)]) == [True]
+            tasks = tier.background_tasks()
+            closing = asyncio.create_task(tier.close())
+            done, _ = await asyncio.wait({closing}, timeout=CLOSE_BOUND_S)
+            assert closing in done, f"close {i} did not return"
+            assert all(task.done() for task in tasks), f"close {i} left background tasks running"
+            assert tier.stats()["close_abandoned"] == 0
+    finally:
+        stop.set()
+        await publisher
+
+
+async def test_garbage_keys_are_misses_for_themselves_only(
+    sites: Topology, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 11 item 3: one garbage value or version key used to fail the whole force_latest chunk."""
+    a = await sites.tier(sites.region_a, invalidate=False)
+    keys = [key(500 + i) for i in range(24)]
+    await a.put(keys, [payload(i) for i in range(24)])
+    await a.flush()
+    region = aioredis.Redis.from_url(sites.region_a.url)
+    central = aioredis.Redis.from_url(sites.central.url)
+    try:
+        await region.set(a.region.keys.value(keys[10]), b"short")  # central still holds it
+        await central.set(a.central.keys.version(keys[11]), b"not-a-version")
+        await region.set(a.region.keys.value(keys[12]), b"\x00" * 7)
+        await central.set(a.central.keys.value(keys[12]), b"tiny")
+    finally:
+        await region.aclose()
+        await central.aclose()
+    with caplog.at_level("WARNING"):
+        got = await read(a, keys, force_latest=True)
+    expected = [bytes(payload(i)) for i in range(24)]
+    expected[11] = expected[12] = None
+    assert got == expected
+    stats = a.stats()
+    assert stats["invalid_versions"] == 1
+    assert stats["invalid_values"] == 3  # keys 10 and 12 in the region, key 12 at central
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_invalid_values_are_deleted_from_their_store(sites: Topology) -> None:
+    """Issue 10 defect 8: a value that fails validation is removed where it was read, unless rewritten since."""
+    a = await sites.tier(sites.region_a, invalidate=False)
+    c = await sites.tier(None)
+    keys = [key(600 + i) for i in range(3)]
+    await c.put(keys[1:2], [payload(1)])
+    region = aioredis.Redis.from_url(sites.region_a.url)
+    central = aioredis.Redis.from_url(sites.central.url)
+    try:
+        good = Codec(FINGERPRINT).encode_value(keys[0], payload(0))
+        await region.set(a.region.keys.value(keys[0]), good[:-1] + b"!")  # central never had it
+        await central.setrange(c.central.keys.value(keys[1]), len(good) - 1, b"!")
+        assert await read(a, keys[:1]) == [None]
+        assert await read(c, keys[1:2]) == [None]
+
+        async def deleted() -> bool:
+            return a.stats()["invalid_deleted"] == 1 and c.stats()["invalid_deleted"] == 1
+
+        await eventually(deleted)
+        assert await region.exists(a.region.keys.value(keys[0])) == 0
+        assert await central.exists(c.central.keys.value(keys[1])) == 0
+        # A value rewritten since it was read is kept.
+        await region.set(a.region.keys.value(keys[2]), b"garbage")
+        await a.put(keys[2:], [payload(9)])
+        assert await a.region.discard([(keys[2], b"garbage")]) == 0
+        assert await read(a, keys[2:]) == [bytes(payload(9))]
+    finally:
+        await region.aclose()
+        await central.aclose()
+
+
+BIG_BLOCK_BYTES = 64 * 1024
+SMALL_CENTRAL = "3mb"
+"""Room for a few dozen 64 KiB values beside the server's own ~1 MB."""
+CENTRAL_TTL_S = 3.0
+"""Long enough to see the TTL set, short enough to wait for the expiry."""
+
+
+def big_tier(central: RedisServer, region: RedisServer, **options: Any) -> RegionalTier:
+    opts = RegionalOptions(central_url=central.url, region_url=region.url, invalidate=False, **FAST_RETRIES, **options)
+    return RegionalTier(RemoteContext("regional", Codec(FINGERPRINT), BIG_BLOCK_BYTES), opts)
+
+
+async def put_big(tier: RegionalTier, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        assert await tier.put([key(i)], [memoryview(bytes([i % 256]) * BIG_BLOCK_BYTES)]) == [True]
+    await tier.flush()
+
+
+async def test_full_central_is_announced_counted_and_logged(
+    redis_factory: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 11 item 4: a full noeviction central used to stop replication with no log line and no counter."""
+    central = redis_factory(maxmemory=SMALL_CENTRAL, maxmemory_policy="noeviction")
+    tier = big_tier(central, redis_factory())
+    with caplog.at_level("WARNING"):
+        await tier.start()
+        try:
+            assert tier.stats()["central_retention_stops"] == 1
+            assert any("maxmemory-policy noeviction" in r.getMessage() for r in caplog.records)
+            await put_big(tier, 0, 80)
+            stats = tier.stats()
+        finally:
+            await tier.close()
+    assert stats["replicated"] > 0
+    assert stats["replication_failed"] > 0
+    assert stats["central_commit_failed"] >= stats["replication_failed"]
+    assert stats["central_errors_oom"] > 0
+    assert any("failed with OOM" in r.getMessage() for r in caplog.records)
+    assert any("gave up replicating" in r.getMessage() for r in caplog.records)
+
+
+async def test_central_ttl_frees_a_full_central(redis_factory: Callable[..., RedisServer]) -> None:
+    """With central_ttl_s, committed values and version keys expire, so a full central takes commits again."""
+    central = redis_factory(maxmemory=SMALL_CENTRAL, maxmemory_policy="noeviction")
+    tier = big_tier(central, redis_factory(), central_ttl_s=CENTRAL_TTL_S)
+    await tier.start()
+    try:
+        assert tier.stats()["central_retention_stops"] == 0
+        await put_big(tier, 0, 1)
+        assert tier.central is not None
+        assert int(central.cli("PTTL", tier.central.keys.value(key(0)))) > 0
+        assert int(central.cli("PTTL", tier.central.keys.version(key(0)))) > 0
+        await put_big(tier, 1, 80)
+        assert tier.stats()["replication_failed"] > 0, "central must have been full"
+        replicated = tier.stats()["replicated"]
+
+        async def commits_again() -> bool:
+            await put_big(tier, 1000, 1)
+            return tier.stats()["replicated"] > replicated
+
+        await eventually(commits_again)
+    finally:
+        await tier.close()
+
+
+CENTRAL_PASSWORD = "central-secret"
+REGION_PASSWORD = "region-secret"
+
+
+def with_password(server: RedisServer, password: str, user: str = "") -> str:
+    return f"redis://{user}:{password}@{server.address}"
+
+
+@pytest.fixture
+def guarded(redis_factory: Callable[..., RedisServer]) -> tuple[RedisServer, RedisServer]:
+    """A central and a region that require passwords (``requirepass``)."""
+    return (
+        redis_factory(extra_args=["--requirepass", CENTRAL_PASSWORD]),
+        redis_factory(extra_args=["--requirepass", REGION_PASSWORD]),
+    )
+
+
+async def test_auth_failures_are_named_per_server(
+    guarded: tuple[RedisServer, RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 11 item 7: a rejected or missing password, or an ACL denial, is named for central and region apart."""
+    central, region = guarded
+    admin = aioredis.Redis.from_url(with_password(central, CENTRAL_PASSWORD))
+    try:
+        await admin.execute_command("ACL", "SETUSER", "noeval", "on", ">pw", "~*", "&*", "+@all", "-eval")
+    finally:
+        await admin.aclose()
+    cases = [
+        (with_password(central, "wrong"), with_password(region, REGION_PASSWORD), "central", "wrongpass"),
+        (central.url, with_password(region, REGION_PASSWORD), "central", "noauth"),
+        (with_password(central, "pw", "noeval"), with_password(region, REGION_PASSWORD), "central", "noperm"),
+        (with_password(central, CENTRAL_PASSWORD), with_password(region, "wrong"), "region", "wrongpass"),
+    ]
+    for central_url, region_url, role, cause in cases:
+        caplog.clear()
+        options = RegionalOptions(central_url=central_url, region_url=region_url, invalidate=False, **FAST_RETRIES)
+        tier = RegionalTier(RemoteContext("regional", Codec(FINGERPRINT), BLOCK_BYTES), options)
+        with caplog.at_level("WARNING"):
+            await tier.start()
+            try:
+                await tier.put([key(700)], [payload(7)])
+                await tier.flush()
+                stats = tier.stats()
+            finally:
+                await tier.close()
+        other = "region" if role == "central" else "central"
+        assert stats[f"{role}_errors_{cause}"] > 0, (role, cause)
+        assert stats[f"{role}_auth_failed"] > 0
+        assert stats[f"{other}_auth_failed"] == 0
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"{role} redis://" in m and f"with {cause.upper()}" in m for m in messages), messages
+        assert not any(CENTRAL_PASSWORD in m or REGION_PASSWORD in m for m in messages)
+
+
+def test_inspect_probes_central_and_region_apart(guarded: tuple[RedisServer, RedisServer]) -> None:
+    """Issue 11 item 7: a central that rejects the password used to be reported reachable by ``inspect``."""
+    central, region = guarded
+
+    def inspect(central_url: str) -> tuple[str, bool]:
+        options = {"central_url": central_url, "region_url": with_password(region, REGION_PASSWORD)}
+        remote = {"type": "regional", "name": "regional", "options": options}
+        return inspect_topology(topology(4, 16, remotes=[remote]), timeout=INSPECT_TIMEOUT_S)
+
+    report, ok = inspect(with_password(central, "wrong"))
+    assert not ok
+    connectivity = report.split("connectivity:")[1].splitlines()
+    (line,) = [line for line in connectivity if line.strip().startswith("regional ")]
+    assert "UNREACHABLE" in line and "WRONGPASS" in line
+    (central_line,) = [line for line in connectivity if line.strip().startswith("central ")]
+    assert "UNREACHABLE" in central_line and "WRONGPASS" in central_line and ":wrong@" not in central_line
+    (region_line,) = [line for line in connectivity if line.strip().startswith("region ")]
+    assert "reachable" in region_line and "UNREACHABLE" not in region_line
+    report, ok = inspect(with_password(central, CENTRAL_PASSWORD))
+    assert ok, report
+
+
+async def test_a_task_that_ignores_cancels_is_abandoned_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """``stop_tasks`` never waits without a bound, even on a task that swallows every cancel."""
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    task = asyncio.create_task(stubborn(), name="stubborn")
+    with caplog.at_level("WARNING"):
+        abandoned = await asyncio.wait_for(stop_tasks([task], grace_s=0.0, cancel_s=0.2, what="test"), CLOSE_BOUND_S)
+    assert abandoned == 1 and not task.done()
+    assert any("abandoned: stubborn" in r.getMessage() for r in caplog.records)
+    release.set()
+    task.cancel()
+    await task
+
+
+MANAGER_CLOSES = 20
+
+
+async def test_manager_close_with_a_regional_tier_is_bounded_under_publish_traffic(sites: Topology) -> None:
+    """Issue 11 item 1 as an engine meets it: the manager's close waited forever on the regional tier."""
+    stop = asyncio.Event()
+    publisher = asyncio.create_task(_publish_until(stop, sites.central.url, "tiercache:updates"))
+    options = {"central_url": sites.central.url, "region_url": sites.region_a.url}
+    remote = {"type": "regional", "name": "regional", "options": options}
+    block = TINY_LAYOUT["block_size"]
+    try:
+        for i in range(MANAGER_CLOSES):
+            manager = TierManager(topology(4, 16, remotes=[remote]))
+            await manager.start()
+            tier = manager.remotes[0]
+            assert isinstance(tier, RegionalTier) and tier.invalidator is not None
+            await eventually(lambda tier=tier: _true(tier.invalidator.received > 0))
+            tokens = np.arange(block) + i * block
+            ids = manager.allocate(1)
+            await manager.store(tokens, ids)
+            manager.release(ids)
+            tasks = tier.background_tasks()
+            closing = asyncio.create_task(manager.close())
+            done, _ = await asyncio.wait({closing}, timeout=CLOSE_BOUND_S)
+            assert closing in done, f"manager close {i} did not return"
+            assert all(task.done() for task in tasks), f"manager close {i} left regional tasks running"
+    finally:
+        stop.set()
+        await publisher

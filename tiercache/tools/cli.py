@@ -110,13 +110,22 @@ def _capacity_text(blocks: int | None, block_bytes: int) -> str:
 
 
 async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
-    """Start the tier, write, find and delete a probe block; (reachable, detail). Never raises."""
+    """Start the tier, write, find and delete a probe block; (reachable, detail). Never raises.
+
+    A tier with servers of its own (the regional tier's central and region) is
+    also probed server by server (``probe_stores``): each gets a line, and a
+    server that fails (e.g. rejects the password) makes the tier UNREACHABLE
+    with the cause.
+    """
     started = time.perf_counter()
+    stores: list[Any] = []
     try:
         await asyncio.wait_for(tier.start(), timeout)
         written = await asyncio.wait_for(tier.put([key], [memoryview(bytes(block_bytes))]), timeout)
         found = await asyncio.wait_for(tier.contains([key]), timeout)
         await asyncio.wait_for(tier.delete([key]), timeout)
+        if hasattr(tier, "probe_stores"):
+            stores = await asyncio.wait_for(tier.probe_stores(key), timeout)
     except (asyncio.TimeoutError, TimeoutError):
         return False, f"no answer within {timeout:.1f}s"
     except Exception as error:
@@ -127,11 +136,18 @@ async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float =
         except Exception as error:
             print(f"  (closing {tier.name} failed: {error})", file=sys.stderr)
     elapsed_ms = (time.perf_counter() - started) * MS_PER_SECOND
+    store_lines = "".join(
+        f"\n    {p.role:<10}{'reachable' if p.ok else 'UNREACHABLE':<13}{p.where}: {p.detail}" for p in stores
+    )
+    failed = [p for p in stores if not p.ok]
+    if failed:
+        return False, "; ".join(f"{p.role} {p.detail}" for p in failed) + store_lines
     if written == [True] and found == [True]:
-        return True, f"put/contains/delete of a probe block ok in {elapsed_ms:.1f} ms"
+        return True, f"put/contains/delete of a probe block ok in {elapsed_ms:.1f} ms" + store_lines
     return (
         False,
-        f"probe write {'ok' if written == [True] else 'failed'}, read back {'ok' if found == [True] else 'failed'}",
+        f"probe write {'ok' if written == [True] else 'failed'}, read back {'ok' if found == [True] else 'failed'}"
+        + store_lines,
     )
 
 

@@ -1,8 +1,8 @@
-"""A versioned remote tier over a regional Redis and a central one (DESIGN.md, central/regional sync).
+"""``RegionalTier``: a versioned remote tier over a regional Redis and a central one.
 
 Modes: ``central`` reads and writes the central store directly; ``regional``
 reads and writes the region, replicates writes to central in the background
-(``tiercache.sync.Replicator``) and reads a regional miss through from central,
+(``replicator.Replicator``) and reads a regional miss through from central,
 back-filling the region.
 
 ``force_latest`` reads check central's version of every key of the batch first
@@ -20,77 +20,38 @@ full replication queue drops the replication (counted), leaving an unversioned
 regional copy that force_latest reads of other nodes bypass; ``delete`` removes
 the regional copy (and, in ``central`` mode, the central one) without a
 tombstone version.
+
+Failures: garbage (a value shorter than a header, a corrupt value, a version key
+that is not a number) is a miss for its own key only, counted
+(``invalid_values``, ``invalid_versions``), and an invalid value is deleted from
+the store it was read from in the background (``cleanup``); failures of central
+and region are counted by cause (``diagnosis``: NOAUTH, WRONGPASS, NOPERM, OOM,
+unreachable); ``close`` is bounded (``shutdown``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import Codec, Decoded
-from tiercache.sync import (
-    CentralStore,
-    GuardedClient,
-    Invalidator,
-    RegionStore,
-    ReplicationItem,
-    Replicator,
-    SyncMode,
-    connect,
-    value_checksum,
-    value_version,
-)
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.regional.cleanup import Cleaner
+from tiercache.tiers.regional.client import GuardedClient, connect
+from tiercache.tiers.regional.diagnosis import Diagnosis
+from tiercache.tiers.regional.invalidation import Invalidator
+from tiercache.tiers.regional.options import RegionalOptions, SyncMode
+from tiercache.tiers.regional.probe import StoreProbe, probe_central, probe_region
+from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
+from tiercache.tiers.regional.retention import Retention, check_retention
+from tiercache.tiers.regional.shutdown import stop_tasks
+from tiercache.tiers.regional.stores import CentralStore, RegionStore
+from tiercache.tiers.regional.versions import value_checksum, value_version
 
 MS_PER_SECOND = 1000.0
-
-
-@dataclass
-class RegionalOptions:
-    """The YAML ``options`` of a ``regional`` tier."""
-
-    central_url: str
-    region_url: str = ""
-    """Required in ``regional`` mode."""
-    mode: SyncMode = SyncMode.REGIONAL
-    key_prefix: str = "tc:"
-    channel: str = "tiercache:updates"
-    """Central's pub/sub channel of committed versions."""
-    invalidate: bool = True
-    """Subscribe to the channel and drop older regional copies early."""
-    replication_queue_blocks: int = 4096
-    replication_workers: int = 2
-    replication_batch_blocks: int = 32
-    replication_retries: int = 5
-    retry_backoff_ms: float = 20.0
-    """First retry pause; doubles per attempt."""
-    socket_timeout_ms: float = 500.0
-    breaker_failures: int = 3
-    """Consecutive failures after which calls to that server fail at once (misses) for a back-off."""
-    breaker_backoff_s: float = 0.5
-    breaker_backoff_max_s: float = 30.0
-    close_flush_ms: float = 2000.0
-    """How long ``close`` lets queued replications finish."""
-    compress: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mode is SyncMode.REGIONAL and not self.region_url:
-            raise ValueError("region_url is required in regional mode")
-        for name in ("replication_queue_blocks", "replication_workers", "replication_batch_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.replication_retries < 0:
-            raise ValueError(f"replication_retries must be >= 0, got {self.replication_retries}")
-        if self.breaker_failures < 1 or not 0 < self.breaker_backoff_s <= self.breaker_backoff_max_s:
-            raise ValueError("need breaker_failures >= 1 and 0 < breaker_backoff_s <= breaker_backoff_max_s")
-        for name in ("retry_backoff_ms", "socket_timeout_ms", "close_flush_ms"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class RegionalTier(RemoteTier):
@@ -108,6 +69,9 @@ class RegionalTier(RemoteTier):
         self.region: RegionStore | None = None
         self.replicator: Replicator | None = None
         self.invalidator: Invalidator | None = None
+        self.retention = Retention.UNKNOWN
+        """What central does when full, as read at start (``retention.check_retention``)."""
+        self.cleaner = Cleaner(f"{context.name}-invalid")
         self._own: dict[bytes, bytes] = {}
         """This node's acknowledged writes awaiting a central version: key -> checksum."""
         self.counters: dict[str, float] = {
@@ -119,18 +83,26 @@ class RegionalTier(RemoteTier):
             "refreshed": 0,
             "latest_unavailable": 0,
             "invalid_values": 0,
+            "invalid_versions": 0,
             "bytes_read": 0,
             "bytes_written": 0,
             "write_failures": 0,
+            "close_abandoned": 0,
         }
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        """Connect lazily; check central's retention and (once) that both servers accept us, logging causes."""
         options = self.options
-        self.central = CentralStore(self._server(options.central_url), options.key_prefix, options.channel)
+        ttl_ms = round(options.central_ttl_s * MS_PER_SECOND)
+        server = self._server(options.central_url, "central")
+        central = CentralStore(server, options.key_prefix, options.channel, ttl_ms)
+        self.central = central
+        self.retention = await check_retention(central, options.central_ttl_s, self.name)
         if self.mode is SyncMode.CENTRAL:
             return
-        self.region = RegionStore(self._server(options.region_url), options.key_prefix)
+        self.region = RegionStore(self._server(options.region_url, "region"), options.key_prefix)
+        await self.region.server.call(lambda client: client.ping(), None, "PING")
         self.replicator = Replicator(
             self.central,
             self.region,
@@ -142,23 +114,64 @@ class RegionalTier(RemoteTier):
             on_done=self._replicated,
         )
         if options.invalidate:
-            self.invalidator = Invalidator(options.central_url, options.channel, self.region)
+            timeout_s = options.socket_timeout_ms / MS_PER_SECOND
+            self.invalidator = Invalidator(
+                lambda: connect(options.central_url, timeout_s),
+                options.channel,
+                self.region,
+                lambda error: central.server.diagnosis.record(error, "subscribe"),
+            )
 
-    def _server(self, url: str) -> GuardedClient:
+    def _server(self, url: str, role: str) -> GuardedClient:
         options = self.options
         breaker = CircuitBreaker(options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s)
-        return GuardedClient(connect(url, options.socket_timeout_ms / MS_PER_SECOND), breaker)
+        diagnosis = Diagnosis(self.name, role, url)
+        return GuardedClient(connect(url, options.socket_timeout_ms / MS_PER_SECOND), breaker, diagnosis)
 
     async def close(self) -> None:
+        """Flush, stop and disconnect, bounded whatever a remote does.
+
+        Queued replications get ``close_flush_ms``; the background tasks then
+        ``close_timeout_ms`` to stop, and the connections ``close_timeout_ms`` to
+        close. What does not stop in time is abandoned (logged, counted as
+        ``close_abandoned``), so this returns within ``close_flush_ms + 2 x
+        close_timeout_ms``.
+        """
+        options = self.options
+        timeout_s = options.close_timeout_ms / MS_PER_SECOND
+        loop = asyncio.get_running_loop()
+        abandoned = 0
         if self.replicator is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.replicator.flush(), self.options.close_flush_ms / MS_PER_SECOND)
-            await self.replicator.close()
+            flush = loop.create_task(self.replicator.flush(), name="tiercache-close-flush")
+            flush_s = options.close_flush_ms / MS_PER_SECOND
+            await stop_tasks([flush], grace_s=flush_s, cancel_s=timeout_s, what=self.name)
+        parts = (self.replicator, self.invalidator, self.cleaner)
+        stopping = [part.close(timeout_s) for part in parts if part is not None]
+        abandoned += sum(await asyncio.gather(*stopping))
+        clients = [
+            loop.create_task(store.server.aclose(), name=f"tiercache-close-{kind}")
+            for kind, store in (("central", self.central), ("region", self.region))
+            if store is not None
+        ]
+        half_s = timeout_s / 2
+        abandoned += await stop_tasks(clients, grace_s=half_s, cancel_s=half_s, what=self.name)
+        self.counters["close_abandoned"] += abandoned
+
+    async def probe_stores(self, key: bytes) -> list[StoreProbe]:
+        """Probe central and (in regional mode) the region separately, after ``start``; never raises."""
+        assert self.central is not None
+        value = self.codec.encode_value(key, bytes(self.block_bytes))
+        probes = [await probe_central(self.central, key, value)]
+        if self.region is not None:
+            probes.append(await probe_region(self.region, key, value))
+        return probes
+
+    def background_tasks(self) -> list[asyncio.Task]:
+        """The tier's long-running tasks (replication workers, invalidator); all done after ``close``."""
+        tasks = list(self.replicator.workers) if self.replicator is not None else []
         if self.invalidator is not None:
-            await self.invalidator.close()
-        for store in (self.central, self.region):
-            if store is not None:
-                await store.server.aclose()
+            tasks.append(self.invalidator.task)
+        return tasks + self.cleaner.tasks()
 
     async def flush(self) -> None:
         """Wait until this node's queued replications have been committed or given up."""
@@ -179,14 +192,21 @@ class RegionalTier(RemoteTier):
             del self._own[item.key]
 
     # ---- reads -----------------------------------------------------------------------
-    def _decode(self, key: bytes, value: bytes | None, dest: memoryview) -> Decoded | None:
+    def _decode(
+        self, key: bytes, value: bytes | None, dest: memoryview, invalid: list[tuple[bytes, bytes]]
+    ) -> Decoded | None:
+        """Validate ``value`` into ``dest``; a value that fails is counted and added to ``invalid``."""
         if value is None:
             return None
         decoded = self.codec.decode_into(key, value, dest)
         if not decoded.ok:
-            self.counters["invalid_values"] += 1
+            self._invalid(key, value, invalid)
             return None
         return decoded
+
+    def _invalid(self, key: bytes, value: bytes, invalid: list[tuple[bytes, bytes]]) -> None:
+        self.counters["invalid_values"] += 1
+        invalid.append((key, value))
 
     def _count(self, results: list[bool], values: Sequence[bytes | None]) -> list[bool]:
         hits = sum(results)
@@ -214,19 +234,25 @@ class RegionalTier(RemoteTier):
         if self.region is None:
             values = await self.central.read(keys) or [None] * len(keys)
             self.counters["central_reads"] += len(keys)
-            results = [self._decode(k, v, d) is not None for k, v, d in zip(keys, values, dests, strict=True)]
+            invalid: list[tuple[bytes, bytes]] = []
+            results = [
+                self._decode(k, v, d, invalid) is not None for k, v, d in zip(keys, values, dests, strict=True)
+            ]
+            self.cleaner.discard(self.central.discard, invalid)
             return self._count(results, values)
         if force_latest:
             return await self._get_latest(keys, dests)
         values = list(await self.region.read(keys) or [None] * len(keys))
         results = [False] * len(keys)
         missing = []
+        invalid: list[tuple[bytes, bytes]] = []
         for i, (key, value, dest) in enumerate(zip(keys, values, dests, strict=True)):
-            if self._decode(key, value, dest) is not None:
+            if self._decode(key, value, dest, invalid) is not None:
                 results[i] = True
                 self.counters["regional_hits"] += 1
             else:
                 missing.append(i)
+        self.cleaner.discard(self.region.discard, invalid)
         if missing:
             await self._from_central(keys, dests, missing, [0] * len(missing), values, results)
             self.counters["read_through"] += sum(results[i] for i in missing)
@@ -242,21 +268,32 @@ class RegionalTier(RemoteTier):
         values = list(await self.region.read(keys) or [None] * len(keys))
         results = [False] * len(keys)
         from_central, floors = [], []
-        for i, (key, value, dest) in enumerate(zip(keys, values, dests, strict=True)):
-            own = self._own.get(key)
-            current = value is not None and (
-                (own is not None and value_checksum(value) == own)
-                or (versions[i] > 0 and value_version(value) >= versions[i])
-            )
-            if current and self._decode(key, value, dest) is not None:
+        invalid: list[tuple[bytes, bytes]] = []
+        for i, (key, value, dest, version) in enumerate(zip(keys, values, dests, versions, strict=True)):
+            if value is not None and value_version(value) is None:
+                self._invalid(key, value, invalid)
+            if version is None:
+                self.counters["invalid_versions"] += 1
+            elif self._serves_as_latest(key, value, version) and self._decode(key, value, dest, invalid) is not None:
                 results[i] = True
                 self.counters["regional_hits"] += 1
-            elif own is None and versions[i] > 0:
+            elif key not in self._own and version > 0:
                 from_central.append(i)
-                floors.append(versions[i])
+                floors.append(version)
+        self.cleaner.discard(self.region.discard, invalid)
         if from_central:
             await self._from_central(keys, dests, from_central, floors, values, results)
         return self._count(results, values)
+
+    def _serves_as_latest(self, key: bytes, value: bytes | None, version: int) -> bool:
+        """Whether a regional ``value`` is central's ``version`` or newer, or this node's own unreplicated write."""
+        if value is None:
+            return False
+        own = self._own.get(key)
+        if own is not None and value_checksum(value) == own:
+            return True
+        held = value_version(value)
+        return version > 0 and held is not None and held >= version
 
     async def _from_central(
         self,
@@ -272,14 +309,16 @@ class RegionalTier(RemoteTier):
         fetched = await self.central.read([keys[i] for i in indices]) or [None] * len(indices)
         self.counters["central_reads"] += len(indices)
         refresh = []
+        invalid: list[tuple[bytes, bytes]] = []
         for i, floor, value in zip(indices, floors, fetched, strict=True):
-            decoded = self._decode(keys[i], value, dests[i])
+            decoded = self._decode(keys[i], value, dests[i], invalid)
             if decoded is None or decoded.version < floor:
                 continue
             assert value is not None
             results[i] = True
             values[i] = value
             refresh.append((keys[i], value, decoded.version))
+        self.cleaner.discard(self.central.discard, invalid)
         if refresh:
             self.counters["refreshed"] += sum(await self.region.refresh(refresh))
 
@@ -315,9 +354,16 @@ class RegionalTier(RemoteTier):
             await self.central.delete(keys)
 
     def stats(self) -> dict[str, float]:
-        stats = {**self.counters, "own_unreplicated": len(self._own)}
+        stats = {
+            **self.counters,
+            "own_unreplicated": len(self._own),
+            "invalid_deleted": self.cleaner.deleted,
+            "invalid_delete_skipped": self.cleaner.skipped,
+        }
         if self.central is not None:
             stats.update(self.central.server.stats("central"))
+            stats["central_commit_failed"] = self.central.commit_failed
+            stats["central_retention_stops"] = float(self.retention is Retention.STOPS)
         if self.region is not None:
             stats.update(self.region.server.stats("region"))
         if self.replicator is not None:

@@ -1,0 +1,199 @@
+"""The two kinds of store a regional tier talks to, as operations on blocks.
+
+- ``CentralStore`` commits values with central versions (``versions.COMMIT_SCRIPT``:
+  one Lua call assigns the version, patches it into the value's header, records
+  it in a per-key version key and publishes ``key + version`` on the update
+  channel), and answers version lookups and reads.
+- ``RegionStore`` holds a region's copies: refreshing from central never
+  overwrites a newer copy nor a copy still waiting for its version (version 0,
+  a write of this region not yet replicated).
+
+Every call goes through a ``GuardedClient``: a failure is a ``None`` / ``False``
+answer, never an exception.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+from tiercache.tiers.regional.client import GuardedClient, pipelined
+from tiercache.tiers.regional.versions import (
+    CLOCK_TICKS_PER_MS,
+    COMMIT_SCRIPT,
+    DELETE_IF_SAME_SCRIPT,
+    DROP_OLDER_SCRIPT,
+    PATCH_SCRIPT,
+    REFRESH_SCRIPT,
+    U64,
+    parse_version,
+)
+
+
+class _Keys:
+    """Redis key names: ``{prefix}{hex}`` hash tags keep a value and its version in one slot."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.clock = f"{prefix}clock"
+
+    def value(self, key: bytes) -> str:
+        return f"{self.prefix}{{{key.hex()}}}:v"
+
+    def version(self, key: bytes) -> str:
+        return f"{self.prefix}{{{key.hex()}}}:n"
+
+
+class CentralStore:
+    """The central store: version assignment, version lookups, reads, the update channel."""
+
+    def __init__(self, server: GuardedClient, prefix: str, channel: str, ttl_ms: int = 0) -> None:
+        self.server = server
+        self.keys = _Keys(prefix)
+        self.channel = channel
+        self.ttl_ms = ttl_ms
+        """Expiry of committed values and version keys (0: none)."""
+        self.commit_failed = 0
+        """Values whose commit failed (server unreachable, OOM, ACL...); the cause is in the diagnosis."""
+
+    async def commit(self, items: Sequence[tuple[bytes, bytes]]) -> list[int | None]:
+        """Store each (key, value) with a fresh version; the version, or None where it failed."""
+        if not items:
+            return []
+
+        def queue(pipe) -> None:
+            for key, value in items:
+                pipe.eval(
+                    COMMIT_SCRIPT,
+                    3,
+                    self.keys.clock,
+                    self.keys.value(key),
+                    self.keys.version(key),
+                    value,
+                    self.channel,
+                    key,
+                    CLOCK_TICKS_PER_MS,
+                    self.ttl_ms,
+                )
+
+        replies = await self.server.call(lambda client: pipelined(client, queue), None, "commit")
+        self.server.check_replies(replies, "commit")
+        if replies is None:
+            versions: list[int | None] = [None] * len(items)
+        else:
+            versions = [None if isinstance(reply, Exception) else parse_version(reply) or None for reply in replies]
+        self.commit_failed += versions.count(None)
+        return versions
+
+    async def memory_policy(self) -> tuple[int, str] | None:
+        """Central's ``maxmemory`` and ``maxmemory-policy``, or None when it cannot tell (down, ACL, hidden)."""
+        config = await self.server.call(lambda client: client.config_get("maxmemory*"), None, "CONFIG GET")
+        if not config or "maxmemory" not in config or "maxmemory-policy" not in config:
+            return None
+        return int(config["maxmemory"]), str(config["maxmemory-policy"])
+
+    async def versions(self, keys: Sequence[bytes]) -> list[int | None] | None:
+        """The committed version of each key (0: none; None: a garbage version key), or None when unreachable."""
+        names = [self.keys.version(key) for key in keys]
+        replies = await self.server.call(lambda client: client.mget(names), None, "version lookup")
+        if replies is None:
+            return None
+        return [parse_version(reply) for reply in replies]
+
+    async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
+        names = [self.keys.value(key) for key in keys]
+        return await self.server.call(lambda client: client.mget(names), None)
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+        return await _exists(self.server, [self.keys.value(key) for key in keys])
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        names = [self.keys.value(key) for key in keys]
+        await self.server.call(lambda client: client.delete(*names), None)
+
+    async def discard(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete values that failed validation (key, value as read); how many were deleted."""
+        return await _discard(self.server, [(self.keys.value(key), value) for key, value in items])
+
+
+class RegionStore:
+    """A region's copies of central's values (and its own writes awaiting a version)."""
+
+    def __init__(self, server: GuardedClient, prefix: str) -> None:
+        self.server = server
+        self.keys = _Keys(prefix)
+
+    async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
+        names = [self.keys.value(key) for key in keys]
+        return await self.server.call(lambda client: client.mget(names), None)
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+        return await _exists(self.server, [self.keys.value(key) for key in keys])
+
+    async def write(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        return await self._pipeline(items, lambda pipe, key, value: pipe.set(self.keys.value(key), value))
+
+    async def refresh(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool]:
+        """Store copies read from central unless the region holds a newer or unversioned one."""
+        return await self._pipeline(
+            items, lambda pipe, key, value, version: pipe.eval(REFRESH_SCRIPT, 1, self.keys.value(key), value, version)
+        )
+
+    async def stamp(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool]:
+        """Patch central's version into our own copies (key, checksum, version)."""
+        return await self._pipeline(
+            items,
+            lambda pipe, key, checksum, version: pipe.eval(
+                PATCH_SCRIPT, 1, self.keys.value(key), checksum, U64.pack(version), version
+            ),
+        )
+
+    async def drop_older(self, key: bytes, version: int) -> bool:
+        name = self.keys.value(key)
+        return bool(await self.server.call(lambda client: client.eval(DROP_OLDER_SCRIPT, 1, name, version), False))
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        names = [self.keys.value(key) for key in keys]
+        await self.server.call(lambda client: client.delete(*names), None)
+
+    async def discard(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete values that failed validation (key, value as read); how many were deleted."""
+        return await _discard(self.server, [(self.keys.value(key), value) for key, value in items])
+
+    async def _pipeline(self, items: Sequence[tuple], queue: Callable[..., object]) -> list[bool]:
+        if not items:
+            return []
+
+        def queue_all(pipe) -> None:
+            for item in items:
+                queue(pipe, *item)
+
+        replies = await self.server.call(lambda client: pipelined(client, queue_all), None, "write")
+        self.server.check_replies(replies, "write")
+        if replies is None:
+            return [False] * len(items)
+        return [not isinstance(reply, Exception) and bool(reply) for reply in replies]
+
+
+async def _exists(server: GuardedClient, names: list[str]) -> list[bool] | None:
+    def queue(pipe) -> None:
+        for name in names:
+            pipe.exists(name)
+
+    replies = await server.call(lambda client: pipelined(client, queue), None)
+    if replies is None or any(isinstance(reply, Exception) for reply in replies):
+        return None
+    return [bool(reply) for reply in replies]
+
+
+async def _discard(server: GuardedClient, items: list[tuple[str, bytes]]) -> int:
+    """Delete each (name, value) unless the value was replaced since it was read (compared by SHA-1)."""
+    if not items:
+        return 0
+
+    def queue(pipe) -> None:
+        for name, value in items:
+            pipe.eval(DELETE_IF_SAME_SCRIPT, 1, name, hashlib.sha1(value).hexdigest())
+
+    replies = await server.call(lambda client: pipelined(client, queue), None)
+    return sum(reply == 1 for reply in replies or [])
