@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from tiercache.breaker import CircuitBreaker
-from tiercache.codec import Codec, Decoded
+from tiercache.codec import Decoded
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 from tiercache.tiers.regional.cleanup import Cleaner
 from tiercache.tiers.regional.client import GuardedClient, connect
@@ -63,7 +63,7 @@ class RegionalTier(RemoteTier):
     def __init__(self, context: RemoteContext, options: RegionalOptions) -> None:
         super().__init__(context, options)
         if options.compress:
-            self.codec = Codec(context.codec.fingerprint, compress=True)
+            self.codec = context.codec.variant(compress=True)
         self.mode = options.mode
         self.central: CentralStore | None = None
         self.region: RegionStore | None = None
