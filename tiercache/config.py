@@ -26,7 +26,10 @@ from typing import Any
 
 import yaml
 
+from tiercache.cost import CostConfig
+from tiercache.event_config import EventsConfig
 from tiercache.layout import KVLayout
+from tiercache.mrc import MrcConfig
 from tiercache.policies import POLICIES, policy_class
 from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, tier_class
 
@@ -113,6 +116,9 @@ class TierCacheConfig:
     tiers: list[TierConfig]
     exclusive: bool = False
     queues: QueueConfig = field(default_factory=QueueConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    mrc: MrcConfig = field(default_factory=MrcConfig)
     source: str = "<dict>"
 
     def tier(self, name: str) -> TierConfig:

@@ -29,6 +29,7 @@ from tiercache.config import WritePolicy
 from tiercache.local_tiers import LocalTiers
 from tiercache.metrics import Metrics
 from tiercache.moves import HostCopy, Move, Reason, RemotePut
+from tiercache.observer import NullObserver, TierObserver
 from tiercache.slots import CapacityError, SlotTable
 
 
@@ -52,17 +53,21 @@ class Hierarchy:
         metrics: Metrics,
         *,
         gpu_name: str,
+        block_size: int,
         max_pending_stores: int,
         remember_keys: int,
+        observer: TierObserver | None = None,
     ) -> None:
         self.local = local
         self.cpu_rule = cpu_rule
         self.lanes = list(lanes)
         self.metrics = metrics
         self.gpu_name = gpu_name
+        self.block_size = block_size
         self.max_pending_stores = max_pending_stores
         self.remember_keys = remember_keys
         self.pending_stores = 0
+        self.observer: TierObserver = observer or NullObserver()
         self.outbox: list[Move] = []
         self._hits: OrderedDict[bytes, int] = OrderedDict()
         self._written: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self.lanes]
@@ -77,8 +82,18 @@ class Hierarchy:
             return self.hits(key) >= rule.admit_after_hits
         return evicted or rule.write_policy is WritePolicy.WRITE_THROUGH
 
-    def count_hits(self, keys: Sequence[bytes]) -> None:
-        """One hit per key for the request that loads them; a key reaching a threshold is admitted."""
+    def count_hits(
+        self, keys: Sequence[bytes], tier_blocks: dict[str, int] | None = None, asked_blocks: int = 0
+    ) -> None:
+        """One hit per key for the request that loads them; a key reaching a threshold is admitted.
+
+        ``tier_blocks`` (blocks served per tier) and ``asked_blocks`` (the prompt's
+        full blocks) feed the hit counters.
+        """
+        for name, count in (tier_blocks or {}).items():
+            self.metrics.add(name, "hit_blocks", count)
+        self.metrics.add("all", "hit_blocks", len(keys))
+        self.metrics.add("all", "lookup_blocks", asked_blocks)
         for key in keys:
             count = self._hits.pop(key, 0) + 1
             self._hits[key] = count
@@ -106,6 +121,7 @@ class Hierarchy:
         ids, victims = self.local.gpu.allocate(count)
         if victims:
             self.metrics.add(self.gpu_name, "evictions", len(victims))
+            self.observer.removed(self.gpu_name, [victim.key for victim in victims])
             self._demote([(victim.key, victim.slot) for victim in victims])
         return ids
 
@@ -123,13 +139,14 @@ class Hierarchy:
                 self.metrics.add(rule.name, "not_admitted")
         self._copy_down(admitted, Reason.DEMOTION)
 
-    def store(self, keys: Sequence[bytes], ids: Sequence[int]) -> int:
+    def store(self, keys: Sequence[bytes], ids: Sequence[int], tokens: Sequence[int] | None = None) -> int:
         """Index a request's chain in its GPU blocks, reporting it to the policy tail first.
 
         Blocks promoted by this request's load were bound untracked; blocks the
         engine computed are bound now; blocks cached before are hits. Returns the
         number of blocks newly indexed; raises ValueError for a block that holds
-        another prefix's KV (nothing is changed then).
+        another prefix's KV (nothing is changed then). ``tokens`` (the prompt)
+        only feeds the observer's events.
         """
         gpu = self.local.gpu
         for key, block in zip(keys, ids, strict=True):
@@ -152,11 +169,29 @@ class Hierarchy:
                 gpu.touch(key)
         fresh.reverse()
         self.metrics.add(self.gpu_name, "stored_blocks", len(fresh))
+        self.observer.accessed(self.gpu_name, keys)
+        self._report_stored(keys, {key for key, _ in fresh}, tokens)
         rule = self.cpu_rule
         if rule is not None and fresh:
             admitted = [(key, block) for key, block in fresh if self._admits(rule, key, evicted=False)]
             self._copy_down(admitted, Reason.WRITE_THROUGH)
         return len(fresh)
+
+    def _report_stored(self, keys: Sequence[bytes], fresh: set[bytes], tokens: Sequence[int] | None) -> None:
+        """One ``stored`` per run of newly indexed blocks, with its parent and its tokens."""
+        if not fresh or isinstance(self.observer, NullObserver):
+            return
+        size = self.block_size
+        start = None
+        for position in range(len(keys) + 1):
+            inside = position < len(keys) and keys[position] in fresh
+            if inside and start is None:
+                start = position
+            elif not inside and start is not None:
+                parent = keys[start - 1] if start else None
+                run = None if tokens is None else [int(t) for t in tokens[start * size : position * size]]
+                self.observer.stored(self.gpu_name, keys[start:position], parent, run)
+                start = None
 
     # ---- the CPU tier -----------------------------------------------------------------
     def _copy_down(self, pairs: list[tuple[bytes, int]], reason: Reason) -> None:
@@ -201,7 +236,10 @@ class Hierarchy:
             slot, victims = cpu.begin_write(key, retain)
         except CapacityError as full:
             victims = full.victims
+        self.observer.accessed(self.cpu_rule.name, [key])
         self.metrics.add(self.cpu_rule.name, "evictions", len(victims))
+        if victims:
+            self.observer.removed(self.cpu_rule.name, [victim.key for victim in victims])
         for victim in victims:
             if not victim.retained:
                 continue
@@ -229,11 +267,15 @@ class Hierarchy:
         """CPU writes finished: committed slots become cached, failed ones are forgotten."""
         cpu = self.local.cpu
         assert cpu is not None
+        committed = []
         for slot, ok in zip(slots, oks, strict=True):
             if ok:
                 cpu.commit_write(slot)
+                committed.append(cpu.key_of(slot))
             else:
                 cpu.abort_write(slot)
+        if committed and self.cpu_rule is not None:
+            self.observer.stored(self.cpu_rule.name, committed, None, None)
 
     def copy_done(self, move: HostCopy, ok: bool) -> None:
         """A GPU->CPU copy landed (or failed): commit its slots and write through to remotes."""
@@ -277,13 +319,15 @@ class Hierarchy:
             cpu.unpin(slot)
         self.pending_stores -= len(move.keys)
         written = self._written[move.lane]
-        for key, ok in zip(move.keys, oks, strict=True):
-            if ok:
-                written[key] = None
+        landed = [key for key, ok in zip(move.keys, oks, strict=True) if ok]
+        for key in landed:
+            written[key] = None
+        name = self.lanes[move.lane].name
+        self.observer.accessed(name, move.keys)
+        self.observer.stored(name, landed, None, None)
         while len(written) > self.remember_keys:
             written.popitem(last=False)
-        stored = sum(oks)
-        name = self.lanes[move.lane].name
+        stored = len(landed)
         self._count_move(self.cpu_rule.name if self.cpu_rule else "cpu", name, stored)
         self.metrics.add(name, "store_failures", len(move.keys) - stored)
 
@@ -305,8 +349,8 @@ class Hierarchy:
     def forget(self, lane: int, keys: Sequence[bytes]) -> None:
         """Reads of these keys failed (missing, invalid): the next store writes them again."""
         written = self._written[lane]
-        for key in keys:
-            written.pop(key, None)
+        gone = [key for key in keys if written.pop(key, False) is None]
+        self.observer.removed(self.lanes[lane].name, gone)
 
     def _count_move(self, source: str, destination: str, blocks: int) -> None:
         """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""

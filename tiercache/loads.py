@@ -21,9 +21,11 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tiercache.cost import CostModel
 from tiercache.handles import Transfer
 from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, Place, Source
@@ -87,6 +89,7 @@ class LoadRunner:
         cpu_name: str,
         gpu_name: str,
         bytes_per_block: int,
+        cost: CostModel | None = None,
     ) -> None:
         self.lock = lock
         self.local = local
@@ -101,6 +104,7 @@ class LoadRunner:
         self.cpu_name = cpu_name
         self.gpu_name = gpu_name
         self.bytes_per_block = bytes_per_block
+        self.cost = cost
 
     def plan(
         self, keys: Sequence[bytes], ids: Sequence[int], places: Sequence[Place], force_latest: bool
@@ -123,6 +127,7 @@ class LoadRunner:
         if self.local.cpu is not None:
             served = [item.key for item in plan if item.place.source is Source.CPU]
             self.local.touch_tail_first(self.local.cpu, served)
+            self.hierarchy.observer.accessed(self.cpu_name, served)
         return plan
 
     def _item(self, key: bytes, gpu_id: int, place: Place, force_latest: bool) -> LoadItem | None:
@@ -233,7 +238,9 @@ class LoadRunner:
                 break
             keys = [item.key for item in pending]
             views = [self.views(item.slot) for item in pending]  # type: ignore[arg-type]
+            started = time.perf_counter()
             results = await lane.get_into(keys, views, force_latest)
+            elapsed = time.perf_counter() - started
             got = [item for item, ok in zip(pending, results, strict=True) if ok]
             missed = [item.key for item, ok in zip(pending, results, strict=True) if not ok]
             arrived[lane.index] = got
@@ -243,6 +250,9 @@ class LoadRunner:
             self.metrics.add(lane.name, "load_misses", len(missed))
             with self.lock:
                 self.hierarchy.forget(lane.index, missed)
+                self.hierarchy.observer.accessed(lane.name, keys)
+                if self.cost is not None:
+                    self.cost.observe_fetch(lane.name, len(keys), len(keys) * self.bytes_per_block, elapsed)
             pending = [item for item, ok in zip(pending, results, strict=True) if not ok]
         landed = {id(item) for group in arrived.values() for item in group}
         with self.lock:
@@ -292,6 +302,7 @@ class LoadRunner:
         with self.lock:
             self.metrics.add(self.cpu_name, "blocks_out", len(from_cpu))
             self.metrics.add(self.gpu_name, "blocks_in", len(items))
+            promoted, freed = [], []
             for item in items:
                 item.pinned = False
                 self._unpin_source(item)
@@ -300,6 +311,9 @@ class LoadRunner:
                 assert cpu is not None
                 if item.key not in gpu:
                     gpu.bind(item.gpu_id, item.key, track=False)
-                if self.exclusive:
-                    cpu.discard(item.key)
+                    promoted.append(item.key)
+                if self.exclusive and cpu.discard(item.key):
+                    freed.append(item.key)
+            self.hierarchy.observer.stored(self.gpu_name, promoted, None, None)
+            self.hierarchy.observer.removed(self.cpu_name, freed)
         return len(items)

@@ -77,12 +77,12 @@ class TierManager:
 
     def close_blocking(self) -> None:
         """Finish or drop work in flight (bounded), close the remotes (bounded) and stop the loop."""
-        if not self._closed and self._started:
-            self._closed = True
+        closing, self._closed = self._started and not self._closed, True
+        if closing:
             self._stack.close()
-        self._closed = True
 
     async def close(self) -> None:
+        """``close_blocking`` off the caller's event loop."""
         await asyncio.to_thread(self.close_blocking)
 
     async def __aenter__(self) -> TierManager:
@@ -117,7 +117,7 @@ class TierManager:
                     self.hierarchy.forget(lane, [key for key, held in zip(missing, answer, strict=True) if not held])
                 remote = iter(first_holders(answers, len(missing)))
                 places = [p if p is not None else Place.remote(next(remote)) for p in places]
-            run, lower = self.local.prefix(places)
+            run, lower = self.local.prefix(self._stack.worth_fetching(places))
             tiers = [self.gpu.name] * len(run) + [self._stack.tier_name(place) for place in lower]
             pins = self.local.hold(run, lower)
             self.metrics.add("all", "lookups")
@@ -155,7 +155,7 @@ class TierManager:
             for block in ids:
                 if self.gpu.table.ref(block) < 1:
                     raise ValueError(f"store: GPU block {block} is not held by the caller")
-            fresh = self.hierarchy.store(keys, ids)
+            fresh = self.hierarchy.store(keys, ids, tokens)
             copies = self._stack.mover.dispatch()
         work = [c for c in copies if not c.done()]
         self._finish(transfer, fresh * self.block_size, work)
@@ -179,11 +179,7 @@ class TierManager:
                 if self.gpu.table.ref(block) < 1 or self.gpu.table.key_of(block) is not None:
                     raise ValueError(f"load: GPU block {block} is not a block returned by allocate()")
             pins.state = PinState.LOADED
-            self.hierarchy.count_hits(hit.keys[: hit.num_blocks])
-            for name, count in hit.tier_blocks.items():
-                self.metrics.add(name, "hit_blocks", count)
-            self.metrics.add("all", "hit_blocks", hit.num_blocks)
-            self.metrics.add("all", "lookup_blocks", len(hit.keys))
+            self.hierarchy.count_hits(hit.keys[: hit.num_blocks], hit.tier_blocks, len(hit.keys))
             lower_keys = hit.keys[len(pins.gpu_run) : hit.num_blocks]
             plan = self._stack.loads.plan(lower_keys, list(ids), pins.lower, force_latest) if self._stack.loads else []
             self._stack.mover.dispatch()
@@ -229,23 +225,34 @@ class TierManager:
 
     def lookup_wait(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None,
                     timeout_s: float | None = None) -> Lookup:
-        """``lookup`` retried while pending (for a synchronous caller); a pending Lookup after ``timeout_s``."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        hit = self.lookup(tokens, extra)
-        while hit.pending and (deadline is None or time.monotonic() < deadline):
+        """``lookup`` retried while pending (a synchronous caller); still pending after ``timeout_s``."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+        while (hit := self.lookup(tokens, extra)).pending and time.monotonic() < deadline:
             time.sleep(LOOKUP_RETRY_SECONDS)
-            hit = self.lookup(tokens, extra)
         return hit
 
     async def lookup_async(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None,
                            timeout_s: float | None = None) -> Lookup:
-        """``lookup`` awaited until not pending (or ``timeout_s`` passes: then the pending Lookup)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        hit = self.lookup(tokens, extra)
-        while hit.pending and (deadline is None or time.monotonic() < deadline):
+        """``lookup`` awaited until not pending; still pending after ``timeout_s``."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+        while (hit := self.lookup(tokens, extra)).pending and time.monotonic() < deadline:
             await asyncio.sleep(LOOKUP_RETRY_SECONDS)
-            hit = self.lookup(tokens, extra)
         return hit
+
+    def subscribe(self, callback: Any) -> Any:
+        """Call ``callback(batch)`` with every ``KVEventBatch`` (off the engine's thread); returns an unsubscribe.
+
+        Needs ``events: {enabled: true}`` in the topology (the ``events`` extra).
+        """
+        if self._stack.events is None:
+            raise RuntimeError("KV events are off: set events.enabled in the topology")
+        return self._stack.events.subscribe(callback)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` of prefill in ``seconds``: the cost model's recompute rate."""
+        if self._stack.cost is not None:
+            with self._lock:
+                self._stack.cost.observe_prefill(tokens, seconds)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier occupancy and counters, queue depths and latencies.
@@ -271,19 +278,11 @@ class TierManager:
 
     def _finish(self, transfer: Transfer, tokens: int, work: list[concurrent.futures.Future[bool]]) -> None:
         """Complete ``transfer`` with ``tokens`` once every future in ``work`` is done."""
-        remaining = [len(work)]
-
-        def one_done(_: object = None) -> None:
-            with self._lock:
-                remaining[0] -= 1
-                last = remaining[0] <= 0
-            if last:
-                self._complete(transfer, tokens)
-
         if not work:
             self._complete(transfer, tokens)
-        for future in work:
-            future.add_done_callback(one_done)
+            return
+        rest = work[1:]
+        work[0].add_done_callback(lambda _: self._finish(transfer, tokens, [f for f in rest if not f.done()]))
 
     def _complete(self, transfer: Transfer, tokens: int) -> None:
         # Under the lock, so a poll() that runs once the transfer is done sees it.

@@ -37,6 +37,7 @@ import hashlib
 import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -56,6 +57,23 @@ DEFAULT_FLUSH_KEYS = 4096
 DEFAULT_MULTIPLES: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
 """Capacities, as multiples of the tier's, at which ``curve`` answers by default."""
 _BIG_ENDIAN_U64 = np.dtype(">u8")
+
+
+@dataclass(frozen=True)
+class MrcConfig:
+    """The ``mrc`` section of a topology: a live miss-ratio curve per tier in ``stats()`` (off by default)."""
+
+    enabled: bool = False
+    sample_rate: float = DEFAULT_SAMPLE_RATE
+    """SHARDS rate (or, with ``max_samples``, the starting rate)."""
+    max_samples: int | None = None
+    """Keys tracked at most per tier (fixed-size SHARDS); None: a fixed rate."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise ValueError(f"sample_rate: expected a number in (0, 1], got {self.sample_rate!r}")
+        if self.max_samples is not None and self.max_samples <= 0:
+            raise ValueError(f"max_samples: expected an integer > 0, got {self.max_samples!r}")
 
 
 class MissRatioCurve:

@@ -16,12 +16,15 @@ import torch
 
 from tiercache.codec import Codec
 from tiercache.config import TierCacheConfig, TierConfig
+from tiercache.cost import CostModel
 from tiercache.hierarchy import FillRule, Hierarchy
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.loads import FillWaiters, LoadRunner
 from tiercache.local_tiers import LocalTiers, Place, Source
 from tiercache.metrics import Metrics
 from tiercache.mover import Mover
+from tiercache.mrc import MissRatioCurve
+from tiercache.observer import FleetObserver
 from tiercache.policies import make_policy
 from tiercache.runtime import Runtime
 from tiercache.swap import make_swapper
@@ -77,10 +80,22 @@ class Stack:
                        for i, tier in enumerate(self.remotes)]
         self.probes = RemoteProbes(self.lanes, self.runtime)
         self.local = LocalTiers(self.gpu.table, self.cpu.table if self.cpu else None)
+        self.events = _event_sink(config)
+        self.curves = {
+            tier.name: MissRatioCurve(config.mrc.sample_rate, config.mrc.max_samples)
+            for tier in config.tiers
+            if config.mrc.enabled
+        }
+        self.cost = CostModel(config.cost) if config.cost.enabled else None
+        lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
         remember = REMEMBER_FACTOR * (self.gpu.num_blocks + (self.cpu.num_slots if self.cpu else 0))
         self.hierarchy = Hierarchy(
             self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
-            gpu_name=self.gpu.name, max_pending_stores=queues.max_pending_stores, remember_keys=remember,
+            gpu_name=self.gpu.name, block_size=self.block_size, max_pending_stores=queues.max_pending_stores,
+            remember_keys=remember,
+            observer=FleetObserver(self.events, self.curves, self.block_size, lora_id)
+            if self.events is not None or self.curves
+            else None,
         )
         self.waiters = FillWaiters()
         self.swap = None if self.cpu is None else SwapQueue(
@@ -89,7 +104,7 @@ class Stack:
         self.loads = None if self.cpu is None or self.swap is None else LoadRunner(
             self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,
             self.metrics, batch_blocks=queues.batch_blocks, exclusive=config.exclusive, cpu_name=self.cpu.name,
-            gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block,
+            gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block, cost=self.cost,
         )
         self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
                             self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
@@ -106,7 +121,26 @@ class Stack:
         assert self.cpu is not None
         return self.cpu.name
 
+    def worth_fetching(self, places: list[Place | None]) -> list[Place | None]:
+        """The prefix cut before the first remote tier slower to fetch from than recomputing (cost model)."""
+        if self.cost is None:
+            return places
+        runs: list[tuple[str | None, int]] = []
+        for place in places:
+            if place is None:
+                break
+            tier = self.remotes[place.index].name if place.source is Source.REMOTE else None
+            if runs and runs[-1][0] == tier:
+                runs[-1] = (tier, runs[-1][1] + 1)
+            else:
+                runs.append((tier, 1))
+        usable = self.cost.usable_prefix(runs, self.block_size)
+        return places[:usable] + [None] * (len(places) - usable)
+
     async def start_remotes(self) -> None:
+        if self.events is not None:
+            self.events.start()
+            self.events.cleared()
         await asyncio.gather(*(tier.start() for tier in self.remotes))
 
     def close(self) -> None:
@@ -116,6 +150,8 @@ class Stack:
             self.swap.close()
         self.runtime.submit(self._close_remotes(), track=False).result()
         self.runtime.stop()
+        if self.events is not None:
+            self.events.close()
 
     async def _close_remotes(self) -> None:
         await self.runtime.drain(CLOSE_REMOTE_SECONDS)
@@ -133,7 +169,15 @@ class Stack:
             tiers[lane.name] = {"lane_breaker_opened": lane.breaker.opened, "store": _tier_stats(lane)}
         for name, values in self.metrics.snapshot().items():
             tiers.setdefault(name, {}).update(values)
+        capacities = {tier.name: tier.capacity_blocks for tier in self.config.tiers}
+        for name, curve in self.curves.items():
+            tiers[name]["mrc"] = curve.summary(capacities[name] or curve.stats()["tracked_keys"] or 1)
+        if self.cost is not None:
+            for name, values in self.cost.stats()["tiers"].items():  # type: ignore[union-attr]
+                tiers.setdefault(name, {}).update(values)
+        extra = {"events": self.events.stats()} if self.events is not None else {}
         return {
+            **extra,
             "tiers": tiers,
             "queues": {
                 "pending_stores": self.hierarchy.pending_stores,
@@ -143,6 +187,15 @@ class Stack:
                 "in_flight_copies": self.swap.in_flight if self.swap else 0,
             },
         }
+
+
+def _event_sink(config: TierCacheConfig) -> Any:
+    """The EventSink of an ``events: {enabled: true}`` topology (the ``events`` extra), else None."""
+    if not config.events.enabled:
+        return None
+    from tiercache.event_sink import EventSink  # msgspec (and pyzmq for an endpoint): the 'events' extra
+
+    return EventSink.from_config(config.events)
 
 
 def _no_cpu(slot: int) -> memoryview:
