@@ -15,6 +15,7 @@ import difflib
 import enum
 import importlib.resources
 import inspect
+import math
 import os
 import re
 import types
@@ -24,13 +25,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from tiercache.layout import KVLayout
+from tiercache.machine import HOST_MEMORY_SOURCE, cuda_memory_available, host_memory_available
 from tiercache.policies import POLICIES, policy_class
 from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, tier_class
+from tiercache.validate import (
+    MAX_QUEUE_ITEMS,
+    FieldError,
+    int_in_range,
+    non_empty_string,
+    number_in_range,
+    positive_timeout_ms,
+    queue_size,
+    worker_count,
+)
 
 ENV_PREFIX = "TIERCACHE_"
+MAX_TP_RANK = 1 << 16
+"""Largest tensor-parallel rank accepted."""
+MAX_ADMIT_AFTER_HITS = 1 << 20
+"""Largest ``admit_after_hits``: more hits than that never happen to one block."""
+MAX_PREFETCH_MS_PER_1K_TOKENS = 60_000.0
+"""Largest per-1k-token growth of the prefetch deadline (a minute per 1k tokens)."""
+MAX_YAML_DEPTH_HINT = "a YAML document nested less deeply (the parser ran out of recursion)"
+"""What a topology too deeply nested for the parser is told it should be."""
+CONVERSION_ERRORS = (ValueError, TypeError, OverflowError, ArithmeticError)
+"""What a dataclass's or a policy's own validation raises for a bad value."""
 
 
 class ConfigError(ValueError):
@@ -75,6 +98,10 @@ class ModelConfig:
     tenant: str | None = None
     lora: str | None = None
 
+    def __post_init__(self) -> None:
+        non_empty_string("id", self.id)
+        int_in_range("tp_rank", self.tp_rank, 0, MAX_TP_RANK)
+
 
 @dataclass
 class TierConfig:
@@ -102,6 +129,16 @@ class QueueConfig:
     prefetch_timeout_ms: float = 50.0
     prefetch_timeout_ms_per_1k_tokens: float = 20.0
     remote_lookup_timeout_ms: float = 200.0
+
+    def __post_init__(self) -> None:
+        worker_count("transfer_concurrency", self.transfer_concurrency)
+        queue_size("max_pending_stores", self.max_pending_stores, low=0)
+        queue_size("batch_blocks", self.batch_blocks)
+        # 0 or less would turn every prefetch / remote lookup into an instant miss.
+        positive_timeout_ms("prefetch_timeout_ms", self.prefetch_timeout_ms)
+        positive_timeout_ms("remote_lookup_timeout_ms", self.remote_lookup_timeout_ms)
+        per_1k = self.prefetch_timeout_ms_per_1k_tokens
+        number_in_range("prefetch_timeout_ms_per_1k_tokens", per_1k, 0.0, MAX_PREFETCH_MS_PER_1K_TOKENS)
 
 
 @dataclass
@@ -210,8 +247,13 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
         raise ConfigError(source, path, "an integer", value)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(source, path, "a number", value)
+            try:
+                number = float(value)
+            except OverflowError:
+                raise ConfigError(source, path, "a finite number", value) from None
+            if math.isfinite(number):
+                return number
+        raise ConfigError(source, path, "a finite number", value)
     if tp is str:
         if isinstance(value, str):
             return value
@@ -244,28 +286,41 @@ def build_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
             raise ConfigError(source, f"{prefix}{name}", f"a value ({_type_name(hints[name])}); it is required")
     try:
         return cls(**kwargs)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(source, path, str(error)) from None
+    except FieldError as error:
+        got = error.got if error.has_value else dataclasses.MISSING
+        raise ConfigError(source, f"{prefix}{error.field}", error.expected, got) from None
+    except CONVERSION_ERRORS as error:
+        raise ConfigError(source, path, f"valid options ({error})") from None
 
 
 def _validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) -> None:
     path = f"tiers[{index}]"
     if tier.type not in TIER_TYPES:
         raise ConfigError(source, f"{path}.type", f"one of {sorted(TIER_TYPES)}", tier.type)
+    if tier.name is not None and not tier.name.strip():
+        raise ConfigError(source, f"{path}.name", "a non-empty name (or no name: the type is used)", tier.name)
     tier.name = tier.name or tier.type
     if tier.policy not in POLICIES:
         raise ConfigError(source, f"{path}.policy", f"one of {sorted(POLICIES)}", tier.policy)
-    accepted = inspect.signature(policy_class(tier.policy)).parameters
-    for option in tier.policy_options:
-        if option == "capacity" or option not in accepted:
-            known = sorted(p for p in accepted if p != "capacity")
-            raise ConfigError(source, f"{path}.policy_options.{option}", f"one of {known}", "unknown option")
-    if tier.admit_after_hits < 1:
-        raise ConfigError(source, f"{path}.admit_after_hits", "an integer >= 1", tier.admit_after_hits)
+    if not 1 <= tier.admit_after_hits <= MAX_ADMIT_AFTER_HITS:
+        raise ConfigError(
+            source, f"{path}.admit_after_hits", f"an integer in [1, {MAX_ADMIT_AFTER_HITS}]", tier.admit_after_hits
+        )
+    _validate_capacity(tier, path, source, layout)
+    _validate_policy_options(tier, path, source)
+    options_type = getattr(tier_class(tier.type), "Options", None)
+    if options_type is not None:
+        tier.options = build_dataclass(options_type, tier.options or {}, source, f"{path}.options")
+    elif tier.options:
+        raise ConfigError(source, f"{path}.options", f"no options for tier type {tier.type!r}", tier.options)
+
+
+def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayout) -> None:
+    """Sizes parse and are positive; local tiers get ``capacity_blocks`` (memory is checked later)."""
     if tier.capacity_bytes is not None:
         try:
             tier.capacity_bytes = parse_size(tier.capacity_bytes)
-        except ValueError:
+        except CONVERSION_ERRORS:
             raise ConfigError(
                 source, f"{path}.capacity_bytes", "a size such as 4GiB or an integer", tier.capacity_bytes
             ) from None
@@ -275,25 +330,82 @@ def _validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) 
         raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer", tier.capacity_blocks)
     if tier.capacity_blocks is not None and tier.capacity_bytes is not None:
         raise ConfigError(source, f"{path}", "capacity_blocks or capacity_bytes, not both")
-    if tier.type in LOCAL_TIER_TYPES:
-        if tier.capacity_blocks is None and tier.capacity_bytes is None:
+    if tier.type not in LOCAL_TIER_TYPES:
+        return
+    if tier.capacity_blocks is None and tier.capacity_bytes is None:
+        raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required")
+    if tier.capacity_blocks is None:
+        tier.capacity_blocks = tier.capacity_bytes // layout.bytes_per_block
+        if tier.capacity_blocks <= 0:
             raise ConfigError(
-                source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required"
+                source,
+                f"{path}.capacity_bytes",
+                f"at least one block ({layout.bytes_per_block} bytes)",
+                tier.capacity_bytes,
             )
-        if tier.capacity_blocks is None:
-            tier.capacity_blocks = tier.capacity_bytes // layout.bytes_per_block
-            if tier.capacity_blocks <= 0:
-                raise ConfigError(
-                    source,
-                    f"{path}.capacity_bytes",
-                    f"at least one block ({layout.bytes_per_block} bytes)",
-                    tier.capacity_bytes,
-                )
-    options_type = getattr(tier_class(tier.type), "Options", None)
-    if options_type is not None:
-        tier.options = build_dataclass(options_type, tier.options or {}, source, f"{path}.options")
-    elif tier.options:
-        raise ConfigError(source, f"{path}.options", f"no options for tier type {tier.type!r}", tier.options)
+
+
+def _validate_policy_options(tier: TierConfig, path: str, source: str) -> None:
+    """Unknown options are named; values are checked by constructing the policy itself."""
+    cls = policy_class(tier.policy)
+    accepted = inspect.signature(cls).parameters
+    for option in tier.policy_options:
+        if option == "capacity" or option not in accepted:
+            known = sorted(p for p in accepted if p != "capacity")
+            raise ConfigError(source, f"{path}.policy_options.{option}", f"one of {known}", "unknown option")
+    capacity = min(tier.capacity_blocks or 1, MAX_QUEUE_ITEMS)
+    try:
+        cls(capacity, **tier.policy_options)
+    except CONVERSION_ERRORS as error:
+        named = [option for option in tier.policy_options if str(option) in str(error)]
+        field_path = f"{path}.policy_options" + (f".{named[0]}" if named else "")
+        got = tier.policy_options[named[0]] if named else tier.policy_options
+        raise ConfigError(source, field_path, f"a valid {tier.policy} option ({error})", got) from None
+
+
+def _validate_local_memory(config: TierCacheConfig) -> None:
+    """The GPU pool and the CPU tier must fit in what this machine can allocate now."""
+    source, gpu = config.source, config.tiers[0]
+    device_path = "tiers[0].options.device"
+    device_name = gpu.options.device
+    if device_name == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(device_name)
+    host_used = 0
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(source, device_path, "'auto' or 'cpu': CUDA is not available here", device_name)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                source, device_path, f"a CUDA device index below {torch.cuda.device_count()}", device_name
+            )
+        _check_fits(config, 0, 0, cuda_memory_available(device), f"free on {device} (torch.cuda.mem_get_info)")
+    else:
+        host_used = _check_fits(config, 0, 0, host_memory_available(), f"available on this host ({HOST_MEMORY_SOURCE})")
+    if len(config.tiers) > 1 and config.tiers[1].type == "cpu":
+        where = f"available on this host ({HOST_MEMORY_SOURCE})"
+        if host_used:
+            where += f", after the {host_used} bytes of the GPU pool standing in on the CPU"
+        _check_fits(config, 1, host_used, host_memory_available(), where)
+
+
+def _check_fits(config: TierCacheConfig, index: int, already: int, available: int, where: str) -> int:
+    """Raise unless tier ``index``'s blocks fit in ``available - already`` bytes; return the bytes it needs."""
+    tier, block_bytes = config.tiers[index], config.layout.bytes_per_block
+    needed = tier.capacity_blocks * block_bytes
+    room = max(0, available - already)
+    if needed > room:
+        field_name = "capacity_bytes" if tier.capacity_bytes is not None else "capacity_blocks"
+        got = tier.capacity_bytes if tier.capacity_bytes is not None else tier.capacity_blocks
+        raise ConfigError(
+            config.source,
+            f"tiers[{index}].{field_name}",
+            f"at most {room // block_bytes} blocks of {block_bytes} bytes ({room} bytes {where}); "
+            f"this asks for {needed} bytes",
+            got,
+        )
+    return needed
 
 
 def _validate_hierarchy(config: TierCacheConfig) -> None:
@@ -316,12 +428,7 @@ def _validate_hierarchy(config: TierCacheConfig) -> None:
         if tier.name in seen:
             raise ConfigError(source, f"tiers[{index}].name", "a name not used by another tier", tier.name)
         seen.add(tier.name)
-    if config.queues.transfer_concurrency < 1:
-        raise ConfigError(source, "queues.transfer_concurrency", "an integer >= 1", config.queues.transfer_concurrency)
-    if config.queues.max_pending_stores < 0:
-        raise ConfigError(source, "queues.max_pending_stores", "an integer >= 0", config.queues.max_pending_stores)
-    if config.queues.batch_blocks < 1:
-        raise ConfigError(source, "queues.batch_blocks", "an integer >= 1", config.queues.batch_blocks)
+    _validate_local_memory(config)
 
 
 def _set_path(data: dict, parts: list[str], value: Any, variable: str) -> None:
@@ -389,11 +496,19 @@ def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None 
     """Read and validate a YAML topology file."""
     source = str(path)
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as error:
         raise ConfigError(source, "", "a readable YAML file", error.strerror) from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        bad = raw[error.start : error.end]
+        raise ConfigError(source, f"line {line}, byte {error.start}", "UTF-8 text", bad) from None
+    try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(source, "document", MAX_YAML_DEPTH_HINT) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "document"

@@ -40,6 +40,15 @@ from typing import Any, TypeVar
 from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
 from tiercache.config import parse_size
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.validate import (
+    FieldError,
+    fraction,
+    int_in_range,
+    non_empty_string,
+    number_in_range,
+    positive_timeout_s,
+    worker_count,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,10 @@ STALE_TEMP_AGE_S = 600.0
 DIR_LEVELS = 2
 HEX_PER_LEVEL = 2
 T = TypeVar("T")
+MAX_FILE_TIER_BYTES = 1 << 60
+"""Largest ``max_bytes`` (and ``max_blocks``) accepted: an exabyte; more is a unit mistake."""
+MAX_AGE_S = 10 * 365 * 24 * 3600.0
+"""Longest ``max_age_s``: ten years."""
 
 
 @dataclass(frozen=True)
@@ -77,18 +90,22 @@ class FileOptions:
     threads: int = 4
 
     def __post_init__(self) -> None:
+        non_empty_string("path", self.path)
         if self.max_bytes is None and self.max_blocks is None:
-            raise ValueError("set max_bytes and/or max_blocks: a file tier must be bounded")
+            raise FieldError("max_bytes", "max_bytes and/or max_blocks: a file tier must be bounded")
         if self.max_bytes is not None:
-            object.__setattr__(self, "max_bytes", parse_size(self.max_bytes))
-            if self.max_bytes <= 0:
-                raise ValueError("max_bytes must be positive")
-        if self.max_blocks is not None and self.max_blocks <= 0:
-            raise ValueError("max_blocks must be positive")
-        if self.max_age_s is not None and self.max_age_s <= 0:
-            raise ValueError("max_age_s must be positive")
-        if self.gc_interval_s <= 0 or not 0 < self.gc_low_watermark <= 1 or self.threads < 1:
-            raise ValueError("need gc_interval_s > 0, 0 < gc_low_watermark <= 1, threads >= 1")
+            try:
+                size = parse_size(self.max_bytes)
+            except (ValueError, OverflowError):
+                raise FieldError("max_bytes", "a size such as 20GiB or an integer", self.max_bytes) from None
+            object.__setattr__(self, "max_bytes", int_in_range("max_bytes", size, 1, MAX_FILE_TIER_BYTES))
+        if self.max_blocks is not None:
+            int_in_range("max_blocks", self.max_blocks, 1, MAX_FILE_TIER_BYTES)
+        if self.max_age_s is not None:
+            number_in_range("max_age_s", self.max_age_s, 0.0, MAX_AGE_S, low_open=True)
+        positive_timeout_s("gc_interval_s", self.gc_interval_s)
+        fraction("gc_low_watermark", self.gc_low_watermark, low_open=True)
+        worker_count("threads", self.threads)
 
 
 @dataclass

@@ -69,6 +69,7 @@ import xxhash
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.validate import MAX_RETRIES, int_in_range, positive_timeout_s, redis_url, worker_count
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ _MICROSECONDS = 1_000_000
 _MILLISECONDS = 1000
 _SENDMSG_MAX_BUFFERS = 512
 """Below the kernel's IOV_MAX (1024) per sendmsg call."""
+
+
+MAX_PIPELINE_BYTES = 1 << 30
+"""Most value bytes in flight per socket (``pipeline_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,12 @@ class RedisOptions:
     breaker_backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
+        redis_url("url", self.url)
+        worker_count("connections", self.connections)
+        int_in_range("pipeline_bytes", self.pipeline_bytes, 1, MAX_PIPELINE_BYTES)
+        int_in_range("breaker_failures", self.breaker_failures, 1, MAX_RETRIES)
+        for name in ("timeout_s", "connect_timeout_s", "breaker_backoff_s", "breaker_backoff_max_s"):
+            positive_timeout_s(name, getattr(self, name))
         parsed = urlparse(self.url)
         if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
             raise ValueError(f"url must be redis://host:port or rediss://host:port, got {self.url!r}")
