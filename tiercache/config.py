@@ -17,7 +17,6 @@ import importlib.resources
 import inspect
 import math
 import os
-import re
 import types
 import typing
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from tiercache.validate import (
     int_in_range,
     non_empty_string,
     number_in_range,
+    parse_size,
     positive_timeout_ms,
     queue_size,
     worker_count,
@@ -157,31 +157,6 @@ class TierCacheConfig:
             if tier.name == name:
                 return tier
         raise KeyError(name)
-
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: int | str) -> int:
-    """``4GiB``, ``512 MB`` or a plain integer -> bytes (ValueError if malformed)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = _SIZE_PATTERN.match(str(value))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {value!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
 def _type_name(tp: Any) -> str:

@@ -12,6 +12,7 @@ or exhaust the machine at start instead of failing at load time.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 from urllib.parse import urlparse
 
@@ -130,3 +131,28 @@ def redis_url(field: str, value: Any) -> str:
     if parsed.query or parsed.fragment or parsed.params:
         raise FieldError(field, expected + " and no query string", value)
     return value
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str) -> int:
+    """``4GiB``, ``512 MB`` or a plain integer -> bytes (ValueError if malformed)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE_PATTERN.match(str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
