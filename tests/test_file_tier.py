@@ -84,6 +84,23 @@ async def test_another_writer_is_seen_without_restart(tmp_path) -> None:
         await reader.close()
 
 
+async def test_a_reader_process_finds_what_a_writer_process_committed(tmp_path) -> None:
+    directory = tmp_path / "tier"
+    reader = await open_tier(directory)  # open (and index the empty directory) before the writer exists
+    try:
+        (tmp_path / "go").touch()
+        command = [sys.executable, str(TESTS / "file_tier_writer.py"), str(directory), str(1 << 30), "2", "5", "7"]
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
+        assert done.returncode == 0 and int(done.stdout) == 10, done.stderr
+        for index in range(2):  # the writer's batches, regenerated from its seed
+            keys, payloads = random_blocks(5, BLOCK, seed=7 * 100_000 + index)
+            out = empty_dests(5, BLOCK)
+            assert await reader.get_into(keys, out) == [True] * 5
+            assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+    finally:
+        await reader.close()
+
+
 def entry_of(tier: FileTier, key: bytes):
     return tier.store.index.get(key)
 
