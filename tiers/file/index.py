@@ -85,7 +85,9 @@ class SegmentIndex:
         """Scan the new tails of other writers' segments; forget segments that are gone."""
         segments = list_segments(self.root)
         present = {segment.name for segment in segments}
-        self.forget([name for name in [*self._scanned, *self._own] if name not in present])
+        with self._lock:
+            known = [*self._scanned, *self._own]
+        self.forget([name for name in known if name not in present])
         self.counts["index_refreshes"] += 1
         for segment in segments:
             start = self._scanned.get(segment.name, 0)

@@ -29,7 +29,6 @@ RECORD_MAGIC = b"TCSG"
 RECORD = struct.Struct("<4sB3x16sQQ")
 RECORD_CHECK = struct.Struct("<Q")
 RECORD_HEADER_SIZE = RECORD.size + RECORD_CHECK.size
-KEY_BYTES = 16
 
 
 class RecordKind(enum.IntEnum):
@@ -65,7 +64,7 @@ def parse_header(data: memoryview | bytes) -> tuple[RecordKind, bytes, int, int]
         return None
     head = bytes(data[: RECORD.size])
     (check,) = RECORD_CHECK.unpack_from(data, RECORD.size)
-    if head[:4] != RECORD_MAGIC or xxhash.xxh3_64_intdigest(head) != check:
+    if head[: len(RECORD_MAGIC)] != RECORD_MAGIC or xxhash.xxh3_64_intdigest(head) != check:
         return None
     _magic, kind, key, version, length = RECORD.unpack(head)
     try:

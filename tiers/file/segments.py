@@ -43,8 +43,8 @@ from tiercache.tiers.file.index import Entry, SegmentIndex
 from tiercache.tiers.file.options import FileOptions
 from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header, verify_in_place
 
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-"""Most buffers one ``pwritev`` takes."""
+IOV_MAX = os.sysconf("SC_IOV_MAX")
+"""Most buffers one ``pwritev`` / ``preadv`` takes."""
 RUN_BLOCKS = IOV_MAX // 3
 """Most back-to-back records one read ``preadv`` covers (three buffers each)."""
 WRITER_ID_HEX = 8
@@ -52,7 +52,7 @@ WRITER_ID_HEX = 8
 
 
 class ReadResult(enum.Enum):
-    """A read that did not get as far as validating a value."""
+    """A read's outcome other than a failed validation (that is the codec's ``DecodeStatus``)."""
 
     HIT = "hit"
     MISS = "miss"
