@@ -15,6 +15,7 @@ import torch
 MEMINFO = Path("/proc/meminfo")
 """Linux's memory report; its ``MemAvailable`` line is the kernel's estimate of allocatable memory."""
 KIB = 1024
+"""Bytes per kB as /proc/meminfo counts them."""
 
 
 def host_memory_available() -> int:
