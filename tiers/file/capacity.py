@@ -60,6 +60,56 @@ def list_segments(root: Path) -> list[SegmentFile]:
     return found
 
 
+class SegmentSizes:
+    """Sizes of a directory's segments, statting only the ones that may still grow.
+
+    A writer appends only to its newest segment (``<writer>.<seq>.seg``) and
+    reserves (extends) a batch's bytes before it ever rolls to the next one, so
+    once a later sequence of the same writer exists, a segment's size is final:
+    it is remembered and not statted again. Each call costs one directory
+    listing plus one ``stat`` per writer (its newest segment), not one per segment.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._final: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def current(self) -> dict[str, int]:
+        """Segment name -> size, for every segment present now."""
+        try:
+            with os.scandir(self.root) as entries:
+                names = [entry.name for entry in entries if entry.name.endswith(SEGMENT_SUFFIX)]
+        except FileNotFoundError:
+            return {}
+        parts = {name: _writer_and_sequence(name) for name in names}
+        newest: dict[str, tuple[int, str]] = {}
+        for writer, sequence in parts.values():
+            newest[writer] = max(newest.get(writer, sequence), sequence)
+        with self._lock:
+            final = {name: size for name, size in self._final.items() if name in parts}
+        sizes = {}
+        for name, (writer, sequence) in parts.items():
+            if name in final:
+                sizes[name] = final[name]
+                continue
+            try:
+                sizes[name] = os.stat(os.path.join(self.root, name)).st_size
+            except FileNotFoundError:
+                continue
+            if sequence < newest[writer]:
+                final[name] = sizes[name]
+        with self._lock:
+            self._final = final
+        return sizes
+
+
+def _writer_and_sequence(name: str) -> tuple[str, tuple[int, str]]:
+    """``<writer>.<seq>.seg`` -> (writer, sortable sequence); odd names are their own writer."""
+    writer, _, sequence = name[: -len(SEGMENT_SUFFIX)].rpartition(".")
+    return writer, (int(sequence) if sequence.isdigit() else -1, sequence)
+
+
 class DirectoryLock:
     """The capacity lock of one directory: a thread lock plus an exclusive ``flock``."""
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.tiers.file.capacity import list_segments
+from tiercache.tiers.file.capacity import SegmentSizes
 from tiercache.tiers.file.records import Record, RecordKind, scan
 
 
@@ -44,6 +44,7 @@ class SegmentIndex:
         self._scanned: dict[str, int] = {}
         self._fds: dict[str, int] = {}
         self._own: set[str] = set()
+        self._sizes = SegmentSizes(root)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,28 +84,27 @@ class SegmentIndex:
 
     def refresh(self) -> None:
         """Scan the new tails of other writers' segments; forget segments that are gone."""
-        segments = list_segments(self.root)
-        present = {segment.name for segment in segments}
+        sizes = self._sizes.current()
         with self._lock:
             known = [*self._scanned, *self._own]
-        self.forget([name for name in known if name not in present])
+        self.forget([name for name in known if name not in sizes])
         self.counts["index_refreshes"] += 1
-        for segment in segments:
-            start = self._scanned.get(segment.name, 0)
-            if segment.name in self._own or segment.size <= start:
+        for name, size in sizes.items():
+            start = self._scanned.get(name, 0)
+            if name in self._own or size <= start:
                 continue
-            fd = self.fd(segment.name)
+            fd = self.fd(name)
             if fd is None:
                 continue
             try:
-                records, stop = scan(fd, start, segment.size, self.max_body)
+                records, stop = scan(fd, start, size, self.max_body)
             except OSError:
                 self.counts["scan_errors"] += 1
                 continue
             with self._lock:
                 for record in records:
-                    self._apply(segment.name, record)
-                self._scanned[segment.name] = stop
+                    self._apply(name, record)
+                self._scanned[name] = stop
 
     def _apply(self, segment: str, record: Record) -> None:
         """Fold one record into the index (newest version wins; tombstones hide older values)."""

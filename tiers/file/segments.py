@@ -34,6 +34,8 @@ from tiercache.tiers.file.capacity import (
     SEGMENT_SUFFIX,
     DirectoryLock,
     Freed,
+    SegmentFile,
+    SegmentSizes,
     expire,
     free_down_to,
     list_segments,
@@ -89,6 +91,7 @@ class SegmentStore:
         self._active: _Active | None = None
         self._lock = threading.Lock()
         self.index = SegmentIndex(root, self.max_body, counts)
+        self._sizes = SegmentSizes(root)
         self._dirlock = DirectoryLock(root)
         self._local = threading.local()
 
@@ -275,9 +278,11 @@ class SegmentStore:
         freed = Freed()
         try:
             with self._dirlock.held():
-                segments = list_segments(self.root)
-                usage = sum(segment.size for segment in segments)
+                usage = sum(self._sizes.current().values())
+                segments: list[SegmentFile] = []
                 if usage + total > self.bound:
+                    segments = list_segments(self.root)
+                    usage = sum(segment.size for segment in segments)
                     target = int(self.bound * self.options.gc_low_watermark) - total
                     usage = free_down_to(segments, usage, target, freed)
                 if usage + total > self.bound:
@@ -292,6 +297,7 @@ class SegmentStore:
                         raise
                     # The disk is smaller than the bound: free a watermark's worth below what is there.
                     self.counts["gc_nospace"] += 1
+                    segments = segments or list_segments(self.root)
                     target = int(usage * self.options.gc_low_watermark) - total
                     usage = free_down_to([s for s in segments if s.name not in freed.segments], usage, target, freed)
                     reserve_space(active.fd, active.end, total)
