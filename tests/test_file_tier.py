@@ -242,8 +242,9 @@ def small_disk(tmp_path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-async def test_a_disk_smaller_than_max_bytes_frees_space_itself(small_disk) -> None:
-    tier = await open_tier(small_disk, max_blocks=None, max_bytes="1GiB", segment_bytes=4 * RECORD)
+@pytest.mark.parametrize("segment_bytes", [4 * RECORD, "1GiB"], ids=["small segments", "one segment fills the disk"])
+async def test_a_disk_smaller_than_max_bytes_frees_space_itself(small_disk, segment_bytes) -> None:
+    tier = await open_tier(small_disk, max_blocks=None, max_bytes="1GiB", segment_bytes=segment_bytes)
     try:
         stored = 0
         for seed in range(40):  # 40 x 4 x ~32 KiB = 5 MiB through a 2 MiB disk

@@ -300,7 +300,11 @@ class SegmentStore:
                     segments = segments or list_segments(self.root)
                     target = int(usage * self.options.gc_low_watermark) - total
                     usage = free_down_to([s for s in segments if s.name not in freed.segments], usage, target, freed)
-                    reserve_space(active.fd, active.end, total)
+                    try:
+                        reserve_space(active.fd, active.end, total)
+                    except OSError:
+                        self._retire(active)  # this segment may be what fills the disk: let GC take it next time
+                        raise
                 start = active.end
                 active.end += total
                 active.writers += 1
