@@ -235,7 +235,38 @@ def _bad_timeout(rng: random.Random, data: dict) -> str:
     return "timeout " + ".".join(map(str, path))
 
 
+VALID_CHANGES: list[tuple[str, Any]] = [
+    ("capacity_blocks", 64),
+    ("policy", "arc"),
+    ("write_policy", "write_back"),
+    ("admit_after_hits", 3),
+    ("url", "redis://user:secret@127.0.0.1:6390/2"),
+    ("central_url", "rediss://central.example:6380/0"),
+    ("replication_workers", 8),
+    ("socket_timeout_ms", 250),
+    ("timeout_s", 0.25),
+    ("max_bytes", "2GiB"),
+    ("threads", 8),
+    ("segment_bytes", "16MiB"),
+    ("latency_ms", 3.0),
+]
+
+
+def _valid_change(rng: random.Random, data: dict) -> str:
+    """A change within the documented ranges: the topology must stay acceptable (and usable)."""
+    name, value = rng.choice(VALID_CHANGES)
+    paths = _fields_named(data, {name})
+    if not paths:
+        data.setdefault("queues", {})["remote_lookup_timeout_ms"] = rng.choice([50, 500.0])
+        return "valid queues.remote_lookup_timeout_ms"
+    _set(data, rng.choice(paths), value)
+    return f"valid {name}"
+
+
 DATA_MUTATIONS: list[Callable[[random.Random, dict], str]] = [
+    _valid_change,
+    _valid_change,
+    _valid_change,
     _any_value,
     _any_value,
     _huge_capacity,

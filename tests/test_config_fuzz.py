@@ -15,9 +15,13 @@ import pytest
 import yaml
 from config_mutations import CONFIG_DIR, NESTING_DEPTH, mutated_topologies
 from redis.connection import parse_url
+from redis_servers import FINGERPRINT
 
+from tiercache.codec import Codec
 from tiercache.config import ConfigError, TierCacheConfig, load_config
 from tiercache.machine import host_memory_available
+from tiercache.tiers import tier_class
+from tiercache.tiers.base import RemoteContext
 
 SEED = 20261123
 CASES = 320
@@ -35,8 +39,11 @@ def outcome_of(path: Path) -> tuple[str, TierCacheConfig | None, str]:
 
 
 def check_usable(config: TierCacheConfig) -> None:
-    """What an accepted topology promises: parsable URLs, local tiers that fit in memory."""
+    """What an accepted topology promises: remote tiers that can be built, URLs that redis-py parses,
+    local tiers that fit in memory, lookups and prefetches that can succeed."""
+    codec = Codec(FINGERPRINT)
     for tier in config.tiers[2:]:
+        tier_class(tier.type)(RemoteContext(tier.name, codec, config.layout.bytes_per_block), tier.options)
         options = dataclasses.asdict(tier.options)
         for name in URL_FIELDS:
             if options.get(name):
