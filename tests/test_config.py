@@ -80,7 +80,7 @@ BAD_CONFIGS = [
     ("no local capacity", lambda d: d["tiers"][0].pop("capacity_blocks"), "tiers[0].capacity_blocks", "required"),
     ("both capacities", lambda d: d["tiers"][0].update(capacity_bytes=1 << 20), "tiers[0]", "not both"),
     ("unknown policy option", lambda d: d["tiers"][0].update(policy_options={"x": 3}), "policy_options.x", "one of"),
-    ("zero concurrency", lambda d: d["queues"].update(transfer_concurrency=0), "queues.transfer_concurrency", ">= 1"),
+    ("zero concurrency", lambda d: d["queues"].update(transfer_concurrency=0), "queues.transfer_concurrency", "[1,"),
     ("bad prefetch", lambda d: d["queues"].update(prefetch="psychic"), "queues.prefetch", "one of"),
     ("capacity below one block", lambda d: d["tiers"][1].update(capacity_bytes=10), "tiers[1].capacity_bytes", "block"),
 ]

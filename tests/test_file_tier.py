@@ -1,10 +1,16 @@
-"""The file tier: atomic writes, validation, GC by capacity and age, stats; and the breaker."""
+"""The file tier: segments, validation, cross-process visibility, capacity across processes and on a full disk."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from redis_servers import OTHER_FINGERPRINT, empty_dests, random_blocks, remote_context
@@ -13,10 +19,15 @@ from tiercache.breaker import BreakerState, CircuitBreaker
 from tiercache.codec import HEADER_SIZE, Codec
 from tiercache.config import ConfigError, build_dataclass
 from tiercache.tiers import tier_class
-from tiercache.tiers.file import STALE_TEMP_AGE_S, FileOptions, FileTier
+from tiercache.tiers.file import FileOptions, FileTier
+from tiercache.tiers.file.capacity import DirectoryLock, list_segments
+from tiercache.tiers.file.records import RECORD_HEADER_SIZE, RecordKind, pack_header
 
 BLOCK = 32 * 1024
-FILE_BYTES = BLOCK + HEADER_SIZE
+RECORD = RECORD_HEADER_SIZE + HEADER_SIZE + BLOCK
+TESTS = Path(__file__).resolve().parent
+WATCH_PAUSE_S = 0.0005
+"""Pause between a watcher's measurements, so it does not hog the directory lock the writers need."""
 
 
 async def open_tier(path: os.PathLike, **options: object) -> FileTier:
@@ -25,15 +36,17 @@ async def open_tier(path: os.PathLike, **options: object) -> FileTier:
     return tier
 
 
-async def test_round_trip_layout_and_stats(tmp_path) -> None:
+def directory_bytes(path: Path) -> int:
+    return sum(segment.size for segment in list_segments(path))
+
+
+async def test_round_trip_segments_and_stats(tmp_path) -> None:
     tier = await open_tier(tmp_path)
     try:
         keys, payloads = random_blocks(20, BLOCK)
         assert await tier.put(keys, payloads) == [True] * 20
-        path = tier.path_of(keys[0])
-        hexname = keys[0].hex()
-        assert path == tmp_path / hexname[:2] / hexname[2:4] / f"{hexname}.kv"
-        assert path.stat().st_size == FILE_BYTES
+        segments = list_segments(tmp_path)
+        assert len(segments) == 1 and segments[0].size == 20 * RECORD  # one batch, one segment, no file per block
         out = empty_dests(20, BLOCK)
         assert await tier.get_into(keys, out) == [True] * 20
         assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
@@ -42,88 +55,243 @@ async def test_round_trip_layout_and_stats(tmp_path) -> None:
         assert await tier.get_into(keys[:5], out[:5]) == [False] * 4 + [True]
         stats = tier.stats()
         assert stats["put_ok"] == 20 and stats["get_hit"] == 21 and stats["get_miss"] == 4
-        assert stats["hits"] == 21 and stats["misses"] == 4
-        assert stats["bytes_written"] == 20 * FILE_BYTES and stats["bytes_read"] == 21 * BLOCK
-        assert stats["used_blocks"] == 16 and stats["used_bytes"] == 16 * FILE_BYTES
-        assert not list(tmp_path.rglob("*.tmp"))
+        assert stats["hits"] == 21 and stats["misses"] == 4 and stats["delete_ok"] == 4
+        assert stats["bytes_read"] == 21 * BLOCK and stats["used_blocks"] == 16
     finally:
         await tier.close()
+    reopened = await open_tier(tmp_path)  # a restart rebuilds the index, tombstones included
+    try:
+        assert await reopened.contains(keys[:5]) == [False] * 4 + [True]
+    finally:
+        await reopened.close()
 
 
-async def test_bad_files_are_misses(tmp_path) -> None:
+async def test_another_writer_is_seen_without_restart(tmp_path) -> None:
+    writer, reader = await open_tier(tmp_path), await open_tier(tmp_path)
+    try:
+        keys, payloads = random_blocks(8, BLOCK)
+        assert await reader.contains(keys) == [False] * 8
+        assert all(await writer.put(keys, payloads))
+        out = empty_dests(8, BLOCK)
+        assert await reader.get_into(keys, out) == [True] * 8
+        assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+        await writer.delete(keys[:2])
+        assert await reader.contains(keys[:3]) == [True] * 3  # the reader's index is still warm...
+        await reader.gc()  # ...until its next pass reads the tombstones
+        assert await reader.contains(keys[:3]) == [False, False, True]
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_a_reader_process_finds_what_a_writer_process_committed(tmp_path) -> None:
+    directory = tmp_path / "tier"
+    reader = await open_tier(directory)  # open (and index the empty directory) before the writer exists
+    try:
+        (tmp_path / "go").touch()
+        command = [sys.executable, str(TESTS / "file_tier_writer.py"), str(directory), str(1 << 30), "2", "5", "7"]
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
+        assert done.returncode == 0 and int(done.stdout) == 10, done.stderr
+        for index in range(2):  # the writer's batches, regenerated from its seed
+            keys, payloads = random_blocks(5, BLOCK, seed=7 * 100_000 + index)
+            out = empty_dests(5, BLOCK)
+            assert await reader.get_into(keys, out) == [True] * 5
+            assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+    finally:
+        await reader.close()
+
+
+def entry_of(tier: FileTier, key: bytes):
+    return tier.store.index.get(key)
+
+
+async def test_bad_values_are_misses_deleted_and_counted(tmp_path) -> None:
     tier = await open_tier(tmp_path, compress=True)
+    other = FileTier(
+        remote_context(BLOCK).__class__("o", Codec(OTHER_FINGERPRINT), BLOCK), FileOptions(str(tmp_path), max_blocks=99)
+    )
+    await other.start()
     try:
         keys, payloads = random_blocks(6, BLOCK)
         payloads[5][:] = bytes(BLOCK)
         assert all(await tier.put(keys, payloads))
-        assert tier.path_of(keys[5]).stat().st_size < FILE_BYTES // 10
-        tier.path_of(keys[0]).write_bytes(os.urandom(FILE_BYTES))
-        whole = tier.path_of(keys[1]).read_bytes()
-        tier.path_of(keys[1]).write_bytes(whole[: len(whole) // 2])
-        tier.path_of(keys[2]).write_bytes(Codec(OTHER_FINGERPRINT).encode_value(keys[2], payloads[2]))
-        tier.path_of(keys[3]).write_bytes(whole + b"extra")
-        out = empty_dests(6, BLOCK)
-        assert await tier.get_into(keys, out) == [False, False, False, False, True, True]
-        assert bytes(out[5]) == bytes(BLOCK)
-        stats = tier.stats()
-        assert stats["get_bad_magic"] == 1 and stats["get_truncated"] == 1
-        assert stats["get_wrong_namespace"] == 1 and stats["get_bad_length"] == 1
-    finally:
-        await tier.close()
-
-
-async def test_concurrent_writers_of_one_key_leave_a_whole_value(tmp_path) -> None:
-    writers = [await open_tier(tmp_path) for _ in range(3)]
-    try:
-        keys, _ = random_blocks(1, BLOCK)
-        values = [random_blocks(1, BLOCK, seed=s)[1] for s in range(3)]
-        for _ in range(5):
-            await asyncio.gather(*(w.put(keys, v) for w, v in zip(writers, values, strict=True)))
-        out = empty_dests(1, BLOCK)
-        assert await writers[0].get_into(keys, out) == [True]
-        assert bytes(out[0]) in {bytes(v[0]) for v in values}
-        assert not list(tmp_path.rglob("*.tmp"))
-    finally:
-        for writer in writers:
-            await writer.close()
-
-
-async def test_gc_by_capacity_keeps_recently_used(tmp_path) -> None:
-    tier = await open_tier(tmp_path, max_blocks=None, max_bytes=10 * FILE_BYTES, gc_low_watermark=0.5)
-    try:
-        keys, payloads = random_blocks(16, BLOCK)
-        for key, payload in zip(keys[:10], payloads[:10], strict=True):
-            assert await tier.put([key], [payload]) == [True]
-            await asyncio.sleep(0.01)  # distinct mtimes
-        assert await tier.get_into(keys[:1], empty_dests(1, BLOCK)) == [True]  # touch: most recent
-        assert await tier.put(keys[10:12], payloads[10:12]) == [True, True]
-        present = await tier.contains(keys[:12])
-        assert present[0] and present[10] and present[11]
-        assert sum(present) <= 5 + 2
-        files = list(tmp_path.rglob("*.kv"))
-        assert sum(f.stat().st_size for f in files) <= 10 * FILE_BYTES
-        assert tier.stats()["gc_removed_blocks"] >= 5
-        assert await tier.put(keys, payloads) == [False] * 16  # larger than the whole tier
-        assert tier.stats()["put_full"] == 16
-    finally:
-        await tier.close()
-
-
-async def test_gc_by_age_and_stale_temp_files(tmp_path) -> None:
-    tier = await open_tier(tmp_path, max_age_s=60.0)
-    try:
-        keys, payloads = random_blocks(3, BLOCK)
-        await tier.put(keys, payloads)
-        old = time.time() - 120
-        os.utime(tier.path_of(keys[0]), (old, old))
-        stale = tier.path_of(keys[1]).with_name(".dead-writer.tmp")
-        stale.write_bytes(b"partial")
-        long_ago = time.time() - STALE_TEMP_AGE_S - 1
-        os.utime(stale, (long_ago, long_ago))
+        assert entry_of(tier, keys[5]).length < BLOCK // 10  # lz4
+        segment = tmp_path / entry_of(tier, keys[0]).segment
+        with open(segment, "r+b") as handle:
+            for key in keys[:2]:
+                entry = entry_of(tier, key)
+                handle.seek(entry.offset + entry.length - 1)
+                handle.write(b"\x00" if key == keys[0] else b"\xff")  # flip the last byte / corrupt
+        assert all(await other.put(keys[2:3], payloads[2:3]))  # newer value, wrong namespace
         await tier.gc()
-        assert await tier.contains(keys) == [False, True, True]
-        assert not stale.exists()
-        assert tier.stats()["gc_expired"] == 1 and tier.stats()["gc_stale_temps"] == 1
+        out = empty_dests(6, BLOCK)
+        assert await tier.get_into(keys, out) == [False, False, False, True, True, True]
+        assert [bytes(o) for o in out[3:]] == [bytes(p) for p in payloads[3:]]
+        stats = tier.stats()
+        assert stats["get_bad_checksum"] + stats.get("get_bad_compression", 0) == 2
+        assert stats["get_wrong_namespace"] == 1
+        assert stats["invalid_deleted"] == 3
+        assert await tier.contains(keys[:3]) == [False] * 3  # deleted, not read again
+    finally:
+        await tier.close()
+        await other.close()
+
+
+async def test_torn_writes_are_misses_never_wrong(tmp_path) -> None:
+    tier = await open_tier(tmp_path)
+    keys, payloads = random_blocks(4, BLOCK)
+    try:
+        assert all(await tier.put(keys[:2], payloads[:2]))
+    finally:
+        await tier.close()
+    segment = list_segments(tmp_path)[0].path
+    value = Codec(remote_context(BLOCK).codec.fingerprint).encode_value(keys[2], payloads[2])
+    with open(segment, "ab") as handle:  # a crash after the header, halfway through the body
+        handle.write(pack_header(RecordKind.VALUE, keys[2], time.time_ns(), len(value)) + value[: len(value) // 2])
+    torn_header = tmp_path / "crashed-writer.000001.seg"
+    torn_header.write_bytes(pack_header(RecordKind.VALUE, keys[3], 1, len(value))[:30])
+    reopened = await open_tier(tmp_path)
+    try:
+        out = empty_dests(4, BLOCK)
+        assert await reopened.get_into(keys, out) == [True, True, False, False]
+        assert [bytes(o) for o in out[:2]] == [bytes(p) for p in payloads[:2]]
+    finally:
+        await reopened.close()
+
+
+@contextlib.contextmanager
+def watching(path: Path) -> Iterator[list[int]]:
+    """A thread measuring the directory under its lock (a consistent snapshot) until the block ends."""
+    peak = [0]
+    stop = threading.Event()
+    lock = DirectoryLock(path)
+
+    def watch() -> None:
+        while not stop.wait(WATCH_PAUSE_S):
+            with lock.held():
+                peak[0] = max(peak[0], directory_bytes(path))
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
+        lock.close()
+        peak[0] = max(peak[0], directory_bytes(path))
+
+
+async def test_concurrent_batches_stay_under_the_bound(tmp_path) -> None:
+    """Issue 11: 20 concurrent batches of 10 under max_blocks 100 left 200 files."""
+    tier = await open_tier(tmp_path, max_blocks=100, segment_bytes=10 * RECORD)
+    try:
+        batches = [random_blocks(10, BLOCK, seed=s) for s in range(20)]
+        with watching(tmp_path) as peak:
+            results = await asyncio.gather(*(tier.put(keys, payloads) for keys, payloads in batches))
+        assert peak[0] <= 100 * RECORD
+        assert sum(map(sum, results)) >= 100  # GC made room for later batches
+        assert tier.stats()["gc_removed_segments"] > 0
+        pairs = [zip(keys, oks, strict=True) for (keys, _), oks in zip(batches, results, strict=True)]
+        stored = [key for pair in pairs for key, ok in pair if ok]
+        present = await tier.contains(stored)
+        assert 0 < sum(present) <= 100
+    finally:
+        await tier.close()
+
+
+def test_processes_sharing_a_directory_stay_under_the_bound(tmp_path) -> None:
+    """Issue 11: two processes peaked at 1.14x max_bytes, four at 1.20x."""
+    directory = tmp_path / "tier"
+    directory.mkdir()
+    max_bytes, writers, batches, batch = 60 * RECORD, 4, 12, 5
+    command = [sys.executable, str(TESTS / "file_tier_writer.py"), str(directory), str(max_bytes), str(batches)]
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    procs = [
+        subprocess.Popen([*command, str(batch), str(seed)], stdout=subprocess.PIPE, text=True, env=env)
+        for seed in range(1, writers + 1)
+    ]
+    try:
+        while len(list(tmp_path.glob("ready-*"))) < writers:
+            assert all(proc.poll() is None for proc in procs), "a writer died before the gate"
+            time.sleep(0.005)
+        with watching(directory) as peak:
+            (tmp_path / "go").touch()
+            outputs = [proc.communicate()[0] for proc in procs]
+        assert all(proc.returncode == 0 for proc in procs)
+        assert sum(int(out) for out in outputs) > max_bytes // RECORD  # the bound was reached and GC'd through
+        assert peak[0] <= max_bytes, f"peak {peak[0] / max_bytes:.2f}x the bound"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 2 MiB tmpfs: a disk smaller than the tier's max_bytes (needs root to mount)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("segment_bytes", [4 * RECORD, "1GiB"], ids=["small segments", "one segment fills the disk"])
+async def test_a_disk_smaller_than_max_bytes_frees_space_itself(small_disk, segment_bytes) -> None:
+    tier = await open_tier(small_disk, max_blocks=None, max_bytes="1GiB", segment_bytes=segment_bytes)
+    try:
+        stored = 0
+        for seed in range(40):  # 40 x 4 x ~32 KiB = 5 MiB through a 2 MiB disk
+            keys, payloads = random_blocks(4, BLOCK, seed=seed)
+            stored += sum(await tier.put(keys, payloads))
+            assert directory_bytes(small_disk) <= 2 << 20
+        stats = tier.stats()
+        assert stats["gc_nospace"] > 0 and stats["gc_removed_segments"] > 0
+        assert stored >= 150, stats  # nearly every batch found room after GC
+        keys, payloads = random_blocks(4, BLOCK, seed=39)
+        out = empty_dests(4, BLOCK)
+        assert await tier.get_into(keys, out) == [True] * 4
+        assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
+    finally:
+        await tier.close()
+
+
+async def test_gc_by_capacity_keeps_recently_used_segments(tmp_path) -> None:
+    tier = await open_tier(tmp_path, max_blocks=10, segment_bytes=2 * RECORD, gc_low_watermark=0.6)
+    try:
+        batches = [random_blocks(2, BLOCK, seed=s) for s in range(6)]
+        for index, (keys, payloads) in enumerate(batches[:5]):
+            assert all(await tier.put(keys, payloads))
+            stamp = time.time() - 1000 + index
+            os.utime(tmp_path / entry_of(tier, keys[0]).segment, (stamp, stamp))
+        assert await tier.get_into(batches[0][0][:1], empty_dests(1, BLOCK)) == [True]  # touch: most recent
+        assert all(await tier.put(*batches[5]))
+        assert await tier.contains(batches[0][0]) == [True, True]
+        assert await tier.contains(batches[1][0] + batches[2][0]) == [False] * 4  # oldest freed to 60%
+        assert directory_bytes(tmp_path) <= 10 * RECORD
+        many = random_blocks(11, BLOCK, seed=99)
+        assert await tier.put(*many) == [False] * 11  # larger than the whole tier
+        assert tier.stats()["put_full"] == 11
+    finally:
+        await tier.close()
+
+
+async def test_gc_by_age(tmp_path) -> None:
+    tier = await open_tier(tmp_path, max_age_s=60.0, segment_bytes=2 * RECORD)
+    try:
+        old, new = random_blocks(2, BLOCK, seed=1), random_blocks(2, BLOCK, seed=2)
+        assert all(await tier.put(*old)) and all(await tier.put(*new))
+        long_ago = time.time() - 120
+        os.utime(tmp_path / entry_of(tier, old[0][0]).segment, (long_ago, long_ago))
+        await tier.gc()
+        assert await tier.contains(old[0] + new[0]) == [False, False, True, True]
+        assert tier.stats()["gc_expired"] == 1
     finally:
         await tier.close()
 
@@ -131,9 +299,11 @@ async def test_gc_by_age_and_stale_temp_files(tmp_path) -> None:
 def test_file_options_need_a_bound() -> None:
     options_type = tier_class("file").Options
     built = build_dataclass(options_type, {"path": "/x", "max_bytes": "1GiB"}, "t.yaml", "o")
-    assert built.max_bytes == 2**30
+    assert built.max_bytes == 2**30 and built.bound_bytes(RECORD) == 2**30
     with pytest.raises(ConfigError, match="bounded"):
         build_dataclass(options_type, {"path": "/x"}, "t.yaml", "o")
+    with pytest.raises(ConfigError, match=r"o\.segment_bytes"):
+        build_dataclass(options_type, {"path": "/x", "max_blocks": 3, "segment_bytes": "1KiB"}, "t.yaml", "o")
 
 
 def test_breaker_opens_backs_off_and_recovers() -> None:

@@ -10,15 +10,9 @@ YAML scalars.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import enum
 import importlib.resources
-import inspect
 import os
-import re
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,25 +20,29 @@ from typing import Any
 
 import yaml
 
+from tiercache.config_checks import validate_hierarchy, validate_tier
+from tiercache.config_env import ENV_PREFIX, apply_env_overrides
 from tiercache.cost import CostConfig
 from tiercache.event_config import EventsConfig
 from tiercache.layout import KVLayout
 from tiercache.mrc import MrcConfig
-from tiercache.policies import POLICIES, policy_class
-from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, tier_class
+from tiercache.typed_config import ConfigError, build_dataclass
+from tiercache.validate import (
+    int_in_range,
+    non_empty_string,
+    number_in_range,
+    parse_size,
+    positive_timeout_ms,
+    queue_size,
+    worker_count,
+)
 
-ENV_PREFIX = "TIERCACHE_"
-
-
-class ConfigError(ValueError):
-    """A configuration problem: where (file, field) and what was expected."""
-
-    def __init__(self, source: str, field_path: str, expected: str, got: Any = dataclasses.MISSING):
-        self.source = source
-        self.field_path = field_path
-        self.expected = expected
-        got_text = "" if got is dataclasses.MISSING else f", got {got!r}"
-        super().__init__(f"{source}: {field_path or '<top level>'}: expected {expected}{got_text}")
+MAX_TP_RANK = 1 << 16
+"""Largest tensor-parallel rank accepted."""
+MAX_PREFETCH_MS_PER_1K_TOKENS = 60_000.0
+"""Largest per-1k-token growth of the prefetch deadline (a minute per 1k tokens)."""
+MAX_YAML_DEPTH_HINT = "a YAML document nested less deeply (the parser ran out of recursion)"
+"""What a topology too deeply nested for the parser is told it should be."""
 
 
 class WritePolicy(enum.Enum):
@@ -77,6 +75,13 @@ class ModelConfig:
     tp_rank: int = 0
     tenant: str | None = None
     lora: str | None = None
+    secret_env: str | None = None
+    """Name of an environment variable holding the namespace's secret (16-64 bytes): values then carry
+    a keyed MAC, so a writer without it cannot forge KV a reader accepts. Never the secret itself."""
+
+    def __post_init__(self) -> None:
+        non_empty_string("id", self.id)
+        int_in_range("tp_rank", self.tp_rank, 0, MAX_TP_RANK)
 
 
 @dataclass
@@ -106,6 +111,16 @@ class QueueConfig:
     prefetch_timeout_ms_per_1k_tokens: float = 20.0
     remote_lookup_timeout_ms: float = 200.0
 
+    def __post_init__(self) -> None:
+        worker_count("transfer_concurrency", self.transfer_concurrency)
+        queue_size("max_pending_stores", self.max_pending_stores, low=0)
+        queue_size("batch_blocks", self.batch_blocks)
+        # 0 or less would turn every prefetch / remote lookup into an instant miss.
+        positive_timeout_ms("prefetch_timeout_ms", self.prefetch_timeout_ms)
+        positive_timeout_ms("remote_lookup_timeout_ms", self.remote_lookup_timeout_ms)
+        per_1k = self.prefetch_timeout_ms_per_1k_tokens
+        number_in_range("prefetch_timeout_ms_per_1k_tokens", per_1k, 0.0, MAX_PREFETCH_MS_PER_1K_TOKENS)
+
 
 @dataclass
 class TierCacheConfig:
@@ -128,257 +143,6 @@ class TierCacheConfig:
         raise KeyError(name)
 
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: int | str) -> int:
-    """``4GiB``, ``512 MB`` or a plain integer -> bytes (ValueError if malformed)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    match = _SIZE_PATTERN.match(str(value))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {value!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "one of " + ", ".join(repr(m.value) for m in tp)
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (list, tuple):
-        return "a list"
-    if origin is dict or tp is dict:
-        return "a mapping"
-    if tp is type(None):
-        return "null"
-    if tp is Any:
-        return "any value"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
-
-
-def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
-    """Check ``value`` against the type hint ``tp`` and convert (enums, dataclasses)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            try:
-                return _convert(option, value, source, path)
-            except ConfigError:
-                continue
-        raise ConfigError(source, path, _type_name(tp), value)
-    if tp is type(None):
-        if value is None:
-            return None
-        raise ConfigError(source, path, "null", value)
-    if dataclasses.is_dataclass(tp):
-        return build_dataclass(tp, value, source, path)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(value)
-        except ValueError:
-            raise ConfigError(source, path, _type_name(tp), value) from None
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(source, path, "a list", value)
-        (item_type,) = typing.get_args(tp) or (Any,)
-        return [_convert(item_type, item, source, f"{path}[{i}]") for i, item in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(source, path, "a mapping", value)
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(source, path, "true or false", value)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(source, path, "an integer", value)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(source, path, "a number", value)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(source, path, "a string", value)
-    if isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise ConfigError(source, path, _type_name(tp), value)
-
-
-def build_dataclass(cls: type, data: Any, source: str, path: str) -> Any:
-    """Build dataclass ``cls`` from a mapping: unknown keys, missing fields and wrong types are errors."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(source, path, "a mapping", data)
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    prefix = f"{path}." if path else ""
-    for key in data:
-        if key not in fields:
-            allowed = ", ".join(sorted(fields))
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                source, f"{prefix}{key}", f"one of the known fields ({allowed}){hint}", "unknown field"
-            )
-    kwargs = {}
-    for name, f in fields.items():
-        if name in data:
-            kwargs[name] = _convert(hints[name], data[name], source, f"{prefix}{name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(source, f"{prefix}{name}", f"a value ({_type_name(hints[name])}); it is required")
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(source, path, str(error)) from None
-
-
-def _validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) -> None:
-    path = f"tiers[{index}]"
-    if tier.type not in TIER_TYPES:
-        raise ConfigError(source, f"{path}.type", f"one of {sorted(TIER_TYPES)}", tier.type)
-    tier.name = tier.name or tier.type
-    if tier.policy not in POLICIES:
-        raise ConfigError(source, f"{path}.policy", f"one of {sorted(POLICIES)}", tier.policy)
-    accepted = inspect.signature(policy_class(tier.policy)).parameters
-    for option in tier.policy_options:
-        if option == "capacity" or option not in accepted:
-            known = sorted(p for p in accepted if p != "capacity")
-            raise ConfigError(source, f"{path}.policy_options.{option}", f"one of {known}", "unknown option")
-    if tier.admit_after_hits < 1:
-        raise ConfigError(source, f"{path}.admit_after_hits", "an integer >= 1", tier.admit_after_hits)
-    if tier.capacity_bytes is not None:
-        try:
-            tier.capacity_bytes = parse_size(tier.capacity_bytes)
-        except ValueError:
-            raise ConfigError(
-                source, f"{path}.capacity_bytes", "a size such as 4GiB or an integer", tier.capacity_bytes
-            ) from None
-        if tier.capacity_bytes <= 0:
-            raise ConfigError(source, f"{path}.capacity_bytes", "a positive size", tier.capacity_bytes)
-    if tier.capacity_blocks is not None and tier.capacity_blocks <= 0:
-        raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer", tier.capacity_blocks)
-    if tier.capacity_blocks is not None and tier.capacity_bytes is not None:
-        raise ConfigError(source, f"{path}", "capacity_blocks or capacity_bytes, not both")
-    if tier.type in LOCAL_TIER_TYPES:
-        if tier.capacity_blocks is None and tier.capacity_bytes is None:
-            raise ConfigError(
-                source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required"
-            )
-        if tier.capacity_blocks is None:
-            tier.capacity_blocks = tier.capacity_bytes // layout.bytes_per_block
-            if tier.capacity_blocks <= 0:
-                raise ConfigError(
-                    source,
-                    f"{path}.capacity_bytes",
-                    f"at least one block ({layout.bytes_per_block} bytes)",
-                    tier.capacity_bytes,
-                )
-    options_type = getattr(tier_class(tier.type), "Options", None)
-    if options_type is not None:
-        tier.options = build_dataclass(options_type, tier.options or {}, source, f"{path}.options")
-    elif tier.options:
-        raise ConfigError(source, f"{path}.options", f"no options for tier type {tier.type!r}", tier.options)
-
-
-def _validate_hierarchy(config: TierCacheConfig) -> None:
-    source, tiers = config.source, config.tiers
-    if not tiers:
-        raise ConfigError(source, "tiers", "a non-empty list of tiers, the first of type 'gpu'", tiers)
-    if tiers[0].type != "gpu":
-        raise ConfigError(source, "tiers[0].type", "'gpu' (the first tier is the GPU pool)", tiers[0].type)
-    for index, tier in enumerate(tiers[1:], start=1):
-        if tier.type == "gpu":
-            raise ConfigError(source, f"tiers[{index}].type", "only one 'gpu' tier, and it must be first", tier.type)
-        if tier.type == "cpu" and index != 1:
-            raise ConfigError(source, f"tiers[{index}].type", "the 'cpu' tier directly after 'gpu'", tier.type)
-    if len(tiers) > 2 and tiers[1].type != "cpu":
-        raise ConfigError(
-            source, "tiers[1].type", "'cpu' (remote tiers stage through the pinned-CPU tier)", tiers[1].type
-        )
-    seen: set[str] = set()
-    for index, tier in enumerate(tiers):
-        if tier.name in seen:
-            raise ConfigError(source, f"tiers[{index}].name", "a name not used by another tier", tier.name)
-        seen.add(tier.name)
-    if config.queues.transfer_concurrency < 1:
-        raise ConfigError(source, "queues.transfer_concurrency", "an integer >= 1", config.queues.transfer_concurrency)
-    if config.queues.max_pending_stores < 0:
-        raise ConfigError(source, "queues.max_pending_stores", "an integer >= 0", config.queues.max_pending_stores)
-    if config.queues.batch_blocks < 1:
-        raise ConfigError(source, "queues.batch_blocks", "an integer >= 1", config.queues.batch_blocks)
-
-
-def _set_path(data: dict, parts: list[str], value: Any, variable: str) -> None:
-    node: Any = data
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        if isinstance(node, list):
-            target = None
-            if part.isdigit() and int(part) < len(node):
-                target = int(part)
-            else:
-                target = next(
-                    (
-                        i
-                        for i, item in enumerate(node)
-                        if isinstance(item, Mapping) and str(item.get("name", item.get("type"))).lower() == part
-                    ),
-                    None,
-                )
-            if target is None:
-                raise ConfigError(variable, ".".join(parts[: depth + 1]), "an existing list index or tier name", part)
-            if last:
-                node[target] = value
-            else:
-                node = node[target]
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
-        else:
-            raise ConfigError(variable, ".".join(parts[:depth]), "a mapping or list to override into", node)
-
-
-def apply_env_overrides(data: dict, environ: Mapping[str, str] | None = None) -> dict:
-    """Apply ``TIERCACHE_A__B__C=value`` overrides onto the raw mapping."""
-    environ = os.environ if environ is None else environ
-    for variable, text in sorted(environ.items()):
-        if not variable.startswith(ENV_PREFIX) or variable == "TIERCACHE_CONFIG":
-            continue
-        parts = [p.lower() for p in variable[len(ENV_PREFIX) :].split("__") if p]
-        if not parts:
-            continue
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text
-        _set_path(data, parts, value, f"environment variable {variable}")
-    return data
-
-
 def config_from_dict(data: Any, source: str = "<dict>", environ: Mapping[str, str] | None = None) -> TierCacheConfig:
     """Validate a raw mapping (as loaded from YAML) into a ``TierCacheConfig``."""
     if not isinstance(data, Mapping):
@@ -386,8 +150,8 @@ def config_from_dict(data: Any, source: str = "<dict>", environ: Mapping[str, st
     data = apply_env_overrides(dict(data), environ)
     config = build_dataclass(TierCacheConfig, {**data, "source": source}, source, "")
     for index, tier in enumerate(config.tiers):
-        _validate_tier(tier, index, source, config.layout)
-    _validate_hierarchy(config)
+        validate_tier(tier, index, source, config.layout)
+    validate_hierarchy(config)
     return config
 
 
@@ -395,11 +159,19 @@ def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None 
     """Read and validate a YAML topology file."""
     source = str(path)
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as error:
         raise ConfigError(source, "", "a readable YAML file", error.strerror) from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        bad = raw[error.start : error.end]
+        raise ConfigError(source, f"line {line}, byte {error.start}", "UTF-8 text", bad) from None
+    try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(source, "document", MAX_YAML_DEPTH_HINT) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "document"
@@ -410,3 +182,21 @@ def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None 
 def default_config_path() -> Path:
     """The embedded default topology (GPU pool + pinned CPU, no server needed)."""
     return Path(str(importlib.resources.files("tiercache.configs").joinpath("default.yaml")))
+
+
+__all__ = [
+    "ENV_PREFIX",
+    "ConfigError",
+    "ModelConfig",
+    "PrefetchPolicy",
+    "QueueConfig",
+    "TierCacheConfig",
+    "TierConfig",
+    "WritePolicy",
+    "apply_env_overrides",
+    "build_dataclass",
+    "config_from_dict",
+    "default_config_path",
+    "load_config",
+    "parse_size",
+]

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache.validate import FieldError
+
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -29,6 +31,12 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
     "uint8": torch.uint8,
 }
+
+
+MAX_LAYOUT_DIM = 1 << 20
+"""Largest layer count, head count, head size or block size accepted (larger is a typo)."""
+MAX_BLOCK_BYTES = 1 << 32
+"""Largest block: the codec and every tier size buffers per block; 4 GiB is far past any model's."""
 
 
 class MemoryOrder(enum.Enum):
@@ -50,12 +58,18 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_LAYOUT_DIM:
+                raise FieldError(name, f"a positive integer up to {MAX_LAYOUT_DIM}", value)
         if self.dtype not in DTYPES:
-            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise FieldError("dtype", f"one of {sorted(DTYPES)}", self.dtype)
         if not isinstance(self.memory, MemoryOrder):
             object.__setattr__(self, "memory", MemoryOrder(self.memory))
+        if self.bytes_per_block > MAX_BLOCK_BYTES:
+            raise FieldError(
+                "num_layers",
+                f"a layout of at most {MAX_BLOCK_BYTES} bytes per block (this one has {self.bytes_per_block})",
+                self.num_layers,
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

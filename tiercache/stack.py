@@ -9,13 +9,14 @@ the swap queue, the load runner, the mover, and the background runtime.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
 import torch
 
 from tiercache.codec import Codec
-from tiercache.config import TierCacheConfig, TierConfig
+from tiercache.config import ConfigError, TierCacheConfig, TierConfig
 from tiercache.cost import CostModel
 from tiercache.hierarchy import FillRule, Hierarchy
 from tiercache.keys import BlockHasher, Namespace
@@ -70,7 +71,7 @@ class Stack:
         self.cpu = None if cpu_config is None else CpuTier(
             cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options
         )
-        codec = Codec(self.namespace.root())
+        codec = namespace_codec(config, self.namespace)
         self.remotes = [tier_class(t.type)(RemoteContext(t.name, codec, self.layout.bytes_per_block), t.options)
                         for t in lower]
         queues = config.queues
@@ -187,6 +188,19 @@ class Stack:
                 "in_flight_copies": self.swap.in_flight if self.swap else 0,
             },
         }
+
+
+def namespace_codec(config: TierCacheConfig, namespace: Namespace) -> Codec:
+    """The value codec of a topology's namespace, keyed with ``model.secret_env``'s secret when set."""
+    name = config.model.secret_env
+    if name is None:
+        return Codec(namespace.root())
+    secret = os.environ.get(name, "")
+    try:
+        return Codec(namespace.root(), secret=secret.encode())
+    except ValueError as error:
+        expected = f"environment variable {name} set to a secret"
+        raise ConfigError(config.source, "model.secret_env", expected, str(error)) from None
 
 
 def _event_sink(config: TierCacheConfig) -> Any:

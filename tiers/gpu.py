@@ -16,8 +16,11 @@ import torch
 from tiercache.layout import KVLayout
 from tiercache.policies import EvictionPolicy
 from tiercache.slots import SlotTable
+from tiercache.validate import FieldError
 
 AUTO_DEVICE = "auto"
+DEVICE_TYPES = ("cpu", "cuda")
+"""Device types the pool can live on (``cpu`` stands in for a GPU)."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,19 @@ class GpuOptions:
     """``device``: ``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
 
     device: str = AUTO_DEVICE
+
+    def __post_init__(self) -> None:
+        expected = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+        if not isinstance(self.device, str):
+            raise FieldError("device", expected, self.device)
+        if self.device == AUTO_DEVICE:
+            return
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise FieldError("device", expected, self.device) from None
+        if device.type not in DEVICE_TYPES or (device.type == "cpu" and device.index not in (None, 0)):
+            raise FieldError("device", expected, self.device)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -153,8 +153,8 @@ async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float =
 
 def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, bool]:
     """A report of the validated topology and remote reachability, and whether every remote answered."""
-    from tiercache.codec import Codec
     from tiercache.keys import Namespace
+    from tiercache.stack import namespace_codec
     from tiercache.tiers import tier_class
     from tiercache.tiers.base import RemoteContext
 
@@ -183,7 +183,7 @@ def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) 
     all_ok = True
     if remotes:
         probe_key = BlockHasher(namespace, layout.block_size).keys([0] * layout.block_size, "tiercache-inspect")[0]
-        codec = Codec(namespace.root())
+        codec = namespace_codec(config, namespace)
         lines.append("connectivity:")
         for tier_config in remotes:
             try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from tiercache.validate import MAX_RETRIES, int_in_range, positive_timeout_s, redis_url, worker_count
+
 DEFAULT_PORT = 6379
 MAX_IN_FLIGHT = 32
 """Requests in flight per connection at most (whatever ``pipeline_bytes`` allows)."""
@@ -14,6 +16,10 @@ of a MiB-sized value then overlap with the server's work on another)."""
 DEFAULT_CONNECTIONS = {False: 1, True: 2}
 """Connections per node by default, keyed by ``block_bytes >= LARGE_VALUE_BYTES``."""
 
+
+
+MAX_PIPELINE_BYTES = 1 << 30
+"""Bytes of requests one connection may have in flight, at most (1 GiB)."""
 
 @dataclass(frozen=True)
 class RedisOptions:
@@ -66,6 +72,13 @@ class RedisOptions:
         return max(1, min(MAX_IN_FLIGHT, self.pipeline_bytes // block_bytes))
 
     def __post_init__(self) -> None:
+        redis_url("url", self.url)
+        if self.connections is not None:
+            worker_count("connections", self.connections)
+        int_in_range("pipeline_bytes", self.pipeline_bytes, 1, MAX_PIPELINE_BYTES)
+        int_in_range("breaker_failures", self.breaker_failures, 1, MAX_RETRIES)
+        for name in ("timeout_s", "connect_timeout_s", "breaker_backoff_s", "breaker_backoff_max_s"):
+            positive_timeout_s(name, getattr(self, name))
         parsed = urlparse(self.url)
         if parsed.scheme not in ("redis", "rediss") or not parsed.hostname:
             raise ValueError(f"url must be redis://host:port or rediss://host:port, got {self.url!r}")

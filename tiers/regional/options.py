@@ -14,6 +14,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tiercache.validate import (
+    MAX_RETRIES,
+    int_in_range,
+    positive_timeout_ms,
+    positive_timeout_s,
+    queue_size,
+    redis_url,
+    worker_count,
+)
+
 
 class SyncMode(enum.Enum):
     """Where engines read and write (DESIGN.md)."""
@@ -57,6 +67,18 @@ class RegionalOptions:
     """TTL of the values and version keys each commit writes at central (0: none); see ``retention``."""
 
     def __post_init__(self) -> None:
+        redis_url("central_url", self.central_url)
+        if self.region_url:
+            redis_url("region_url", self.region_url)
+        worker_count("replication_workers", self.replication_workers)
+        queue_size("replication_queue_blocks", self.replication_queue_blocks)
+        queue_size("replication_batch_blocks", self.replication_batch_blocks)
+        int_in_range("replication_retries", self.replication_retries, 0, MAX_RETRIES)
+        int_in_range("breaker_failures", self.breaker_failures, 1, MAX_RETRIES)
+        for name in ("retry_backoff_ms", "socket_timeout_ms", "close_flush_ms", "close_timeout_ms"):
+            positive_timeout_ms(name, getattr(self, name))
+        for name in ("breaker_backoff_s", "breaker_backoff_max_s"):
+            positive_timeout_s(name, getattr(self, name))
         if self.mode is SyncMode.REGIONAL and not self.region_url:
             raise ValueError("region_url is required in regional mode")
         for name in ("replication_queue_blocks", "replication_workers", "replication_batch_blocks"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tiercache.validate import MAX_TIMEOUT_MS, MAX_TIMEOUT_S, FieldError, number_in_range, queue_size
+
 
 @dataclass
 class SimulatedOptions:
@@ -35,6 +37,15 @@ class SimulatedOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("latency_ms", "jitter_ms", "timeout_ms"):
+            number_in_range(name, getattr(self, name), 0.0, MAX_TIMEOUT_MS)
+        queue_size("max_batch_blocks", self.max_batch_blocks)
+        queue_size("capacity_blocks", self.capacity_blocks, low=0)
+        for window in self.down_windows_s:
+            if not isinstance(window, list) or len(window) != 2:
+                raise FieldError("down_windows_s", "[start, end] pairs of seconds", window)
+            for bound in window:
+                number_in_range("down_windows_s", bound, 0.0, MAX_TIMEOUT_S)
         for name in ("error_rate", "timeout_rate", "garbage_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

@@ -1,0 +1,167 @@
+"""Checks of a built topology that span fields or need the machine: capacities, policies, memory.
+
+Called by ``tiercache.config`` once every field has its type: local tiers get
+their block counts, ``policy_options`` are checked by constructing the policy,
+and the GPU pool and CPU tier must fit in the memory this machine has available
+(``tiercache.machine``) before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiercache.layout import KVLayout
+from tiercache.machine import HOST_MEMORY_SOURCE, cuda_memory_available, host_memory_available
+from tiercache.policies import POLICIES, policy_class
+from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, tier_class
+from tiercache.typed_config import CONVERSION_ERRORS, ConfigError, build_dataclass
+from tiercache.validate import MAX_QUEUE_ITEMS, parse_size
+
+if TYPE_CHECKING:
+    from tiercache.config import TierCacheConfig, TierConfig
+
+MAX_ADMIT_AFTER_HITS = 1 << 20
+"""Largest ``admit_after_hits``: more hits than that never happen to one block."""
+
+
+def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) -> None:
+    """Check one tier in place: type, name, policy and its options, capacity, and build its ``Options``."""
+    path = f"tiers[{index}]"
+    if tier.type not in TIER_TYPES:
+        raise ConfigError(source, f"{path}.type", f"one of {sorted(TIER_TYPES)}", tier.type)
+    if tier.name is not None and not tier.name.strip():
+        raise ConfigError(source, f"{path}.name", "a non-empty name (or no name: the type is used)", tier.name)
+    tier.name = tier.name or tier.type
+    if tier.policy not in POLICIES:
+        raise ConfigError(source, f"{path}.policy", f"one of {sorted(POLICIES)}", tier.policy)
+    if not 1 <= tier.admit_after_hits <= MAX_ADMIT_AFTER_HITS:
+        raise ConfigError(
+            source, f"{path}.admit_after_hits", f"an integer in [1, {MAX_ADMIT_AFTER_HITS}]", tier.admit_after_hits
+        )
+    _validate_capacity(tier, path, source, layout)
+    _validate_policy_options(tier, path, source)
+    options_type = getattr(tier_class(tier.type), "Options", None)
+    if options_type is not None:
+        tier.options = build_dataclass(options_type, tier.options or {}, source, f"{path}.options")
+    elif tier.options:
+        raise ConfigError(source, f"{path}.options", f"no options for tier type {tier.type!r}", tier.options)
+
+
+def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayout) -> None:
+    """Sizes parse and are positive; local tiers get ``capacity_blocks`` (memory is checked later)."""
+    if tier.capacity_bytes is not None:
+        try:
+            tier.capacity_bytes = parse_size(tier.capacity_bytes)
+        except CONVERSION_ERRORS:
+            raise ConfigError(
+                source, f"{path}.capacity_bytes", "a size such as 4GiB or an integer", tier.capacity_bytes
+            ) from None
+        if tier.capacity_bytes <= 0:
+            raise ConfigError(source, f"{path}.capacity_bytes", "a positive size", tier.capacity_bytes)
+    if tier.capacity_blocks is not None and tier.capacity_blocks <= 0:
+        raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer", tier.capacity_blocks)
+    if tier.capacity_blocks is not None and tier.capacity_bytes is not None:
+        raise ConfigError(source, f"{path}", "capacity_blocks or capacity_bytes, not both")
+    if tier.type not in LOCAL_TIER_TYPES:
+        return
+    if tier.capacity_blocks is None and tier.capacity_bytes is None:
+        raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required")
+    if tier.capacity_blocks is None:
+        tier.capacity_blocks = tier.capacity_bytes // layout.bytes_per_block
+        if tier.capacity_blocks <= 0:
+            raise ConfigError(
+                source,
+                f"{path}.capacity_bytes",
+                f"at least one block ({layout.bytes_per_block} bytes)",
+                tier.capacity_bytes,
+            )
+
+
+def _validate_policy_options(tier: TierConfig, path: str, source: str) -> None:
+    """Unknown options are named; values are checked by constructing the policy itself."""
+    cls = policy_class(tier.policy)
+    accepted = inspect.signature(cls).parameters
+    for option in tier.policy_options:
+        if option == "capacity" or option not in accepted:
+            known = sorted(p for p in accepted if p != "capacity")
+            raise ConfigError(source, f"{path}.policy_options.{option}", f"one of {known}", "unknown option")
+    capacity = min(tier.capacity_blocks or 1, MAX_QUEUE_ITEMS)
+    try:
+        cls(capacity, **tier.policy_options)
+    except CONVERSION_ERRORS as error:
+        named = [option for option in tier.policy_options if str(option) in str(error)]
+        field_path = f"{path}.policy_options" + (f".{named[0]}" if named else "")
+        got = tier.policy_options[named[0]] if named else tier.policy_options
+        raise ConfigError(source, field_path, f"a valid {tier.policy} option ({error})", got) from None
+
+
+def _validate_local_memory(config: TierCacheConfig) -> None:
+    """The GPU pool and the CPU tier must fit in what this machine can allocate now."""
+    source, gpu = config.source, config.tiers[0]
+    device_path = "tiers[0].options.device"
+    device_name = gpu.options.device
+    if device_name == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(device_name)
+    host_used = 0
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(source, device_path, "'auto' or 'cpu': CUDA is not available here", device_name)
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                source, device_path, f"a CUDA device index below {torch.cuda.device_count()}", device_name
+            )
+        _check_fits(config, 0, 0, cuda_memory_available(device), f"free on {device} (torch.cuda.mem_get_info)")
+    else:
+        host_used = _check_fits(config, 0, 0, host_memory_available(), f"available on this host ({HOST_MEMORY_SOURCE})")
+    if len(config.tiers) > 1 and config.tiers[1].type == "cpu":
+        where = f"available on this host ({HOST_MEMORY_SOURCE})"
+        if host_used:
+            where += f", after the {host_used} bytes of the GPU pool standing in on the CPU"
+        _check_fits(config, 1, host_used, host_memory_available(), where)
+
+
+def _check_fits(config: TierCacheConfig, index: int, already: int, available: int, where: str) -> int:
+    """Raise unless tier ``index``'s blocks fit in ``available - already`` bytes; return the bytes it needs."""
+    tier, block_bytes = config.tiers[index], config.layout.bytes_per_block
+    needed = tier.capacity_blocks * block_bytes
+    room = max(0, available - already)
+    if needed > room:
+        field_name = "capacity_bytes" if tier.capacity_bytes is not None else "capacity_blocks"
+        got = tier.capacity_bytes if tier.capacity_bytes is not None else tier.capacity_blocks
+        raise ConfigError(
+            config.source,
+            f"tiers[{index}].{field_name}",
+            f"at most {room // block_bytes} blocks of {block_bytes} bytes ({room} bytes {where}); "
+            f"this asks for {needed} bytes",
+            got,
+        )
+    return needed
+
+
+def validate_hierarchy(config: TierCacheConfig) -> None:
+    """Check the order and names of the tiers, then that the local tiers fit in this machine's memory."""
+    source, tiers = config.source, config.tiers
+    if not tiers:
+        raise ConfigError(source, "tiers", "a non-empty list of tiers, the first of type 'gpu'", tiers)
+    if tiers[0].type != "gpu":
+        raise ConfigError(source, "tiers[0].type", "'gpu' (the first tier is the GPU pool)", tiers[0].type)
+    for index, tier in enumerate(tiers[1:], start=1):
+        if tier.type == "gpu":
+            raise ConfigError(source, f"tiers[{index}].type", "only one 'gpu' tier, and it must be first", tier.type)
+        if tier.type == "cpu" and index != 1:
+            raise ConfigError(source, f"tiers[{index}].type", "the 'cpu' tier directly after 'gpu'", tier.type)
+    if len(tiers) > 2 and tiers[1].type != "cpu":
+        raise ConfigError(
+            source, "tiers[1].type", "'cpu' (remote tiers stage through the pinned-CPU tier)", tiers[1].type
+        )
+    seen: set[str] = set()
+    for index, tier in enumerate(tiers):
+        if tier.name in seen:
+            raise ConfigError(source, f"tiers[{index}].name", "a name not used by another tier", tier.name)
+        seen.add(tier.name)
+    _validate_local_memory(config)

@@ -1,0 +1,37 @@
+"""The file tier: blocks on a local disk or a mounted distributed file system.
+
+Layout: append-only segment files ``<path>/<writer>.<seq>.seg`` (one writer
+per tier instance: host, pid and a random id), each a sequence of records (a
+48-byte record header with key, version, length and its own checksum, then the
+``tiercache.codec`` value). Small blocks are cheap: a batch is one reservation,
+one ``pwritev`` of its bodies and its record headers, not a file and a rename
+per block; a read is one ``preadv`` from a cached descriptor. Every process
+keeps an index of key -> (segment, offset, length) from its own writes and from
+scanning the new tails of other writers' segments (on a miss and at every GC
+pass), so processes and hosts sharing the directory see each other's commits.
+A torn or unfinished write is a miss, never wrong KV (``records``); a value that
+fails validation on read is tombstoned (deleted for every reader) and counted
+(``invalid_deleted``). ``delete`` appends tombstones. All file I/O runs in
+a thread pool, never on the event loop.
+
+Capacity (``capacity``): ``max_bytes`` and/or ``max_blocks`` (one is required;
+``max_blocks`` is counted as that many full-size records' bytes). A batch
+reserves its bytes under a directory-wide ``flock`` before writing, measuring
+every writer's segments, so processes sharing the directory together stay under
+the bound; when over, GC removes whole segments, least recently used first (by
+mtime; reads touch it unless ``touch_on_read: false``), down to
+``gc_low_watermark``; a batch that still does not fit fails (``put_full``). On
+a disk smaller than the bound, the reservation (``posix_fallocate``) fails with
+ENOSPC before anything is written, and GC frees a watermark's worth below what
+the directory holds (``gc_nospace``) before one retry. ``max_age_s`` expires
+segments not used for that long; ``gc_interval_s`` is the period of the
+background pass. ``segment_bytes`` (default 64 MiB): a writer starts a new
+segment past this size.
+"""
+
+from __future__ import annotations
+
+from tiercache.tiers.file.options import FileOptions
+from tiercache.tiers.file.tier import FileTier
+
+__all__ = ["FileOptions", "FileTier"]

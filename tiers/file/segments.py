@@ -1,0 +1,391 @@
+"""Append-only segment files with an in-memory index: the storage engine of the file tier.
+
+Each writer (one per tier instance: host, process id and a random id) appends
+whole batches to its own segment file ``<writer>.<seq>.seg`` and starts a new
+one past ``segment_bytes``. A batch is one reservation under the directory
+lock (``capacity``), one ``pwritev`` of its bodies, then its record headers
+(so a header never names a body that is not yet there). Readers keep an index
+``key -> (segment, offset, length, version)``: their own writes go straight in,
+and other writers' records are found by scanning the new tails of their
+segments (on a miss, and at every GC pass), so a reader in another process or
+host finds what a writer committed. See ``records`` for why a torn write is a
+miss and never wrong KV. Everything here blocks: the tier calls it from worker
+threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import fcntl
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
+from tiercache.tiers.file.capacity import (
+    SEGMENT_SUFFIX,
+    DirectoryLock,
+    Freed,
+    SegmentFile,
+    SegmentSizes,
+    expire,
+    free_down_to,
+    list_segments,
+    reserve_space,
+)
+from tiercache.tiers.file.index import Entry, SegmentIndex
+from tiercache.tiers.file.options import FileOptions
+from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header, verify_in_place
+
+IOV_MAX = os.sysconf("SC_IOV_MAX")
+"""Most buffers one ``pwritev`` / ``preadv`` takes."""
+RUN_BLOCKS = IOV_MAX // 3
+"""Most back-to-back records one read ``preadv`` covers (three buffers each)."""
+WRITER_ID_HEX = 8
+"""Random hex digits in a writer's id (host and pid alone repeat across restarts)."""
+
+
+class ReadResult(enum.Enum):
+    """A read's outcome other than a failed validation (that is the codec's ``DecodeStatus``)."""
+
+    HIT = "hit"
+    MISS = "miss"
+    IO_ERROR = "io_error"
+
+
+@dataclass
+class _Active:
+    """The segment this writer appends to: open, shared-locked, ``end`` bytes reserved."""
+
+    name: str
+    fd: int
+    end: int = 0
+    writers: int = 0
+    """Batches reserved here and not yet written: the descriptor stays open until they finish."""
+    retired: bool = False
+
+
+class SegmentStore:
+    """One writer's view of a tier directory: reservations, appends, index, reads, GC."""
+
+    def __init__(self, root: Path, options: FileOptions, codec: Codec, block_bytes: int, counts: Counter) -> None:
+        self.root = root
+        self.options = options
+        self.codec = codec
+        self.max_body = HEADER_SIZE + block_bytes
+        self.record_bytes = RECORD_HEADER_SIZE + self.max_body
+        self.bound = options.bound_bytes(self.record_bytes)
+        host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
+        self.writer = f"{host}-{os.getpid()}-{uuid.uuid4().hex[:WRITER_ID_HEX]}"
+        self.counts = counts
+        self.usage = 0
+        self._seq = 0
+        self._active: _Active | None = None
+        self._lock = threading.Lock()
+        self.index = SegmentIndex(root, self.max_body, counts)
+        self._sizes = SegmentSizes(root)
+        self._dirlock = DirectoryLock(root)
+        self._local = threading.local()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every descriptor (the active segment's shared lock goes with it)."""
+        self.index.close()
+        with self._lock:
+            if self._active is not None and self._active.fd >= 0:
+                os.close(self._active.fd)
+            self._active = None
+        self._dirlock.close()
+
+    @property
+    def blocks(self) -> int:
+        """Keys this process knows to be stored."""
+        return len(self.index)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether the index holds ``key`` (call ``refresh`` first to see other writers' latest)."""
+        return key in self.index
+
+    # -- reads -------------------------------------------------------------
+
+    def _scratch(self) -> tuple[memoryview, memoryview]:
+        """This thread's staging buffer (one whole value) and header buffers (one per block of a run)."""
+        local = self._local
+        if getattr(local, "staging", None) is None:
+            local.staging = memoryview(bytearray(self.max_body))
+            local.headers = memoryview(bytearray((HEADER_SIZE + RECORD_HEADER_SIZE) * RUN_BLOCKS))
+        return local.staging, local.headers
+
+    def read_batch(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[ReadResult | DecodeStatus]:
+        """Read and validate each key into its destination; touch the segments read (LRU).
+
+        Uncompressed values that lie back to back in one segment (a batch written
+        together) are read with one ``preadv`` per run, straight into their
+        destinations; anything else is read one by one through a staging buffer.
+        """
+        results: list[ReadResult | DecodeStatus] = [ReadResult.MISS] * len(keys)
+        views = [memoryview(dest).cast("B") for dest in dests]
+        planned = []
+        for index, key in enumerate(keys):
+            entry = self.index.get(key)
+            if entry is not None:
+                planned.append((entry, index))
+        planned.sort(key=lambda item: (item[0].segment, item[0].offset))
+        run: list[tuple[Entry, int]] = []
+        for entry, index in planned:
+            if entry.length != HEADER_SIZE + len(views[index]):
+                results[index] = self._read_one(keys[index], entry, views[index])
+                continue
+            if run and not (
+                len(run) < RUN_BLOCKS
+                and entry.segment == run[-1][0].segment
+                and entry.offset == run[-1][0].offset + run[-1][0].length + RECORD_HEADER_SIZE
+            ):
+                self._read_run(run, keys, views, results)
+                run = []
+            run.append((entry, index))
+        if run:
+            self._read_run(run, keys, views, results)
+        if self.options.touch_on_read:
+            hit_segments = {entry.segment for entry, index in planned if results[index] is ReadResult.HIT}
+            for name in hit_segments:
+                with contextlib.suppress(OSError):
+                    os.utime(self.root / name)
+        return results
+
+    def _read_run(
+        self, run: list[tuple[Entry, int]], keys: Sequence[bytes], views: list[memoryview], results: list
+    ) -> None:
+        """One ``preadv`` of back-to-back uncompressed records into their destinations, then validate each."""
+        fd = self.index.fd(run[0][0].segment)
+        if fd is None:
+            return
+        _, headers = self._scratch()
+        buffers: list[memoryview] = []
+        slots = []
+        for position, (_entry, index) in enumerate(run):
+            at = position * (HEADER_SIZE + RECORD_HEADER_SIZE)
+            if position:
+                buffers.append(headers[at - RECORD_HEADER_SIZE : at])  # the next record's header: skipped
+            slots.append(headers[at : at + HEADER_SIZE])
+            buffers += [slots[-1], views[index]]
+        expected = sum(len(buffer) for buffer in buffers)
+        try:
+            count = os.preadv(fd, buffers, run[0][0].offset)
+        except OSError:
+            count = -1
+        for (entry, index), header in zip(run, slots, strict=True):
+            if count != expected:
+                results[index] = self._read_one(keys[index], entry, views[index])
+                continue
+            status = verify_in_place(self.codec, keys[index], header, views[index])
+            results[index] = ReadResult.HIT if status is DecodeStatus.OK else self._invalid(keys[index], entry, status)
+
+    def _read_one(self, key: bytes, entry: Entry, dest: memoryview) -> ReadResult | DecodeStatus:
+        """Read one value through the staging buffer and decode it into ``dest``."""
+        fd = self.index.fd(entry.segment)
+        if fd is None:
+            return ReadResult.MISS
+        staging = self._scratch()[0][: entry.length]
+        try:
+            count = os.preadv(fd, [staging], entry.offset)
+        except OSError:
+            return ReadResult.IO_ERROR
+        if count != entry.length:
+            return self._invalid(key, entry, DecodeStatus.TRUNCATED)
+        status = self.codec.decode_into(key, staging, dest).status
+        return ReadResult.HIT if status is DecodeStatus.OK else self._invalid(key, entry, status)
+
+    def _invalid(self, key: bytes, entry: Entry, status: DecodeStatus) -> DecodeStatus:
+        """A value that failed validation: delete it (this version, for every reader) and count it."""
+        self.delete([key], entry.version)
+        self.counts["invalid_deleted"] += 1
+        return status
+
+    # -- writes ------------------------------------------------------------
+
+    def put_batch(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        """Encode, reserve the batch's bytes (GC first if needed), append, index; True per stored key."""
+        version = time.time_ns()
+        encoded = [self.codec.encode(key, payload, version) for key, payload in zip(keys, payloads, strict=True)]
+        lengths = [len(header) + len(stored) for header, stored in encoded]
+        total = sum(lengths) + RECORD_HEADER_SIZE * len(keys)
+        reserved = self._reserve(total, len(keys))
+        if reserved is None:
+            return [False] * len(keys)
+        active, start = reserved
+        placeholder = bytes(RECORD_HEADER_SIZE)
+        buffers: list[memoryview | bytes] = []
+        for header, stored in encoded:
+            buffers += [placeholder, header, memoryview(stored).cast("B")]
+        try:
+            _pwrite_all(active.fd, buffers, start)
+            headers = []
+            offset = start
+            for key, length in zip(keys, lengths, strict=True):
+                headers.append((pack_header(RecordKind.VALUE, key, version, length), offset))
+                offset += RECORD_HEADER_SIZE + length
+            for header, at in headers:
+                _pwrite_all(active.fd, [header], at)
+            if self.options.fsync:
+                os.fdatasync(active.fd)
+        except OSError:
+            self.counts["put_io_error"] += len(keys)
+            self._retire(active)
+            return [False] * len(keys)
+        finally:
+            self._release(active)
+        self.index.apply_all(
+            active.name,
+            (
+                Record(RecordKind.VALUE, key, version, at + RECORD_HEADER_SIZE, length)
+                for (_header, at), key, length in zip(headers, keys, lengths, strict=True)
+            ),
+        )
+        self.counts["put_ok"] += len(keys)
+        self.counts["bytes_written"] += total
+        return [True] * len(keys)
+
+    def delete(self, keys: Sequence[bytes], version: int | None = None) -> int:
+        """Tombstone ``keys`` (up to ``version``, default now); best effort; return how many were indexed."""
+        version = time.time_ns() if version is None else version
+        known = self.index.tombstone(keys, version)
+        reserved = self._reserve(RECORD_HEADER_SIZE * len(keys), 0)
+        if reserved is None:
+            self.counts["delete_unlogged"] += len(keys)
+            return known
+        active, start = reserved
+        try:
+            _pwrite_all(active.fd, [pack_header(RecordKind.TOMBSTONE, key, version, 0) for key in keys], start)
+        except OSError:
+            self.counts["delete_unlogged"] += len(keys)
+            self._retire(active)
+        finally:
+            self._release(active)
+        return known
+
+    def _reserve(self, total: int, blocks: int) -> tuple[_Active, int] | None:
+        """Reserve ``total`` bytes at the end of this writer's segment, within the bound and the disk."""
+        freed = Freed()
+        try:
+            with self._dirlock.held():
+                usage = sum(self._sizes.current().values())
+                segments: list[SegmentFile] = []
+                if usage + total > self.bound:
+                    segments = list_segments(self.root)
+                    usage = sum(segment.size for segment in segments)
+                    target = int(self.bound * self.options.gc_low_watermark) - total
+                    usage = free_down_to(segments, usage, target, freed)
+                if usage + total > self.bound:
+                    self.counts["put_full"] += blocks
+                    self.usage = usage
+                    return None
+                active = self._writable(total)
+                try:
+                    reserve_space(active.fd, active.end, total)
+                except OSError as error:
+                    if error.errno != errno.ENOSPC:
+                        raise
+                    # The disk is smaller than the bound: free a watermark's worth below what is there.
+                    self.counts["gc_nospace"] += 1
+                    segments = segments or list_segments(self.root)
+                    target = int(usage * self.options.gc_low_watermark) - total
+                    usage = free_down_to([s for s in segments if s.name not in freed.segments], usage, target, freed)
+                    try:
+                        reserve_space(active.fd, active.end, total)
+                    except OSError:
+                        self._retire(active)  # this segment may be what fills the disk: let GC take it next time
+                        raise
+                start = active.end
+                active.end += total
+                active.writers += 1
+                self.usage = usage + total
+        except OSError as error:
+            self.counts["put_nospace" if error.errno == errno.ENOSPC else "put_io_error"] += blocks
+            return None
+        finally:
+            self._record_freed(freed)
+        return active, start
+
+    def _writable(self, incoming: int) -> _Active:
+        """This writer's segment with room for ``incoming`` bytes (a new one if full or removed)."""
+        active = self._active
+        if active is not None and (
+            (active.end and active.end + incoming > self.options.segment_bytes) or os.fstat(active.fd).st_nlink == 0
+        ):
+            self._retire(active)
+            active = None
+        if active is None:
+            self._seq += 1
+            name = f"{self.writer}.{self._seq:06d}{SEGMENT_SUFFIX}"
+            fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self.index.add_own(name)
+            active = self._active = _Active(name, fd)
+        return active
+
+    def _retire(self, active: _Active) -> None:
+        """Stop appending to a segment (full, or after an error); close it once its writers finish."""
+        with self._lock:
+            active.retired = True
+            if self._active is active:
+                self._active = None
+            if active.writers == 0 and active.fd >= 0:
+                os.close(active.fd)
+                active.fd = -1
+
+    def _release(self, active: _Active) -> None:
+        """A batch reserved in ``active`` is written (or failed)."""
+        with self._lock:
+            active.writers -= 1
+            if active.retired and active.writers == 0 and active.fd >= 0:
+                os.close(active.fd)
+                active.fd = -1
+
+    # -- GC ----------------------------------------------------------------
+
+    def gc(self) -> None:
+        """Re-measure, expire by age, free down to the watermark if over; then refresh the index."""
+        freed = Freed()
+        with self._dirlock.held():
+            segments = list_segments(self.root)
+            if self.options.max_age_s is not None:
+                segments = expire(segments, time.time() - self.options.max_age_s, freed)
+            usage = sum(segment.size for segment in segments)
+            if usage > self.bound:
+                usage = free_down_to(segments, usage, int(self.bound * self.options.gc_low_watermark), freed)
+            self.usage = usage
+        self._record_freed(freed)
+        self.counts["gc_runs"] += 1
+        self.index.refresh()
+
+    def _record_freed(self, freed: Freed) -> None:
+        self.index.forget(freed.segments)
+        self.counts["gc_removed_segments"] += len(freed.segments)
+        self.counts["gc_removed_bytes"] += freed.bytes
+        self.counts["gc_expired"] += freed.expired
+
+
+def _pwrite_all(fd: int, buffers: Sequence[memoryview | bytes], offset: int) -> None:
+    """``pwritev`` every buffer at ``offset`` onwards, however the kernel splits it."""
+    views = [memoryview(buffer).cast("B") for buffer in buffers]
+    index = 0
+    while index < len(views):
+        count = os.pwritev(fd, views[index : index + IOV_MAX], offset)
+        if count <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += count
+        while index < len(views) and count >= len(views[index]):
+            count -= len(views[index])
+            index += 1
+        if count:
+            views[index] = views[index][count:]
