@@ -40,6 +40,7 @@ def build(
         rules,
         Metrics(),
         gpu_name="gpu",
+        block_size=2,
         max_pending_stores=max_pending_stores,
         remember_keys=1000,
     )

@@ -136,6 +136,12 @@ class TierCacheCollector:
             flat = {**{k: v for k, v in values.items() if k != TIER_OWN_STATS}, **{
                 f"{TIER_OWN_STATS}_{k}": v for k, v in own.items() if not isinstance(v, Mapping)
             }}
+            curve = values.get("mrc", {}).get("hit_ratio", {})
+            for multiple, ratio in curve.items():
+                family(
+                    "mrc_hit_ratio", GaugeMetricFamily, "hit ratio at a multiple of the capacity (live MRC)",
+                    ["tier", "capacity_multiple"],
+                ).add_metric([tier, multiple], float(ratio))
             for stat, value in flat.items():
                 if isinstance(value, Mapping):
                     if self._metrics is None and "mean_ms" in value:

@@ -1,0 +1,138 @@
+"""Issue 15 through the manager: KV events a vLLM subscriber decodes, tiers that step aside, live curves.
+
+The components have their own tests (test_events, test_cost, test_mrc); these
+drive them the way an engine does, through a TierManager's API.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
+
+from tiercache.events import block_hash
+from tiercache.manager import TierManager
+
+zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
+from msgspec.msgpack import Decoder  # noqa: E402
+from test_events import BlockRemoved, BlockStored, KVEventBatch, joined_subscriber, receive  # noqa: E402
+
+BLOCK = TINY_LAYOUT["block_size"]
+WAIT_S = 10.0
+"""Upper bound on waiting for background work (a hang detector, never a speed judgement)."""
+
+
+def compute_and_store(manager: TierManager, tokens: np.ndarray) -> list[int]:
+    keys = manager.hasher.keys(tokens)
+    ids = manager.allocate(len(keys))
+    for key, block in zip(keys, ids, strict=True):
+        write_block(manager, block, block_kv(manager, key))
+    manager.store(tokens, ids).result(WAIT_S)
+    manager.release(ids)
+    return ids
+
+
+def test_a_vllm_subscriber_decodes_what_the_manager_stores_and_evicts() -> None:
+    events = {"enabled": True, "endpoint": "tcp://127.0.0.1:*", "topic": "kv-events"}
+    config = topology(4, 8, cpu={"write_policy": "write_back"}, events=events)
+    context = zmq.Context()
+    try:
+        with TierManager(config) as manager:
+            sub, _ = joined_subscriber(manager._stack.events, context)
+            tokens = np.arange(4 * BLOCK) + 7
+            keys = manager.hasher.keys(tokens)
+            compute_and_store(manager, tokens)
+            manager.release(manager.allocate(4))
+            assert manager._stack.events.flush()
+            decoder = Decoder(type=KVEventBatch)
+            seen: list[Any] = []
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline and not any(
+                isinstance(e, BlockStored) and e.medium == "cpu" for e in seen
+            ):
+                seen.extend(decoder.decode(receive(sub)[2]).events)
+            stored = [e for e in seen if isinstance(e, BlockStored)]
+            gpu = next(e for e in stored if e.medium == "gpu")
+            assert gpu.block_hashes == [block_hash(key) for key in keys] and gpu.parent_block_hash is None
+            assert gpu.token_ids == [int(t) for t in tokens] and gpu.block_size == BLOCK
+            removed = next(e for e in seen if isinstance(e, BlockRemoved))
+            assert removed.medium == "gpu" and sorted(removed.block_hashes) == sorted(gpu.block_hashes)
+            demoted = next(e for e in stored if e.medium == "cpu")
+            assert sorted(demoted.block_hashes) == sorted(gpu.block_hashes)
+            sub.close(linger=0)
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_remote_slower_than_recomputing_is_bypassed_until_it_recovers() -> None:
+    # The prompt is seeded into the remote; nothing else is ever written there (no puts to wait for).
+    remote = {
+        "type": "simulated",
+        "name": "sim",
+        "write_policy": "write_through_selective",
+        "admit_after_hits": 1_000_000,
+        "options": {"latency_ms": 0},
+    }
+    cost = {"enabled": True, "prefill_tokens_per_s": 1000.0, "explore_fraction": 0.25}
+    config = topology(4, 4, remotes=[remote], cost=cost)
+    with TierManager(config) as manager:
+        sim = manager.remotes[0]
+        tokens = np.arange(4 * BLOCK) + 11
+        keys = manager.hasher.keys(tokens)
+        for key in keys:
+            payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
+            sim.store.save(key, sim.codec.encode_value(key, payload))
+        evictors = iter(range(100, 10_000))
+
+        def one_request() -> str:
+            """Serve the prompt once from wherever lookup says, then push it out of the local tiers."""
+            hit = manager.lookup_wait(tokens, timeout_s=WAIT_S)
+            fresh = manager.allocate(len(hit.keys) - len(hit.gpu_block_ids))
+            loaded = manager.load(hit, fresh[: hit.num_lower_blocks]).result(WAIT_S) // BLOCK
+            for position, block in enumerate(fresh[:loaded]):
+                assert torch.equal(read_block(manager, block), block_kv(manager, keys[position]))
+            manager.release(fresh)
+            for _ in range(2):
+                compute_and_store(manager, np.arange(4 * BLOCK) + next(evictors) * 1000)
+            return "remote" if hit.tier_blocks["sim"] else "recompute"
+
+        def counter() -> int:
+            return manager.stats()["tiers"]["sim"]["bypassed_slower_than_recompute"]
+
+        assert [one_request() for _ in range(3)] == ["remote"] * 3, "a fast remote is used"
+        sim.options.latency_ms = 60.0  # 8 tokens recompute in 8 ms; a fetch now takes 60 ms
+        slow = [one_request() for _ in range(60)]
+        assert slow.count("recompute") >= 35 and counter() >= 35, "the slow remote is bypassed"
+        assert "remote" in slow[5:], "a few loads still explore it"
+        sim.options.latency_ms = 0.0
+        before = counter()
+        recovered = [one_request() for _ in range(120)]
+        assert recovered[-20:] == ["remote"] * 20, "bypass stops once the remote is fast again"
+        assert counter() > before
+
+
+def test_stats_carry_a_live_miss_ratio_curve_per_tier() -> None:
+    config = topology(8, 16, mrc={"enabled": True, "sample_rate": 1.0})
+    with TierManager(config) as manager:
+        rng = np.random.default_rng(0)
+        for _ in range(200):
+            prompt = int(rng.zipf(1.3)) % 40
+            compute_and_store(manager, np.arange(2 * BLOCK) + prompt * 1000)
+        curve = manager.stats()["tiers"]["gpu"]["mrc"]
+        ratios = [curve["hit_ratio"][m] for m in ("0.25", "0.5", "1", "2", "4")]
+        assert ratios == sorted(ratios) and 0 < ratios[-1] <= 1
+        assert curve["accesses"] == 400
+
+
+def test_the_curve_reaches_prometheus() -> None:
+    from tiercache.metrics import render_prometheus
+
+    with TierManager(topology(8, 16, mrc={"enabled": True, "sample_rate": 1.0})) as manager:
+        for prompt in range(20):
+            compute_and_store(manager, np.arange(2 * BLOCK) + (prompt % 5) * 1000)
+        text = render_prometheus(manager.stats())
+    assert 'tiercache_tier_mrc_hit_ratio{capacity_multiple="1",tier="gpu"}' in text
