@@ -60,3 +60,14 @@ def read_block(manager: TierManager, block: int) -> torch.Tensor:
     if manager.layout.block_major:
         return pool[0][block].cpu()
     return torch.stack([tensor[block].cpu() for tensor in pool])
+
+
+def compute_and_store(manager: TierManager, tokens: Any, wait_s: float = 10.0) -> list[int]:
+    """A request with nothing cached: compute every block (the toy KV), store, release; returns its blocks."""
+    keys = manager.hasher.keys(tokens)
+    ids = manager.allocate(len(keys))
+    for key, block in zip(keys, ids, strict=True):
+        write_block(manager, block, block_kv(manager, key))
+    manager.store(tokens, ids).result(wait_s)
+    manager.release(ids)
+    return ids

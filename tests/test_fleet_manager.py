@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
+from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block, topology
 
 from tiercache.events import block_hash
 from tiercache.manager import TierManager
@@ -24,16 +24,6 @@ from test_events import BlockRemoved, BlockStored, KVEventBatch, joined_subscrib
 BLOCK = TINY_LAYOUT["block_size"]
 WAIT_S = 10.0
 """Upper bound on waiting for background work (a hang detector, never a speed judgement)."""
-
-
-def compute_and_store(manager: TierManager, tokens: np.ndarray) -> list[int]:
-    keys = manager.hasher.keys(tokens)
-    ids = manager.allocate(len(keys))
-    for key, block in zip(keys, ids, strict=True):
-        write_block(manager, block, block_kv(manager, key))
-    manager.store(tokens, ids).result(WAIT_S)
-    manager.release(ids)
-    return ids
 
 
 def test_a_vllm_subscriber_decodes_what_the_manager_stores_and_evicts() -> None:

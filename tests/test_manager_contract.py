@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
+from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block, topology, write_block
 
 from tiercache.manager import TierManager
 from tiercache.tiers.simulated import SimulatedTier
@@ -58,17 +58,6 @@ def settled(manager: TierManager, tokens: np.ndarray):
         time.sleep(0.001)
         hit = manager.lookup(tokens)
     return hit
-
-
-def compute_and_store(manager: TierManager, tokens: np.ndarray) -> list[int]:
-    """A request with nothing cached: compute every block, store, release; returns its blocks."""
-    keys = manager.hasher.keys(tokens)
-    ids = manager.allocate(len(keys))
-    for key, block in zip(keys, ids, strict=True):
-        write_block(manager, block, block_kv(manager, key))
-    manager.store(tokens, ids).result(WAIT_S)
-    manager.release(ids)
-    return ids
 
 
 def seed_remote(manager: TierManager, tokens: np.ndarray, blocks: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tiercache.runtime import Runtime
-from tiercache.swap import SwapHandle, Swapper
+from tiercache.swap import CompletedCopy, CudaEventCopy, SwapHandle, Swapper
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +92,14 @@ class SwapQueue:
                     tensor.index_copy_(0, target, tensor.index_select(0, source))
                 event = torch.cuda.Event()
                 event.record(stream)
-            return self._track(_EventHandle(event, (source, target)))
+            return self._track(CudaEventCopy(event, (source, target)))
         return self._on_copy_thread(lambda: self._copy_blocks(sources, destinations))
 
     def _copy_blocks(self, sources: Sequence[int], destinations: Sequence[int]) -> SwapHandle:
         for tensor in self.pool:
             for source, destination in zip(sources, destinations, strict=True):
                 tensor[destination].copy_(tensor[source])
-        return _DONE
+        return CompletedCopy()
 
     # ---- completion -------------------------------------------------------------------
     @staticmethod
@@ -157,38 +157,3 @@ class SwapQueue:
         """Finish copies on the copy thread and stop it."""
         if self._copy_thread is not None:
             self._copy_thread.shutdown(wait=True)
-
-
-class _Done:
-    """A copy that finished before its handle was returned."""
-
-    event = None
-    layer_events = None
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-_DONE = _Done()
-
-
-class _EventHandle:
-    """A device-side copy on a side stream, complete when its event is."""
-
-    layer_events = None
-
-    def __init__(self, event: torch.cuda.Event, keep_alive: tuple[torch.Tensor, ...]) -> None:
-        self.event = event
-        self._keep_alive = keep_alive
-
-    def done(self) -> bool:
-        if self.event.query():
-            self._keep_alive = ()
-            return True
-        return False
-
-    def wait(self) -> None:
-        self.event.synchronize()
