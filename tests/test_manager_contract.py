@@ -281,3 +281,34 @@ def test_a_block_read_from_a_slower_remote_is_written_into_the_faster_one() -> N
         assert serve(manager, tokens) == 4
         until(lambda: manager.stats()["queues"]["pending_stores"] == 0)
         assert all(key in manager.remotes[0].store.data for key in manager.hasher.keys(tokens))
+
+
+def test_a_namespace_secret_from_the_environment_rejects_forged_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.secret_env``: a writer with store access but without the secret cannot forge KV."""
+    from tiercache.config import ConfigError, config_from_dict
+
+    raw = {
+        "model": {"id": "test-model", "secret_env": "TC_TEST_SECRET"},
+        "layout": TINY_LAYOUT,
+        "tiers": [
+            {"type": "gpu", "capacity_blocks": 4, "options": {"device": "cpu"}},
+            {"type": "cpu", "capacity_blocks": 8},
+            {"type": "simulated", "name": "sim", "options": {"latency_ms": 0, "store": "secret-test"}},
+        ],
+    }
+    monkeypatch.delenv("TC_TEST_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="secret_env"):
+        TierManager(config_from_dict(raw, environ={}))
+    monkeypatch.setenv("TC_TEST_SECRET", "s" * 32)
+    tokens = prompt(3, 16)
+    with TierManager(config_from_dict(raw, environ={})) as manager:
+        tier = sim_of(manager)
+        forger = type(tier.codec)(tier.codec.fingerprint)  # same namespace, no secret
+        for key in manager.hasher.keys(tokens):
+            payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
+            tier.store.save(key, forger.encode_value(key, payload))
+        assert serve(manager, tokens) == 0, "forged values are misses"
+        compute_and_store(manager, prompt(4, 17))
+        compute_and_store(manager, prompt(4, 18))
+        until(lambda: manager.stats()["queues"]["pending_stores"] == 0)
+        assert serve(manager, tokens) == 3, "values written with the secret are served"
