@@ -100,8 +100,13 @@ class TierManager:
         self.close_blocking()
 
     # ---- the engine-facing API -----------------------------------------------------------
-    def lookup(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None) -> Lookup:
-        """The longest prefix of ``tokens`` cached over all tiers (see ``Lookup``); pins what it counts."""
+    def lookup(
+        self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None, *, local_only: bool = False
+    ) -> Lookup:
+        """The longest prefix of ``tokens`` cached over all tiers (see ``Lookup``); pins what it counts.
+
+        ``local_only``: GPU and CPU only, never pending (remote tiers count as misses).
+        """
         self._require_running()
         keys = self.hasher.keys(tokens, extra)
         names = self._stack.names
@@ -109,7 +114,7 @@ class TierManager:
             self._reap_abandoned()
             places = self.local.locate(keys)
             missing = [key for key, place in zip(keys, places, strict=True) if place is None]
-            if missing and self.remotes:
+            if missing and self.remotes and not local_only:
                 answers = self._stack.probes.answer(missing)
                 if answers is None:
                     return Lookup(keys, self.block_size, dict.fromkeys(names, 0), [], pending=True)
@@ -225,25 +230,22 @@ class TierManager:
 
     def lookup_wait(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None,
                     timeout_s: float | None = None) -> Lookup:
-        """``lookup`` retried while pending (a synchronous caller); still pending after ``timeout_s``."""
+        """``lookup`` retried while pending (a synchronous caller); after ``timeout_s``, the local tiers only."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
         while (hit := self.lookup(tokens, extra)).pending and time.monotonic() < deadline:
             time.sleep(LOOKUP_RETRY_SECONDS)
-        return hit
+        return self.lookup(tokens, extra, local_only=True) if hit.pending else hit
 
     async def lookup_async(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None,
                            timeout_s: float | None = None) -> Lookup:
-        """``lookup`` awaited until not pending; still pending after ``timeout_s``."""
+        """``lookup`` awaited until not pending; after ``timeout_s``, the local tiers only."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
         while (hit := self.lookup(tokens, extra)).pending and time.monotonic() < deadline:
             await asyncio.sleep(LOOKUP_RETRY_SECONDS)
-        return hit
+        return self.lookup(tokens, extra, local_only=True) if hit.pending else hit
 
     def subscribe(self, callback: Any) -> Any:
-        """Call ``callback(batch)`` with every ``KVEventBatch`` (off the engine's thread); returns an unsubscribe.
-
-        Needs ``events: {enabled: true}`` in the topology (the ``events`` extra).
-        """
+        """``callback(batch)`` gets every ``KVEventBatch``, off the engine's thread (needs ``events.enabled``)."""
         if self._stack.events is None:
             raise RuntimeError("KV events are off: set events.enabled in the topology")
         return self._stack.events.subscribe(callback)
