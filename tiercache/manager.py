@@ -109,7 +109,6 @@ class TierManager:
         """
         self._require_running()
         keys = self.hasher.keys(tokens, extra)
-        names = self._stack.names
         with self._lock:
             self._reap_abandoned()
             places = self.local.locate(keys)
@@ -117,7 +116,7 @@ class TierManager:
             if missing and self.remotes and not local_only:
                 answers = self._stack.probes.answer(missing)
                 if answers is None:
-                    return Lookup(keys, self.block_size, dict.fromkeys(names, 0), [], pending=True)
+                    return Lookup(keys, self.block_size, dict.fromkeys(self._stack.names, 0), [], pending=True)
                 for lane, answer in enumerate(answers):
                     self.hierarchy.forget(lane, [key for key, held in zip(missing, answer, strict=True) if not held])
                 remote = iter(first_holders(answers, len(missing)))
@@ -126,7 +125,7 @@ class TierManager:
             tiers = [self.gpu.name] * len(run) + [self._stack.tier_name(place) for place in lower]
             pins = self.local.hold(run, lower)
             self.metrics.add("all", "lookups")
-        counts = dict.fromkeys(names, 0)
+        counts = dict.fromkeys(self._stack.names, 0)
         for name in tiers:
             counts[name] += 1
         hit = Lookup(keys, self.block_size, counts, list(run), tiers=tiers, pins=pins)
