@@ -180,11 +180,11 @@ class LoadRunner:
                     break
                 oks = fetch.result()
                 ready = next((i for i, ok in enumerate(oks) if not ok), len(oks))
-                if ready:
-                    loaded += await self._hand_over(chunk[:ready], transfer)
-                    transfer.progress_blocks = loaded
-                if ready < len(chunk) or settle.is_set():
-                    break
+                handed = await self._hand_over(chunk[:ready], transfer) if ready else 0
+                loaded += handed
+                transfer.progress_blocks = loaded
+                if handed < len(chunk) or settle.is_set():
+                    break  # the loaded blocks must stay a prefix: nothing after a gap counts
         except Exception:
             log.exception("load failed; reporting the blocks loaded so far")
         finally:
