@@ -65,8 +65,6 @@ GPU_BLOCKS = 384
 """Small enough that the sessions' working set does not fit, so the lower tiers matter."""
 CPU_BLOCKS = 1536
 SIMULATED_REMOTE = {"latency_ms": 0.3, "bandwidth_mb_s": 550.0, "seed": 0}
-SLOW_REMOTE = {"latency_ms": 100.0, "bandwidth_mb_s": 1.0, "seed": 0}
-"""A remote slower than recomputing: a congested cross-region link (issue 15's cost model is for it)."""
 """A Redis-like link: ~0.55 GB/s is what DESIGN.md reports for a redis-py pipeline on loopback."""
 WORKLOAD = SessionWorkload(
     ChatWorkload(
@@ -107,12 +105,6 @@ def configurations(redis_url: str | None) -> dict[str, dict[str, Any]]:
     runs["gpu only lru"] = topology("gpu-only", "lru", lower=False)
     simulated = {"name": "remote", "type": "simulated", "write_policy": "write_back", "options": SIMULATED_REMOTE}
     runs["gpu+cpu+simulated lru"] = topology("simulated", "lru", lower=True, remote=simulated)
-    slow = {"name": "remote", "type": "simulated", "write_policy": "write_back", "options": SLOW_REMOTE}
-    runs["gpu+cpu+slow remote lru"] = topology("slow", "lru", lower=True, remote=slow)
-    runs["gpu+cpu+slow remote lru+cost"] = {
-        **topology("slow-cost", "lru", lower=True, remote=slow),
-        "cost": {"enabled": True, "prefill_tokens_per_s": None},
-    }
     if redis_url:
         redis = {"name": "redis", "type": "redis", "write_policy": "write_back", "options": {"url": redis_url}}
         runs["gpu+cpu+redis lru"] = topology("redis", "lru", lower=True, remote=redis)
@@ -181,10 +173,7 @@ def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool
     )
     results = []
     for name, raw in configs.items():
-        raw = copy.deepcopy(raw)
-        if "cost" in raw:
-            raw["cost"]["prefill_tokens_per_s"] = 1.0 / prefill  # the cost model knows the engine's rate
-        config = config_from_dict(raw, source=name, environ={})
+        config = config_from_dict(copy.deepcopy(raw), source=name, environ={})
         with TierManager(config) as manager:
             progress = Progress(len(requests), f"{name:<24}")
             results.append(
