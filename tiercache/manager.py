@@ -838,6 +838,34 @@ class TierManager:
                     self.cpu.table.discard(item.key)
         return len(items)
 
+    # ---- waiting out a pending lookup (hf helper's block; port to the facade as is) ------
+    LOOKUP_RETRY_S = 0.001
+    """Pause between retries of a pending lookup in ``lookup_wait`` / ``lookup_async``."""
+
+    def _settled(self, hit: Lookup, deadline: float | None) -> Lookup | None:
+        """``hit`` once not pending; past ``deadline`` a whole miss (nothing pinned); else None: retry."""
+        if not hit.pending:
+            return hit
+        if deadline is not None and time.monotonic() >= deadline:
+            return Lookup(hit.keys, hit.block_size, {tier.name: 0 for tier in self.config.tiers}, [])
+        return None
+
+    def lookup_wait(self, tokens: Any, extra: bytes | str | None = None, timeout_s: float | None = None) -> Lookup:
+        """``lookup``, retried while pending; past ``timeout_s`` the prompt is a whole miss (recompute it)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (hit := self._settled(self.lookup(tokens, extra), deadline)) is None:
+            time.sleep(self.LOOKUP_RETRY_S)
+        return hit
+
+    async def lookup_async(
+        self, tokens: Any, extra: bytes | str | None = None, timeout_s: float | None = None
+    ) -> Lookup:
+        """``lookup_wait`` for an asyncio scheduler: sleeps on the loop between retries."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (hit := self._settled(self.lookup(tokens, extra), deadline)) is None:
+            await asyncio.sleep(self.LOOKUP_RETRY_S)
+        return hit
+
 
 async def _gather_futures(futures: list[concurrent.futures.Future[Any]]) -> None:
     await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
