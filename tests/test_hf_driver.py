@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +50,7 @@ SUFFIX = 3
 DECODE_STEPS = 6
 RECOMPUTE_TOLERANCE = 1e-5
 GENERATE = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Bitwise claims are made for float32 on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def store_prefix(manager: TierManager, model: Any, prefix: torch.Tensor) -> None:
