@@ -49,6 +49,8 @@ PREFIX = PREFIX_BLOCKS * BLOCK_SIZE
 SUFFIX = 3
 DECODE_STEPS = 6
 RECOMPUTE_TOLERANCE = 1e-5
+HANG_GUARD_S = 300
+"""Fail rather than hang if the second process never finishes (not a speed limit: it takes seconds)."""
 GENERATE = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -281,6 +283,7 @@ def test_second_process_reuses_kv_through_redis(redis_server: Any, tmp_path: Any
         text=True,
         env=environment,
         check=False,
+        timeout=HANG_GUARD_S,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
