@@ -49,11 +49,13 @@ class FirstTokenClock(BaseStreamer):
     """A ``generate`` streamer that notes when the first new token is out (time to first token)."""
 
     def __init__(self) -> None:
+        """The clock starts now (create it before the request's lookup to count lookup and load)."""
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self._calls = 0
 
     def put(self, value: torch.Tensor) -> None:
+        """Called by ``generate`` with the prompt, then with each new token."""
         self._calls += 1
         if self._calls == PROMPT_AND_FIRST_TOKEN:
             self.first_token_at = time.perf_counter()
@@ -92,6 +94,7 @@ class Turn:
 
     @property
     def prompt_tokens(self) -> int:
+        """The prompt's length in tokens."""
         return self.input_ids.shape[1]
 
     @property

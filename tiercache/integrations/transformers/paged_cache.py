@@ -58,9 +58,11 @@ class PagedLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
+        """Positions holding K/V (the cached prefix plus what the model wrote)."""
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv length, kv offset) for the causal mask, as ``DynamicLayer`` reports them."""
         return self.length + query_length, 0
 
     def get_max_length(self) -> int:
@@ -74,16 +76,20 @@ class PagedLayer(DynamicLayer):
         self.length = max(0, self.length + tokens_to_remove)
 
     def reset(self) -> None:
+        """Forget every position (the blocks stay the request's)."""
         self.length = 0
         self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search is not supported (one sequence per block table)."""
         raise NotImplementedError("PagedCache serves one sequence: no beam search")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Several sequences per request are not supported."""
         raise NotImplementedError("PagedCache serves one sequence: no num_return_sequences > 1")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Several sequences per request are not supported."""
         raise NotImplementedError("PagedCache serves one sequence")
 
 
