@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtualenv with the CPU build of torch, tiercache with its test,
-# bench, metrics and events extras, and redis-server and openssl (Debian's packages) when missing.
+# bench, metrics, events and hf (transformers) extras, and redis-server and openssl (Debian's packages) when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +31,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # torch first: the pinned CPU build satisfies the package's range, so pip
     # never pulls a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-    "$VENV/bin/python" -m pip install -q -e ".[test,bench,metrics,events]"
+    "$VENV/bin/python" -m pip install -q -e ".[test,bench,metrics,events,hf]"
     echo "$want" > "$stamp"
 fi

@@ -10,13 +10,47 @@ crafted prompt cannot alias another tenant's KV.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import torch
+
 KEY_BYTES = 16
 _TOKEN_DTYPE = np.dtype("<i8")
+
+Tokens: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor"
+"""A prompt's token ids: a Python list, a numpy array, or a torch tensor (CPU or CUDA), 1-D or ``[1, T]``."""
+
+
+def token_array(tokens: Tokens) -> np.ndarray:
+    """``tokens`` as a 1-D little-endian int64 array, so every input type hashes to the same keys.
+
+    A ``[1, T]`` batch of one (``input_ids`` as tokenizers return it) is flattened;
+    integer arrays and tensors of any width are widened; a float or bool array is
+    refused rather than truncated. torch is only consulted when it is already
+    imported (a torch tensor cannot exist otherwise), so hashing stays light.
+    """
+    torch_module = sys.modules.get("torch")
+    if torch_module is not None and isinstance(tokens, torch_module.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype != _TOKEN_DTYPE:
+            if tokens.dtype.kind not in "iu":
+                raise TypeError(f"tokens must be integers, got an array of {tokens.dtype}")
+            tokens = tokens.astype(_TOKEN_DTYPE)
+        array = tokens
+    else:
+        array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional or [1, T], got shape {array.shape}")
+    return array
 
 
 @dataclass(frozen=True)
@@ -56,14 +90,13 @@ class BlockHasher:
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size
 
-    def keys(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None) -> list[bytes]:
+    def keys(self, tokens: Tokens, extra: bytes | str | None = None) -> list[bytes]:
         """Keys of every full block of ``tokens``; a trailing partial block gets none.
 
-        ``extra`` (e.g. a multimodal content hash) is mixed into every block's key.
+        ``tokens``: see ``token_array``. ``extra`` (e.g. a multimodal content hash)
+        is mixed into every block's key.
         """
-        array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
-        if array.ndim != 1:
-            raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
+        array = token_array(tokens)
         num_blocks = len(array) // self.block_size
         buffer = memoryview(array[: num_blocks * self.block_size].tobytes())
         stride = self.block_size * _TOKEN_DTYPE.itemsize

@@ -18,6 +18,7 @@ import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +38,16 @@ MAX_LAYOUT_DIM = 1 << 20
 """Largest layer count, head count, head size or block size accepted (larger is a typo)."""
 MAX_BLOCK_BYTES = 1 << 32
 """Largest block: the codec and every tier size buffers per block; 4 GiB is far past any model's."""
+
+
+class UnsupportedModelError(ValueError):
+    """A model whose KV cache is not plain per-layer K/V, which tiercache must not cache."""
+
+
+HF_STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "linear_conv_kernel_dim", "layers_block_type")
+"""Config fields that only state-space (Mamba) and hybrid models have."""
+HF_FULL_ATTENTION = "full_attention"
+"""The one ``layer_types`` entry whose cache is plain K/V over every position."""
 
 
 class MemoryOrder(enum.Enum):
@@ -70,6 +81,48 @@ class KVLayout:
                 f"a layout of at most {MAX_BLOCK_BYTES} bytes per block (this one has {self.bytes_per_block})",
                 self.num_layers,
             )
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        dtype: str | torch.dtype | None = None,
+        block_size: int = 16,
+        memory: MemoryOrder | str = MemoryOrder.BLOCK_MAJOR,
+    ) -> KVLayout:
+        """The layout of a Hugging Face ``transformers`` model's KV cache, read from its config.
+
+        Layers, KV heads and head dim come from the (text) config, ``head_dim`` when
+        the config sets it explicitly, else ``hidden_size // num_attention_heads``.
+        ``dtype`` defaults to the config's dtype, else float32 (what a model built
+        from a config computes in). A model whose cache is not plain per-layer K/V
+        (sliding-window or chunked layers, state-space or hybrid layers, latent or
+        shared KV, encoder-decoder) raises ``UnsupportedModelError``: caching it as
+        plain K/V would serve wrong KV. Duck-typed: transformers is not imported.
+        """
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        reasons = _unsupported_cache_reasons(text)
+        if reasons:
+            raise UnsupportedModelError(
+                f"{getattr(text, 'model_type', type(text).__name__)}: tiercache caches plain per-layer K/V only; "
+                f"this model has {'; '.join(reasons)}: not supported"
+            )
+        heads = _hf_field(text, "num_attention_heads")
+        head_dim = getattr(text, "head_dim", None) or _hf_field(text, "hidden_size") // heads
+        if dtype is None:
+            configured = text.dtype if hasattr(text, "dtype") else getattr(text, "torch_dtype", None)
+            dtype = str(configured).removeprefix("torch.") if configured is not None else "float32"
+        elif isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        return cls(
+            num_layers=_hf_field(text, "num_hidden_layers"),
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            block_size=block_size,
+            memory=MemoryOrder(memory),
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -143,3 +196,32 @@ class KVLayout:
             if tensor.device != device:
                 raise ValueError(f"pool tensor {index}: on {tensor.device}, others on {device}")
         return num_blocks
+
+
+def _hf_field(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"KVLayout.from_hf_config: config.{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _unsupported_cache_reasons(config: Any) -> list[str]:
+    """Why a transformers config's cache is not plain per-layer K/V (empty when it is)."""
+    reasons = []
+    if getattr(config, "is_encoder_decoder", False):
+        reasons.append("an encoder-decoder cache")
+    layer_types = set(getattr(config, "layer_types", None) or ()) - {HF_FULL_ATTENTION}
+    if layer_types:
+        reasons.append(f"layers of type {', '.join(sorted(layer_types))}")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        reasons.append(f"a sliding window of {config.sliding_window} tokens")
+    if getattr(config, "attention_chunk_size", None):
+        reasons.append("chunked attention")
+    state_fields = [name for name in HF_STATE_SPACE_FIELDS if getattr(config, name, None) is not None]
+    if state_fields:
+        reasons.append(f"state-space layers ({', '.join(state_fields)})")
+    if getattr(config, "kv_lora_rank", None):
+        reasons.append("latent (compressed) KV")
+    if getattr(config, "num_kv_shared_layers", None) or getattr(config, "kv_sharing_modes", None):
+        reasons.append("KV shared between layers")
+    return reasons

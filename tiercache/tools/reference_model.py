@@ -8,8 +8,8 @@ token, which the benchmark's TTFT model compares with each tier's transfer cost.
 The architecture is a scaled-down Llama: token embedding, pre-norm blocks of
 RMSNorm -> grouped-query attention with rotary positions -> RMSNorm -> SwiGLU
 MLP, a final RMSNorm and an output projection. Weights are random from a seeded
-generator, so two instances with the same spec are identical. Attention is paged:
-a block table maps the sequence's logical blocks to pool block ids, new tokens'
+generator, so two instances with the same spec are identical. Attention is paged
+through ``tiercache.paged.PagedKV``: a block table maps the sequence's logical blocks to pool block ids, new tokens'
 K/V are written into those blocks (both memory orders of ``KVLayout``) and the
 keys and values of all positions so far are gathered back from the pool.
 """
@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.layout import KVLayout
+from tiercache.paged import PagedKV
+
+__all__ = ["ModelSpec", "PagedKV", "ReferenceModel", "prefill_seconds_per_token"]
 
 ROPE_THETA = 10_000.0
 """Base of the rotary frequencies (Llama's default)."""
@@ -32,8 +35,6 @@ INIT_STD = 0.02
 """Standard deviation of the random weights (keeps activations in a sane range)."""
 MLP_RATIO = 2
 """MLP hidden width as a multiple of the model width."""
-KEY, VALUE = 0, 1
-"""Index of K and V in the pool's ``2`` axis."""
 
 
 @dataclass(frozen=True)
@@ -70,31 +71,6 @@ class ModelSpec:
             vocab_size=vocab_size,
             seed=seed,
         )
-
-
-class PagedKV:
-    """Per-layer K and V views ``[blocks, block_size, kv_heads, head_dim]`` over the pool tensors.
-
-    The views alias the pool, so writing through them writes the blocks tiercache
-    moves between tiers, in either memory order.
-    """
-
-    def __init__(self, layout: KVLayout, pool: Sequence[torch.Tensor]) -> None:
-        layout.validate_pool(pool)
-        self.layout = layout
-        if layout.block_major:
-            self.keys = [pool[0][:, KEY, layer] for layer in range(layout.num_layers)]
-            self.values = [pool[0][:, VALUE, layer] for layer in range(layout.num_layers)]
-        else:
-            self.keys = [tensor[:, KEY] for tensor in pool]
-            self.values = [tensor[:, VALUE] for tensor in pool]
-        self.device = pool[0].device
-
-    def addresses(self, block_table: Sequence[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pool block, offset in block) of each absolute position, through the block table."""
-        table = torch.as_tensor(list(block_table), dtype=torch.long, device=self.device)
-        size = self.layout.block_size
-        return table[positions // size], positions % size
 
 
 class ReferenceModel(torch.nn.Module):
@@ -150,12 +126,9 @@ class ReferenceModel(torch.nn.Module):
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=kv.device)
         count = tokens.shape[0]
         end = start + count
-        if len(block_table) * kv.layout.block_size < end:
-            raise ValueError(f"block table of {len(block_table)} blocks does not cover {end} positions")
         new_positions = torch.arange(start, end, device=kv.device)
         all_positions = torch.arange(end, device=kv.device)
-        new_blocks, new_offsets = kv.addresses(block_table, new_positions)
-        all_blocks, all_offsets = kv.addresses(block_table, all_positions)
+        table = kv.table(block_table)
         causal = all_positions[None, :] <= new_positions[:, None]
         group = spec.num_heads // spec.num_kv_heads
         scale = 1.0 / math.sqrt(spec.head_dim)
@@ -167,10 +140,9 @@ class ReferenceModel(torch.nn.Module):
             k = (h @ layer.wk).view(count, spec.num_kv_heads, spec.head_dim)
             v = (h @ layer.wv).view(count, spec.num_kv_heads, spec.head_dim)
             q, k = self._rotate(q, new_positions), self._rotate(k, new_positions)
-            kv.keys[index][new_blocks, new_offsets] = k.to(kv.keys[index].dtype)
-            kv.values[index][new_blocks, new_offsets] = v.to(kv.values[index].dtype)
-            keys = kv.keys[index][all_blocks, all_offsets].to(x.dtype).repeat_interleave(group, dim=1)
-            values = kv.values[index][all_blocks, all_offsets].to(x.dtype).repeat_interleave(group, dim=1)
+            kv.write(index, table, start, k, v)
+            keys, values = kv.read(index, table, end, dtype=x.dtype)
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
             scores = scores.masked_fill(~causal[None], float("-inf"))
             attended = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values).reshape(count, spec.hidden)

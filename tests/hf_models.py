@@ -1,0 +1,120 @@
+"""Tiny random-weight ``transformers`` models built from configs (never downloaded), and topologies that fit them.
+
+Two architectures: a Llama with grouped-query attention (head dim = hidden /
+heads) and a Qwen3, whose config sets ``head_dim`` explicitly to twice
+hidden / heads and whose attention normalises q and k. ``replay`` is the
+reference a cached run must equal bit for bit: the same forward calls on a plain
+``DynamicCache``, cropped to what tiercache reused, so every K/V the model reads
+was computed by the same kernel calls as the one it read from the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tiercache.config import TierCacheConfig, config_from_dict
+from tiercache.layout import KVLayout
+
+VOCAB = 256
+BLOCK_SIZE = 4
+ARCHITECTURES = ("llama", "qwen3")
+MEMORY_ORDERS = ("block_major", "layer_major")
+GPU_BLOCKS, CPU_BLOCKS = 64, 128
+MODEL_SEED = 0
+PAD_TOKEN = 0
+"""Prompts use ids from 1 up; no EOS is configured, so every reply has its full length."""
+
+
+def tiny_config(arch: str) -> Any:
+    """A two-layer config of ``arch`` with grouped-query attention (4 query heads, 2 KV heads)."""
+    common = {
+        "vocab_size": VOCAB,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "pad_token_id": PAD_TOKEN,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    if arch == "llama":
+        return LlamaConfig(hidden_size=64, intermediate_size=128, **common)
+    if arch == "qwen3":
+        return Qwen3Config(hidden_size=48, head_dim=24, intermediate_size=96, **common)
+    raise ValueError(f"unknown architecture {arch!r}")
+
+
+def tiny_model(arch: str, seed: int = MODEL_SEED) -> Any:
+    """Seeded random weights (float32, eval mode); the global RNG is left as it was."""
+    classes = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return classes[arch](tiny_config(arch)).eval()
+
+
+def topology(
+    model: Any,
+    memory: str = "block_major",
+    remotes: list[dict[str, Any]] | None = None,
+    gpu_blocks: int = GPU_BLOCKS,
+) -> TierCacheConfig:
+    """GPU pool (on the CPU) + CPU tier (+ remotes), with the layout read from the model's config."""
+    layout = KVLayout.from_hf_config(model.config, block_size=BLOCK_SIZE, memory=memory)
+    tiers: list[dict[str, Any]] = [
+        {"name": "gpu", "type": "gpu", "capacity_blocks": gpu_blocks, "options": {"device": "cpu"}},
+        {"name": "cpu", "type": "cpu", "capacity_blocks": CPU_BLOCKS, "write_policy": "write_through"},
+    ]
+    fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+    data = {
+        "model": {"id": f"tiny-{model.config.model_type}"},
+        "layout": {**{name: getattr(layout, name) for name in fields}, "memory": memory},
+        "tiers": tiers + (remotes or []),
+    }
+    return config_from_dict(data, environ={})
+
+
+def random_tokens(count: int, seed: int) -> torch.Tensor:
+    """``[1, count]`` token ids in ``1 .. VOCAB-1``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (1, count), generator=generator)
+
+
+def generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tokens: int) -> Any:
+    """Greedy ``generate`` keeping every step's logits."""
+    return model.generate(
+        input_ids,
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+
+
+class Replay:
+    """One conversation's reference: the same calls on a ``DynamicCache`` (the KV history the pool holds)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> None:
+        """A forward pass over ``input_ids`` continuing the history (how a prefix was first computed)."""
+        self.model(input_ids[:, self.cache.get_seq_length() :], past_key_values=self.cache)
+
+    def turn(self, input_ids: torch.Tensor, reused_tokens: int, max_new_tokens: int) -> Any:
+        """The request again, starting from the first ``reused_tokens`` of the history."""
+        self.cache.crop(reused_tokens - self.cache.get_seq_length())
+        return generate(self.model, input_ids, self.cache, max_new_tokens)
+
+
+def assert_bitwise(expected: Any, got: Any) -> None:
+    """Same tokens and bit-identical logits at every step."""
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    assert len(got.logits) == len(expected.logits)
+    for want, have in zip(expected.logits, got.logits, strict=True):
+        assert torch.equal(want, have), (want - have).abs().max()

@@ -1,0 +1,7 @@
+"""Adapters between tiercache and model libraries; each imports its library only when it is used.
+
+``tiercache.integrations.transformers`` (the ``hf`` extra): a Hugging Face
+``transformers`` cache whose K/V live in the tiercache pool, and a driver that
+serves a request the way an engine does (lookup, allocate, load, prefill the
+uncached suffix, store, decode, release).
+"""
