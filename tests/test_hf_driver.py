@@ -230,7 +230,8 @@ def test_capacity_error_leaves_nothing_held() -> None:
     prompt = random_tokens(PREFIX + SUFFIX, seed=7)
     with TierManager(topology(model, gpu_blocks=2 * PREFIX_BLOCKS)) as manager:
         cached = CachedModel(model, manager)
-        cached.generate(prompt[:, :PREFIX], max_new_tokens=1, do_sample=False)
+        first = cached.generate(prompt[:, :PREFIX], max_new_tokens=1, do_sample=False)
+        first.stored.result()  # its blocks are pinned until their write-through copy lands
         with cached.begin(random_tokens(PREFIX + SUFFIX, seed=8), DECODE_STEPS), pytest.raises(CapacityError):
             cached.begin(prompt, DECODE_STEPS)
         evict_gpu(manager)
