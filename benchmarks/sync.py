@@ -3,7 +3,7 @@
 Central and two regions run on loopback (tests/redis_servers.py). Region A holds
 current copies of every key, and the same server holds the same blocks written
 by a Redis tier (its own key prefix). The ceiling is that Redis tier's GET of a
-batch; measured in the same run: a plain regional read of the same batch (the
+batch; measured in the same run, taking turns batch by batch: a plain regional read of the same batch (the
 region's GETs), a force_latest read (adds central's version check), and a
 force_latest read after region B rewrote every key (each read also fetches from
 central and refreshes region A). ``RUNS`` repetitions in the one process; every
@@ -54,16 +54,18 @@ async def make_tier(central: RedisServer, region: RedisServer) -> RegionalTier:
     return tier
 
 
-async def timed_reads(read: Read, keys: list[bytes], rounds: int) -> list[float]:
+async def timed_reads(reads: dict[str, Read], keys: list[bytes], rounds: int) -> dict[str, list[float]]:
+    """Each read's latency per batch in ms; the reads take turns batch by batch (a noisy moment hits all)."""
     dests = [memoryview(bytearray(BLOCK_BYTES)) for _ in range(BATCH)]
-    samples = []
+    samples: dict[str, list[float]] = {name: [] for name in reads}
     for r in range(rounds):
         batch = keys[(r * BATCH) % len(keys) :][:BATCH]
-        started = time.perf_counter()
-        oks = await read(batch, dests[: len(batch)])
-        samples.append((time.perf_counter() - started) * MS)
-        if not all(oks):
-            raise RuntimeError("benchmark read missed")
+        for name, read in reads.items():
+            started = time.perf_counter()
+            oks = await read(batch, dests[: len(batch)])
+            samples[name].append((time.perf_counter() - started) * MS)
+            if not all(oks):
+                raise RuntimeError(f"benchmark read missed: {name}")
     return samples
 
 
@@ -99,21 +101,17 @@ async def run(central: RedisServer, region_a: RedisServer, region_b: RedisServer
     reads: dict[str, Read] = {
         CEILING: redis.get_into, "regional plain read": plain, "force_latest, region current": latest
     }
-    for read in reads.values():
-        await timed_reads(read, keys, ROUNDS // 4)
+    await timed_reads(reads, keys, ROUNDS // 4)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in reads}
     for _ in range(RUNS):
-        samples: dict[str, list[float]] = {name: [] for name in reads}
-        for _ in range(2):  # interleaved, so that a noisy moment hits every row alike
-            for name, read in reads.items():
-                samples[name] += await timed_reads(read, keys, ROUNDS // 2)
-        for name in reads:
-            runs[name].append(summary(samples[name]))
+        for name, samples in (await timed_reads(reads, keys, ROUNDS)).items():
+            runs[name].append(summary(samples))
     rows = {name: median_of(figures) for name, figures in runs.items()}
     for start in range(0, KEYS, BATCH):
         await b.put(keys[start : start + BATCH], payloads[start : start + BATCH])
     await b.flush()
-    rows["force_latest, region stale"] = summary(await timed_reads(latest, keys, KEYS // BATCH))
+    stale = await timed_reads({"stale": latest}, keys, KEYS // BATCH)
+    rows["force_latest, region stale"] = summary(stale["stale"])
     stats = a.stats()
     for tier in (a, b, redis):
         await tier.close()

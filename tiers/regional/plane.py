@@ -161,17 +161,17 @@ class Plane:
         if not count:
             return read
         pieces = max(1, min(self.connections, count // MIN_KEYS_PER_CONNECTION))
-        jobs = []
+        calls = []
         for piece in range(pieces):
             args = (self.plan, list(range(piece, count, pieces)), keys, names, dests, read.results)
             if versioned:
                 job: GetJob = VersionedGetJob(*args, versions=read.versions, checksums=read.checksums)
             else:
                 job = GetJob(*args)
-            jobs.append(self._call("get", job, piece))
-        for job in await asyncio.gather(*jobs):
-            assert isinstance(job, GetJob)
-            read.invalid += job.invalid
+            calls.append(self._call("get", job, piece))
+        for done in [await calls[0]] if pieces == 1 else await asyncio.gather(*calls):
+            assert isinstance(done, GetJob)
+            read.invalid += done.invalid
         return read
 
     async def values(self, names: Sequence[bytes]) -> list[bytes | None] | None:

@@ -16,6 +16,7 @@ exception.
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 from collections.abc import Callable, Sequence
 
@@ -51,8 +52,8 @@ class _Keys:
 
     def values(self, keys: Sequence[bytes]) -> list[bytes]:
         """``value`` of every key, as the data path sends them."""
-        prefix = self.prefix.encode()
-        return [b"%s{%s}:v" % (prefix, key.hex().encode()) for key in keys]
+        prefix, hexlify = self.prefix.encode() + b"{", binascii.hexlify
+        return [prefix + hexlify(key) + b"}:v" for key in keys]
 
 
 class _Store:
