@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import warnings
 from collections.abc import Callable
@@ -25,6 +26,8 @@ BLOCK_BYTES = 4096
 FINGERPRINT = bytes(range(16, 32))
 OLD_TIMEOUT_MS = 250.0
 COUNT = 8
+SUBSCRIBE_BOUND_S = 30.0
+"""Failure detector only: a subscription not made by then is taken as failed (it normally takes ms)."""
 CENTRAL_ONLY: dict[str, Any] = {"central_url": "redis://127.0.0.1:1", "mode": SyncMode.CENTRAL}
 """Options that need no region (never connected to in the option tests)."""
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -45,7 +48,7 @@ async def read(tier: RegionalTier, keys: list[bytes], *, force_latest: bool = Fa
 
 
 async def started(central_url: str, region_url: str, **options: Any) -> RegionalTier:
-    opts = RegionalOptions(central_url=central_url, region_url=region_url, invalidate=False, **options)
+    opts = RegionalOptions(central_url=central_url, region_url=region_url, **{"invalidate": False, **options})
     tier = RegionalTier(RemoteContext("regional", Codec(FINGERPRINT), BLOCK_BYTES), opts)
     await tier.start()
     return tier
@@ -142,8 +145,10 @@ async def test_tls_options_reach_both_servers_and_both_planes(
     central_plain = central_url.replace("rediss://", "redis://")
     tls = {"ssl_ca": str(pki["ca"]), "ssl_cert": str(pki["client_cert"]), "ssl_key": str(pki["client_key"])}
     keys = [key(200 + i) for i in range(COUNT)]
-    tier = await started(central_plain, region_url, ssl=True, **tls)
+    tier = await started(central_plain, region_url, ssl=True, invalidate=True, **tls)
     try:
+        assert tier.invalidator is not None
+        await asyncio.wait_for(tier.invalidator.subscribed.wait(), SUBSCRIBE_BOUND_S)  # pub/sub over TLS
         assert await tier.put(keys, payloads(5)) == [True] * COUNT
         await tier.flush()
         stats = tier.stats()

@@ -45,8 +45,19 @@ QUIET_OUTCOMES = frozenset({HIT, BYTES, "miss", "ok", "gone", "breaker_open"}) |
 class VersionedGetJob(GetJob):
     """A GET into the destinations that also keeps each hit's version and checksum (from its header)."""
 
-    def __init__(self, *args: object, versions: list[int], checksums: list[bytes]) -> None:
-        super().__init__(*args)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        plan: ReadPlan,
+        indices: list[int],
+        keys: Sequence[bytes],
+        names: Sequence[bytes],
+        dests: Sequence[memoryview],
+        results: list[bool],
+        *,
+        versions: list[int],
+        checksums: list[bytes],
+    ) -> None:
+        super().__init__(plan, indices, keys, names, dests, results)
         self.versions = versions
         self.checksums = checksums
 
