@@ -1,11 +1,13 @@
-"""force_latest's extra cost over a plain regional read, on three local redis-servers.
+"""The regional tier's reads against the Redis tier's GET on the same redis-server.
 
 Central and two regions run on loopback (tests/redis_servers.py). Region A holds
-current copies of every key; a plain read is one MGET from the region, a
-force_latest read adds central's version check (one MGET of version keys). A
-third row reads force_latest after region B rewrote every key, so each read also
-fetches from central and refreshes region A. The ceiling is the plain regional
-read of the same batch, measured in the same run.
+current copies of every key, and the same server holds the same blocks written
+by a Redis tier (its own key prefix). The ceiling is that Redis tier's GET of a
+batch; measured in the same run, taking turns batch by batch: a plain regional read of the same batch (the
+region's GETs), a force_latest read (adds central's version check), and a
+force_latest read after region B rewrote every key (each read also fetches from
+central and refreshes region A). ``RUNS`` repetitions in the one process; every
+row reports the median over the runs of each run's p50 (and mean and p95).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +29,20 @@ from redis_servers import RedisServer
 
 from tiercache.codec import Codec
 from tiercache.tiers.base import RemoteContext
+from tiercache.tiers.redis import RedisOptions, RedisTier
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode
 
 BLOCK_BYTES = 64 * 1024
 BATCH = 32
 KEYS = 512
 ROUNDS = 60
+RUNS = 3
 PERCENTILES = (50, 95)
 MS = 1000.0
 FINGERPRINT = bytes(16)
+CEILING = "redis tier GET (ceiling)"
+
+Read = Callable[[Sequence[bytes], Sequence[memoryview]], Awaitable[list[bool]]]
 
 
 async def make_tier(central: RedisServer, region: RedisServer) -> RegionalTier:
@@ -46,16 +54,18 @@ async def make_tier(central: RedisServer, region: RedisServer) -> RegionalTier:
     return tier
 
 
-async def timed_reads(tier: RegionalTier, keys: list[bytes], force_latest: bool, rounds: int) -> list[float]:
+async def timed_reads(reads: dict[str, Read], keys: list[bytes], rounds: int) -> dict[str, list[float]]:
+    """Each read's latency per batch in ms; the reads take turns batch by batch (a noisy moment hits all)."""
     dests = [memoryview(bytearray(BLOCK_BYTES)) for _ in range(BATCH)]
-    samples = []
+    samples: dict[str, list[float]] = {name: [] for name in reads}
     for r in range(rounds):
         batch = keys[(r * BATCH) % len(keys) :][:BATCH]
-        started = time.perf_counter()
-        oks = await tier.get_into(batch, dests[: len(batch)], force_latest=force_latest)
-        samples.append((time.perf_counter() - started) * MS)
-        if not all(oks):
-            raise RuntimeError("benchmark read missed")
+        for name, read in reads.items():
+            started = time.perf_counter()
+            oks = await read(batch, dests[: len(batch)])
+            samples[name].append((time.perf_counter() - started) * MS)
+            if not all(oks):
+                raise RuntimeError(f"benchmark read missed: {name}")
     return samples
 
 
@@ -65,30 +75,47 @@ def summary(samples: list[float]) -> dict[str, float]:
     return {"mean_ms": statistics.fmean(samples), **tails}
 
 
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the runs."""
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+
+
 async def run(central: RedisServer, region_a: RedisServer, region_b: RedisServer) -> dict[str, Any]:
     a = await make_tier(central, region_a)
     b = await make_tier(central, region_b)
+    redis = RedisTier(RemoteContext("redis", Codec(FINGERPRINT), BLOCK_BYTES), RedisOptions(url=region_a.url))
+    await redis.start()
     keys = [i.to_bytes(16, "little") for i in range(KEYS)]
     payloads = [memoryview(bytes([i % 256]) * BLOCK_BYTES) for i in range(KEYS)]
     for start in range(0, KEYS, BATCH):
         await a.put(keys[start : start + BATCH], payloads[start : start + BATCH])
+        await redis.put(keys[start : start + BATCH], payloads[start : start + BATCH])
     await a.flush()
-    rows = {}
-    await timed_reads(a, keys, False, ROUNDS // 4)
-    plain, latest = [], []
-    for _ in range(2):
-        plain += await timed_reads(a, keys, False, ROUNDS // 2)
-        latest += await timed_reads(a, keys, True, ROUNDS // 2)
-    rows["plain regional read (ceiling)"] = summary(plain)
-    rows["force_latest, region current"] = summary(latest)
+
+    async def plain(batch: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
+        return await a.get_into(batch, dests)
+
+    async def latest(batch: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
+        return await a.get_into(batch, dests, force_latest=True)
+
+    reads: dict[str, Read] = {
+        CEILING: redis.get_into, "regional plain read": plain, "force_latest, region current": latest
+    }
+    await timed_reads(reads, keys, ROUNDS // 4)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in reads}
+    for _ in range(RUNS):
+        for name, samples in (await timed_reads(reads, keys, ROUNDS)).items():
+            runs[name].append(summary(samples))
+    rows = {name: median_of(figures) for name, figures in runs.items()}
     for start in range(0, KEYS, BATCH):
         await b.put(keys[start : start + BATCH], payloads[start : start + BATCH])
     await b.flush()
-    rows["force_latest, region stale"] = summary(await timed_reads(a, keys, True, KEYS // BATCH))
+    stale = await timed_reads({"stale": latest}, keys, KEYS // BATCH)
+    rows["force_latest, region stale"] = summary(stale["stale"])
     stats = a.stats()
-    await a.close()
-    await b.close()
-    return {"rows": rows, "refreshed": stats["refreshed"]}
+    for tier in (a, b, redis):
+        await tier.close()
+    return {"rows": rows, "runs": runs, "refreshed": stats["refreshed"]}
 
 
 def main() -> None:
@@ -99,13 +126,13 @@ def main() -> None:
         for server in servers:
             server.close()
     rows = result["rows"]
-    ceiling = rows["plain regional read (ceiling)"]["p50_ms"]
-    print(f"batches of {BATCH} x {BLOCK_BYTES // 1024} KiB, loopback redis-servers")
+    ceiling = rows[CEILING]["p50_ms"]
+    print(f"batches of {BATCH} x {BLOCK_BYTES // 1024} KiB, loopback redis-servers, median of {RUNS} runs")
     print(f"{'read':<34}{'mean ms':>9}{'p50 ms':>9}{'p95 ms':>9}{'p50 / ceiling':>15}")
     for name, row in rows.items():
         ratio = row["p50_ms"] / ceiling
         print(f"{name:<34}{row['mean_ms']:>9.2f}{row['p50_ms']:>9.2f}{row['p95_ms']:>9.2f}{ratio:>15.2f}")
-    result.update({"batch": BATCH, "block_bytes": BLOCK_BYTES})
+    result.update({"batch": BATCH, "block_bytes": BLOCK_BYTES, "runs_count": RUNS})
     print(f"wrote {write_result(__file__, result)}")
 
 

@@ -10,7 +10,8 @@ replies come in) and parses replies in place; coroutines await a future the
 thread completes with ``call_soon_threadsafe`` (the event loop never blocks).
 The modules: ``resp`` (RESP connection and parsing), ``lane`` (the I/O thread),
 ``commands`` (GET/SET/EXISTS/UNLINK as jobs), ``node`` (one server: breaker,
-lanes, TLS/AUTH, capacity check), ``cluster`` (slot routing), ``tier``.
+lanes, TLS/AUTH, capacity check; the regional tier's data path too), ``cluster``
+(slot routing), ``tier``.
 
 * ``SET`` sends ``header`` and ``payload`` with one ``sendmsg`` of the caller's
   buffers (no concatenation), as ONE command, so a reader sees either the old

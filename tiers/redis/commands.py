@@ -162,6 +162,8 @@ def read_value(
     if plan.stage_reads or length != HEADER_SIZE + len(dest):
         conn.read_into(staging[:length])
         conn.expect_crlf(readahead)
+        if length >= HEADER_SIZE:  # after a hit, ``conn.header`` holds the value's header on every path
+            conn.header_view[:] = staging[:HEADER_SIZE]
         return _status_outcome(codec.decode_into(key, staging[:length], dest).status)
     conn.read_into(conn.header_view)
     header = codec.check_header(key, conn.header, length)
@@ -224,7 +226,7 @@ class PutJob(Job):
         buffers: list[bytes | memoryview] = []
         for j in range(start, stop):
             position = self.indices[j]
-            header, stored = self.codec.encode(self.keys[position], self.payloads[position])
+            header, stored = self.encoded(position)
             rkey = self.redis_keys[position]
             size = len(header) + len(stored)
             self._sizes[j] = size
@@ -235,6 +237,10 @@ class PutJob(Job):
                 self._set_tail,
             )
         return buffers
+
+    def encoded(self, position: int) -> tuple[bytes, bytes | memoryview]:
+        """The header and stored payload of value ``position`` (checksummed here, in the I/O thread)."""
+        return self.codec.encode(self.keys[position], self.payloads[position])
 
     def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
         if conn.consume(OK_REPLY):

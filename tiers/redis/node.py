@@ -1,4 +1,8 @@
-"""One Redis server: a breaker, its lanes (connection + I/O thread each), TLS/AUTH, capacity check."""
+"""One Redis server: a breaker, its lanes (connection + I/O thread each), TLS/AUTH, capacity check.
+
+A ``Node`` serves any ``NodeOwner``: the Redis tier, and each server of the
+regional tier (``tiers/regional/plane.py``), so both run one data path.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,14 @@ import socket
 import ssl
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
+from urllib.parse import unquote, urlparse
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import HEADER_SIZE
 from tiercache.tiers.redis.lane import Job, Lane
-from tiercache.tiers.redis.options import RedisOptions
+from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions
 from tiercache.tiers.redis.resp import Connection, ConnectionFailed, ServerError
-
-if TYPE_CHECKING:
-    from tiercache.tiers.redis.tier import RedisTier
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +75,52 @@ def ssl_context(options: RedisOptions) -> ssl.SSLContext:
     return context
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where ``options.url`` points and who we are there (options override the URL's credentials)."""
+
+    host: str
+    port: int
+    username: str | None
+    password: str | None
+    db: int
+    tls_context: ssl.SSLContext | None
+
+    @classmethod
+    def of(cls, options: RedisOptions) -> Endpoint:
+        """The endpoint of ``options.url`` (``rediss://`` or ``ssl: true``: TLS)."""
+        parsed = urlparse(options.url)
+        return cls(
+            parsed.hostname or "127.0.0.1",
+            parsed.port or DEFAULT_PORT,
+            options.username or (unquote(parsed.username) if parsed.username else None),
+            options.password or (unquote(parsed.password) if parsed.password else None),
+            int(parsed.path.lstrip("/") or 0),
+            ssl_context(options) if options.ssl or parsed.scheme == "rediss" else None,
+        )
+
+
+class NodeOwner(Protocol):
+    """What a ``Node`` needs from the tier it serves."""
+
+    name: str
+    options: RedisOptions
+    block_bytes: int
+    connections: int
+    window: int
+    username: str | None
+    password: str | None
+    db: int
+    tls_context: ssl.SSLContext | None
+
+    def note_error(self, error: str) -> None:
+        """Remember the most recent error (called on the event loop)."""
+
+
 class Node:
     """One server: a breaker and ``connections`` lanes, each a connection driven by its own thread."""
 
-    def __init__(self, host: str, port: int, tier: RedisTier) -> None:
+    def __init__(self, host: str, port: int, tier: NodeOwner) -> None:
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"

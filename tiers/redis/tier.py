@@ -10,14 +10,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 from tiercache.tiers.redis.cluster import key_slot, slot_map
 from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
 from tiercache.tiers.redis.lane import Job
-from tiercache.tiers.redis.node import Node, ssl_context
-from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions
+from tiercache.tiers.redis.node import Endpoint, Node
+from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.resp import CRLF
 
 logger = logging.getLogger(__name__)
@@ -40,13 +39,10 @@ class RedisTier(RemoteTier):
     def __init__(self, context: RemoteContext, options: RedisOptions) -> None:
         super().__init__(context, options)
         self.codec = context.codec.variant(compress=options.compress)
-        parsed = urlparse(options.url)
-        self._seed = (parsed.hostname or "127.0.0.1", parsed.port or DEFAULT_PORT)
-        self.username = options.username or (unquote(parsed.username) if parsed.username else None)
-        self.password = options.password or (unquote(parsed.password) if parsed.password else None)
-        self.db = int(parsed.path.lstrip("/") or 0)
-        use_tls = options.ssl or parsed.scheme == "rediss"
-        self.tls_context = ssl_context(options) if use_tls else None
+        endpoint = Endpoint.of(options)
+        self._seed = (endpoint.host, endpoint.port)
+        self.username, self.password, self.db = endpoint.username, endpoint.password, endpoint.db
+        self.tls_context = endpoint.tls_context
         self._prefix = options.key_prefix.encode()
         ttl = options.ttl_s
         ttl_ms = str(int(ttl * MILLISECONDS)).encode() if ttl else b""

@@ -7,7 +7,8 @@ One concept per module:
   ``force_latest``, writes, stats).
 - ``versions``: central versions in the codec header, the central clock and the
   Lua scripts that commit, refresh, stamp and drop versioned copies.
-- ``client``: fail-fast Redis clients behind a circuit breaker.
+- ``plane``: the data path (GET/SET/EXISTS/UNLINK, bulk reads) on the Redis tier's ``Node``.
+- ``client``: fail-fast redis-py clients for the control plane (Lua, pub/sub, CONFIG).
 - ``stores``: ``CentralStore`` and ``RegionStore``, block operations on each.
 - ``replicator``: bounded background replication of a region's writes to central.
 - ``invalidation``: drops stale regional copies on central's published updates.

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from tiercache.tiers.regional.shutdown import stop_tasks
 
 MAX_CLEANUPS_IN_FLIGHT = 4
 """Background delete batches at once per tier; beyond that invalid values are left for a later read."""
 
-Discard = Callable[[Sequence[tuple[bytes, bytes]]], Awaitable[int]]
-"""A store's ``discard``: deletes (key, value-as-read) pairs, returns how many went."""
+Discard = Callable[[Sequence[Any]], Awaitable[int]]
+"""A store's ``discard`` (deletes (key, value-as-read) pairs) or ``discard_invalid`` (deletes keys whose
+value still fails validation); returns how many went."""
 
 
 class Cleaner:
@@ -32,7 +34,7 @@ class Cleaner:
         self.skipped = 0
         self._tasks: set[asyncio.Task] = set()
 
-    def discard(self, store: Discard, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def discard(self, store: Discard, items: Sequence[Any]) -> None:
         """Schedule the deletion of ``items`` from ``store``; never waits."""
         if not items:
             return
@@ -43,7 +45,7 @@ class Cleaner:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, store: Discard, items: list[tuple[bytes, bytes]]) -> None:
+    async def _run(self, store: Discard, items: list[Any]) -> None:
         self.deleted += await store(items)
 
     def tasks(self) -> list[asyncio.Task]:

@@ -57,6 +57,20 @@ HINTS = {
 }
 
 
+OUTCOME_CAUSES = {
+    "auth_noauth": Cause.NOAUTH,
+    "auth_wrongpass": Cause.WRONGPASS,
+    "auth_noperm": Cause.NOPERM,
+    "refused_noperm": Cause.NOPERM,
+    "server_oom": Cause.OOM,
+    "connect": Cause.UNREACHABLE,
+    "connection": Cause.UNREACHABLE,
+    "timeout": Cause.UNREACHABLE,
+    "closed": Cause.UNREACHABLE,
+}
+"""The cause of each outcome the Redis tier's data path counts a failure under (any other: OTHER)."""
+
+
 def classify(error: BaseException) -> Cause:
     """The cause of a redis-py exception (or an OSError)."""
     code = getattr(error, "status_code", None)
@@ -97,7 +111,13 @@ class Diagnosis:
 
     def record(self, error: BaseException, what: str) -> Cause:
         """Count and (rate-limited) log one failure of ``what`` (e.g. "commit"); returns its cause."""
-        cause = classify(error)
+        return self._record(classify(error), error, what)
+
+    def record_outcome(self, outcome: str, message: str, what: str) -> Cause:
+        """Like ``record``, for a failure the data path (``plane``) counted under ``outcome``."""
+        return self._record(OUTCOME_CAUSES.get(outcome, Cause.OTHER), message, what)
+
+    def _record(self, cause: Cause, error: BaseException | str, what: str) -> Cause:
         self.counts[cause] += 1
         self.last = cause
         self.last_error = str(error)

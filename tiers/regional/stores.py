@@ -8,16 +8,20 @@
   overwrites a newer copy nor a copy still waiting for its version (version 0,
   a write of this region not yet replicated).
 
-Every call goes through a ``GuardedClient``: a failure is a ``None`` / ``False``
-answer, never an exception.
+Reads, writes, EXISTS and deletes go through the server's ``Plane`` (the Redis
+tier's data path); Lua scripts and CONFIG through its ``GuardedClient``
+(redis-py). Either way a failure is a ``None`` / ``False`` answer, never an
+exception.
 """
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 from collections.abc import Callable, Sequence
 
 from tiercache.tiers.regional.client import GuardedClient, pipelined
+from tiercache.tiers.regional.plane import Plane, Read
 from tiercache.tiers.regional.versions import (
     CLOCK_TICKS_PER_MS,
     COMMIT_SCRIPT,
@@ -28,6 +32,9 @@ from tiercache.tiers.regional.versions import (
     U64,
     parse_version,
 )
+
+Invalid = Callable[[bytes, bytes], bool]
+"""Whether a value read for a key fails validation (``discard_invalid`` deletes only those)."""
 
 
 class _Keys:
@@ -43,13 +50,50 @@ class _Keys:
     def version(self, key: bytes) -> str:
         return f"{self.prefix}{{{key.hex()}}}:n"
 
+    def values(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``value`` of every key, as the data path sends them."""
+        prefix, hexlify = self.prefix.encode() + b"{", binascii.hexlify
+        return [prefix + hexlify(key) + b"}:v" for key in keys]
 
-class CentralStore:
+
+class _Store:
+    """What central and a region share: reads, EXISTS, deletes and the removal of invalid values."""
+
+    def __init__(self, server: GuardedClient, plane: Plane, prefix: str) -> None:
+        self.server = server
+        self.plane = plane
+        self.keys = _Keys(prefix)
+
+    async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
+        """The raw values (None where absent), or None when the server failed."""
+        return await self.plane.values(self.keys.values(keys))
+
+    async def get_into(self, keys: Sequence[bytes], dests: Sequence[memoryview], *, versioned: bool = False) -> Read:
+        """Read the values straight into ``dests`` (``versioned``: keep each hit's version and checksum)."""
+        return await self.plane.get_into(keys, self.keys.values(keys), dests, versioned=versioned)
+
+    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+        return await self.plane.exists(self.keys.values(keys))
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        await self.plane.unlink(self.keys.values(keys))
+
+    async def discard(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete values that failed validation (key, value as read); how many were deleted."""
+        return await _discard(self.server, [(self.keys.value(key), value) for key, value in items])
+
+    async def discard_invalid(self, keys: Sequence[bytes], invalid: Invalid) -> int:
+        """Read ``keys`` again and delete the values that still fail validation (unless rewritten meanwhile)."""
+        values = await self.read(keys) or []
+        pairs = zip(keys, values, strict=False)
+        return await self.discard([(key, value) for key, value in pairs if value is not None and invalid(key, value)])
+
+
+class CentralStore(_Store):
     """The central store: version assignment, version lookups, reads, the update channel."""
 
-    def __init__(self, server: GuardedClient, prefix: str, channel: str, ttl_ms: int = 0) -> None:
-        self.server = server
-        self.keys = _Keys(prefix)
+    def __init__(self, server: GuardedClient, plane: Plane, prefix: str, channel: str, ttl_ms: int = 0) -> None:
+        super().__init__(server, plane, prefix)
         self.channel = channel
         self.ttl_ms = ttl_ms
         """Expiry of committed values and version keys (0: none)."""
@@ -94,44 +138,19 @@ class CentralStore:
 
     async def versions(self, keys: Sequence[bytes]) -> list[int | None] | None:
         """The committed version of each key (0: none; None: a garbage version key), or None when unreachable."""
-        names = [self.keys.version(key) for key in keys]
-        replies = await self.server.call(lambda client: client.mget(names), None, "version lookup")
+        replies = await self.plane.values([self.keys.version(key).encode() for key in keys])
         if replies is None:
             return None
         return [parse_version(reply) for reply in replies]
 
-    async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
-        names = [self.keys.value(key) for key in keys]
-        return await self.server.call(lambda client: client.mget(names), None)
 
-    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
-        return await _exists(self.server, [self.keys.value(key) for key in keys])
-
-    async def delete(self, keys: Sequence[bytes]) -> None:
-        names = [self.keys.value(key) for key in keys]
-        await self.server.call(lambda client: client.delete(*names), None)
-
-    async def discard(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """Delete values that failed validation (key, value as read); how many were deleted."""
-        return await _discard(self.server, [(self.keys.value(key), value) for key, value in items])
-
-
-class RegionStore:
+class RegionStore(_Store):
     """A region's copies of central's values (and its own writes awaiting a version)."""
 
-    def __init__(self, server: GuardedClient, prefix: str) -> None:
-        self.server = server
-        self.keys = _Keys(prefix)
-
-    async def read(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
-        names = [self.keys.value(key) for key in keys]
-        return await self.server.call(lambda client: client.mget(names), None)
-
-    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
-        return await _exists(self.server, [self.keys.value(key) for key in keys])
-
     async def write(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        return await self._pipeline(items, lambda pipe, key, value: pipe.set(self.keys.value(key), value))
+        """SET each (key, encoded value) through the data path."""
+        keys = [key for key, _ in items]
+        return await self.plane.set(keys, self.keys.values(keys), [memoryview(value) for _, value in items])
 
     async def refresh(self, items: Sequence[tuple[bytes, bytes, int]]) -> list[bool]:
         """Store copies read from central unless the region holds a newer or unversioned one."""
@@ -152,14 +171,6 @@ class RegionStore:
         name = self.keys.value(key)
         return bool(await self.server.call(lambda client: client.eval(DROP_OLDER_SCRIPT, 1, name, version), False))
 
-    async def delete(self, keys: Sequence[bytes]) -> None:
-        names = [self.keys.value(key) for key in keys]
-        await self.server.call(lambda client: client.delete(*names), None)
-
-    async def discard(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """Delete values that failed validation (key, value as read); how many were deleted."""
-        return await _discard(self.server, [(self.keys.value(key), value) for key, value in items])
-
     async def _pipeline(self, items: Sequence[tuple], queue: Callable[..., object]) -> list[bool]:
         if not items:
             return []
@@ -173,17 +184,6 @@ class RegionStore:
         if replies is None:
             return [False] * len(items)
         return [not isinstance(reply, Exception) and bool(reply) for reply in replies]
-
-
-async def _exists(server: GuardedClient, names: list[str]) -> list[bool] | None:
-    def queue(pipe) -> None:
-        for name in names:
-            pipe.exists(name)
-
-    replies = await server.call(lambda client: pipelined(client, queue), None)
-    if replies is None or any(isinstance(reply, Exception) for reply in replies):
-        return None
-    return [bool(reply) for reply in replies]
 
 
 async def _discard(server: GuardedClient, items: list[tuple[str, bytes]]) -> int:

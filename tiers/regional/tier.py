@@ -21,6 +21,12 @@ regional copy that force_latest reads of other nodes bypass; ``delete`` removes
 the regional copy (and, in ``central`` mode, the central one) without a
 tombstone version.
 
+Data path: reads, writes, EXISTS and deletes run on the Redis tier's nodes
+(``plane``: its connections, TLS/AUTH, capacity check and breaker); plain reads
+take its GET fast path straight into the destinations, and force_latest reads
+keep each regional hit's version and checksum from its header. The control
+plane (Lua commits, refreshes and stamps, pub/sub, CONFIG) stays on redis-py.
+
 Failures: garbage (a value shorter than a header, a corrupt value, a version key
 that is not a number) is a miss for its own key only, counted
 (``invalid_values``, ``invalid_versions``), and an invalid value is deleted from
@@ -32,11 +38,11 @@ unreachable); ``close`` is bounded (``shutdown``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from typing import ClassVar
 
-from tiercache.breaker import CircuitBreaker
 from tiercache.codec import Decoded
 from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
 from tiercache.tiers.regional.cleanup import Cleaner
@@ -44,12 +50,13 @@ from tiercache.tiers.regional.client import GuardedClient, connect
 from tiercache.tiers.regional.diagnosis import Diagnosis
 from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
+from tiercache.tiers.regional.plane import Plane, Read
 from tiercache.tiers.regional.probe import StoreProbe, probe_central, probe_region
 from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
 from tiercache.tiers.regional.retention import Retention, check_retention
 from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
-from tiercache.tiers.regional.versions import value_checksum, value_version
+from tiercache.tiers.regional.versions import value_checksum
 
 MS_PER_SECOND = 1000.0
 
@@ -95,14 +102,14 @@ class RegionalTier(RemoteTier):
         """Connect lazily; check central's retention and (once) that both servers accept us, logging causes."""
         options = self.options
         ttl_ms = round(options.central_ttl_s * MS_PER_SECOND)
-        server = self._server(options.central_url, "central")
-        central = CentralStore(server, options.key_prefix, options.channel, ttl_ms)
+        server, plane = self._server(options.central_url, "central")
+        central = CentralStore(server, plane, options.key_prefix, options.channel, ttl_ms)
         self.central = central
         self.retention = await check_retention(central, options.central_ttl_s, self.name)
         if self.mode is SyncMode.CENTRAL:
             return
-        self.region = RegionStore(self._server(options.region_url, "region"), options.key_prefix)
-        await self.region.server.call(lambda client: client.ping(), None, "PING")
+        self.region = RegionStore(*self._server(options.region_url, "region"), options.key_prefix)
+        await self.region.plane.ping()
         self.replicator = Replicator(
             self.central,
             self.region,
@@ -114,19 +121,19 @@ class RegionalTier(RemoteTier):
             on_done=self._replicated,
         )
         if options.invalidate:
-            timeout_s = options.socket_timeout_ms / MS_PER_SECOND
             self.invalidator = Invalidator(
-                lambda: connect(options.central_url, timeout_s),
+                lambda: connect(central.plane.options),
                 options.channel,
                 self.region,
                 lambda error: central.server.diagnosis.record(error, "subscribe"),
             )
 
-    def _server(self, url: str, role: str) -> GuardedClient:
-        options = self.options
-        breaker = CircuitBreaker(options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s)
+    def _server(self, url: str, role: str) -> tuple[GuardedClient, Plane]:
+        """The control-plane client and the data path of one server, sharing its breaker."""
+        options = self.options.redis_options(url)
         diagnosis = Diagnosis(self.name, role, url)
-        return GuardedClient(connect(url, options.socket_timeout_ms / MS_PER_SECOND), breaker, diagnosis)
+        plane = Plane(f"{self.name}-{role}", options, self.codec, self.block_bytes, diagnosis)
+        return GuardedClient(connect(options), plane.breaker, diagnosis), plane
 
     async def close(self) -> None:
         """Flush, stop and disconnect, bounded whatever a remote does.
@@ -149,9 +156,10 @@ class RegionalTier(RemoteTier):
         stopping = [part.close(timeout_s) for part in parts if part is not None]
         abandoned += sum(await asyncio.gather(*stopping))
         clients = [
-            loop.create_task(store.server.aclose(), name=f"tiercache-close-{kind}")
+            loop.create_task(closing, name=f"tiercache-close-{kind}")
             for kind, store in (("central", self.central), ("region", self.region))
             if store is not None
+            for closing in (store.server.aclose(), store.plane.close())
         ]
         half_s = timeout_s / 2
         abandoned += await stop_tasks(clients, grace_s=half_s, cancel_s=half_s, what=self.name)
@@ -200,19 +208,27 @@ class RegionalTier(RemoteTier):
             return None
         decoded = self.codec.decode_into(key, value, dest)
         if not decoded.ok:
-            self._invalid(key, value, invalid)
+            self.counters["invalid_values"] += 1
+            invalid.append((key, value))
             return None
         return decoded
 
-    def _invalid(self, key: bytes, value: bytes, invalid: list[tuple[bytes, bytes]]) -> None:
-        self.counters["invalid_values"] += 1
-        invalid.append((key, value))
+    def _fails(self, key: bytes, value: bytes) -> bool:
+        """Whether ``value`` (read again for deletion) still fails validation."""
+        return not self.codec.decode_into(key, value, memoryview(bytearray(self.block_bytes))).ok
 
-    def _count(self, results: list[bool], values: Sequence[bytes | None]) -> list[bool]:
+    def _discard_invalid(self, store: CentralStore | RegionStore, keys: Sequence[bytes], read: Read) -> None:
+        """Count the values ``read`` found invalid and delete them from ``store`` in the background."""
+        if read.invalid:
+            self.counters["invalid_values"] += len(read.invalid)
+            discard = functools.partial(store.discard_invalid, invalid=self._fails)
+            self.cleaner.discard(discard, [keys[i] for i in read.invalid])
+
+    def _count(self, results: list[bool]) -> list[bool]:
         hits = sum(results)
         self.counters["hits"] += hits
         self.counters["misses"] += len(results) - hits
-        self.counters["bytes_read"] += sum(len(v) for v, ok in zip(values, results, strict=True) if ok and v)
+        self.counters["bytes_read"] += hits * self.block_bytes
         return results
 
     async def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -232,31 +248,21 @@ class RegionalTier(RemoteTier):
     ) -> list[bool]:
         assert self.central is not None
         if self.region is None:
-            values = await self.central.read(keys) or [None] * len(keys)
+            read = await self.central.get_into(keys, dests)
             self.counters["central_reads"] += len(keys)
-            invalid: list[tuple[bytes, bytes]] = []
-            results = [
-                self._decode(k, v, d, invalid) is not None for k, v, d in zip(keys, values, dests, strict=True)
-            ]
-            self.cleaner.discard(self.central.discard, invalid)
-            return self._count(results, values)
+            self._discard_invalid(self.central, keys, read)
+            return self._count(read.results)
         if force_latest:
             return await self._get_latest(keys, dests)
-        values = list(await self.region.read(keys) or [None] * len(keys))
-        results = [False] * len(keys)
-        missing = []
-        invalid: list[tuple[bytes, bytes]] = []
-        for i, (key, value, dest) in enumerate(zip(keys, values, dests, strict=True)):
-            if self._decode(key, value, dest, invalid) is not None:
-                results[i] = True
-                self.counters["regional_hits"] += 1
-            else:
-                missing.append(i)
-        self.cleaner.discard(self.region.discard, invalid)
+        read = await self.region.get_into(keys, dests)
+        self._discard_invalid(self.region, keys, read)
+        results = read.results
+        missing = [i for i, hit in enumerate(results) if not hit]
+        self.counters["regional_hits"] += len(keys) - len(missing)
         if missing:
-            await self._from_central(keys, dests, missing, [0] * len(missing), values, results)
+            await self._from_central(keys, dests, missing, [0] * len(missing), results)
             self.counters["read_through"] += sum(results[i] for i in missing)
-        return self._count(results, values)
+        return self._count(results)
 
     async def _get_latest(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
         assert self.central is not None and self.region is not None
@@ -265,35 +271,30 @@ class RegionalTier(RemoteTier):
             self.counters["latest_unavailable"] += len(keys)
             self.counters["misses"] += len(keys)
             return [False] * len(keys)
-        values = list(await self.region.read(keys) or [None] * len(keys))
+        read = await self.region.get_into(keys, dests, versioned=True)
+        self._discard_invalid(self.region, keys, read)
         results = [False] * len(keys)
         from_central, floors = [], []
-        invalid: list[tuple[bytes, bytes]] = []
-        for i, (key, value, dest, version) in enumerate(zip(keys, values, dests, versions, strict=True)):
-            if value is not None and value_version(value) is None:
-                self._invalid(key, value, invalid)
+        for i, (key, version) in enumerate(zip(keys, versions, strict=True)):
             if version is None:
                 self.counters["invalid_versions"] += 1
-            elif self._serves_as_latest(key, value, version) and self._decode(key, value, dest, invalid) is not None:
+            elif read.results[i] and self._serves_as_latest(key, read.versions[i], read.checksums[i], version):
                 results[i] = True
                 self.counters["regional_hits"] += 1
             elif key not in self._own and version > 0:
                 from_central.append(i)
                 floors.append(version)
-        self.cleaner.discard(self.region.discard, invalid)
         if from_central:
-            await self._from_central(keys, dests, from_central, floors, values, results)
-        return self._count(results, values)
+            await self._from_central(keys, dests, from_central, floors, results)
+        return self._count(results)
 
-    def _serves_as_latest(self, key: bytes, value: bytes | None, version: int) -> bool:
-        """Whether a regional ``value`` is central's ``version`` or newer, or this node's own unreplicated write."""
-        if value is None:
-            return False
+    def _serves_as_latest(self, key: bytes, held: int, checksum: bytes, version: int) -> bool:
+        """Whether a valid regional copy (``held``: its version) is central's ``version`` or newer, or
+        this node's own unreplicated write (same checksum)."""
         own = self._own.get(key)
-        if own is not None and value_checksum(value) == own:
+        if own is not None and checksum == own:
             return True
-        held = value_version(value)
-        return version > 0 and held is not None and held >= version
+        return version > 0 and held >= version
 
     async def _from_central(
         self,
@@ -301,7 +302,6 @@ class RegionalTier(RemoteTier):
         dests: Sequence[memoryview],
         indices: list[int],
         floors: list[int],
-        values: list[bytes | None],
         results: list[bool],
     ) -> None:
         """Read ``indices`` from central (at least version ``floors``) and refresh the region."""
@@ -316,7 +316,6 @@ class RegionalTier(RemoteTier):
                 continue
             assert value is not None
             results[i] = True
-            values[i] = value
             refresh.append((keys[i], value, decoded.version))
         self.cleaner.discard(self.central.discard, invalid)
         if refresh:
@@ -362,10 +361,12 @@ class RegionalTier(RemoteTier):
         }
         if self.central is not None:
             stats.update(self.central.server.stats("central"))
+            stats.update(self.central.plane.stats("central"))
             stats["central_commit_failed"] = self.central.commit_failed
             stats["central_retention_stops"] = float(self.retention is Retention.STOPS)
         if self.region is not None:
             stats.update(self.region.server.stats("region"))
+            stats.update(self.region.plane.stats("region"))
         if self.replicator is not None:
             stats.update(self.replicator.counters)
             stats["replication_queue"] = self.replicator.queue.qsize()

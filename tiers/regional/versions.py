@@ -2,10 +2,10 @@
 
 Every value carries its version in the ``tiercache.codec`` header (a u64, 0 for a
 write not yet committed at central). The byte offsets of the version and of the
-payload checksum are derived here from the codec's ``HEADER`` struct (its format
-string and its documented field order) and checked against an encoded header at
-import, so a change of the header layout fails loudly instead of making the Lua
-scripts patch the wrong bytes.
+payload checksum are the codec's own (``codec.VERSION_OFFSET``,
+``codec.CHECKSUM_OFFSET``), checked against an encoded header at import, so a
+change of the header layout fails loudly instead of making the Lua scripts patch
+the wrong bytes.
 
 Versions come from a central clock (a hybrid logical clock): it starts at the
 server's time in milliseconds times ``CLOCK_TICKS_PER_MS`` and then counts up, so
@@ -17,48 +17,22 @@ is the order of commits at central.
 
 from __future__ import annotations
 
-import re
 import struct
 
-from tiercache.codec import HEADER, HEADER_SIZE, Codec
+from tiercache.codec import CHECKSUM_OFFSET, HEADER, HEADER_SIZE, VERSION_OFFSET, Codec
 
 U64 = struct.Struct("<Q")
 """A version or checksum as stored in the header (little-endian u64)."""
-VERSION_FIELD = 6
-"""Index of the version among the codec header's fields (magic, format, flags, reserved, fingerprint, key, version)."""
-CHECKSUM_FIELD = 9
-"""Index of the payload checksum among the codec header's fields (the last one)."""
 MAX_VERSION = 2**64 - 1
 """The largest version a header can carry."""
 CLOCK_TICKS_PER_MS = 1024
 """Versions per millisecond of the central clock's starting point."""
-_STRUCT_FIELD = re.compile(r"(\d*)([xcbB?hHiIlLqQnNefdspP])")
 _PROBE_VERSION = 0x0123456789ABCDEF
-"""A version whose bytes are all distinct, to check the derived offset against a real header."""
-
-
-def _field_offset(index: int) -> int:
-    """Byte offset of the ``index``-th field of ``codec.HEADER`` (``4s`` is one field, ``3Q`` three)."""
-    order, body = HEADER.format[0], HEADER.format[1:]
-    prefix, fields = [], 0
-    for count, code in _STRUCT_FIELD.findall(body):
-        repeat = 1 if code in "sp" else int(count or 1)
-        for _ in range(repeat):
-            if fields == index:
-                return struct.calcsize(order + "".join(prefix))
-            prefix.append(f"{count}{code}" if code in "sp" else code)
-            fields += 1
-    raise RuntimeError(f"codec header {HEADER.format!r} has no field {index}")
-
-
-VERSION_OFFSET = _field_offset(VERSION_FIELD)
-"""Byte offset of the u64 version in a codec header."""
-CHECKSUM_OFFSET = _field_offset(CHECKSUM_FIELD)
-"""Byte offset of the u64 payload checksum in a codec header."""
+"""A version whose bytes are all distinct, to check the offset against a real header."""
 
 
 def _check_offsets() -> None:
-    """Fail at import if the derived offsets do not match what the codec writes."""
+    """Fail at import if the offsets do not match what the codec writes."""
     header, _ = Codec(bytes(16)).encode(bytes(16), b"", version=_PROBE_VERSION)
     if len(header) != HEADER_SIZE or U64.unpack_from(header, VERSION_OFFSET)[0] != _PROBE_VERSION:
         raise RuntimeError(f"version offset {VERSION_OFFSET} does not match the codec header {HEADER.format!r}")
