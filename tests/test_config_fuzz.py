@@ -92,7 +92,7 @@ ONE_FIELD_CASES = [
     ("default", "queues.prefetch_timeout_ms", 0, "queues.prefetch_timeout_ms", "(0.0,"),
     ("default", "queues.transfer_concurrency", 10**12, "queues.transfer_concurrency", "[1, 1024]"),
     ("default", "tiers.1.capacity_blocks", 10**12, "tiers[1].capacity_blocks", "MemAvailable"),
-    ("default", "tiers.0.capacity_blocks", 2**62, "tiers[0].capacity_blocks", "MemAvailable"),
+    ("default", "tiers.0.capacity_blocks", 2**62, "tiers[0].capacity_blocks", "blocks of"),
     ("default", "tiers.0.options.device", "cuda:abc", "tiers[0].options.device", "'cuda:N'"),
     ("default", "tiers.1.policy_options", {"small_ratio": 2.0}, "tiers[1].policy_options.small_ratio", "[0, 1)"),
     ("redis", "tiers.2.options.url", "redis://127.0.0.1:port", "tiers[2].options.url", "port 1-65535"),

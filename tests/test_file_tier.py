@@ -26,6 +26,11 @@ from tiercache.tiers.file.records import RECORD_HEADER_SIZE, RecordKind, pack_he
 BLOCK = 32 * 1024
 RECORD = RECORD_HEADER_SIZE + HEADER_SIZE + BLOCK
 TESTS = Path(__file__).resolve().parent
+
+
+def with_tests_on_path() -> dict[str, str]:
+    """This environment with tests/ first on PYTHONPATH (keeping what the caller had there)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
 WATCH_PAUSE_S = 0.0005
 """Pause between a watcher's measurements, so it does not hog the directory lock the writers need."""
 
@@ -90,7 +95,7 @@ async def test_a_reader_process_finds_what_a_writer_process_committed(tmp_path) 
     try:
         (tmp_path / "go").touch()
         command = [sys.executable, str(TESTS / "file_tier_writer.py"), str(directory), str(1 << 30), "2", "5", "7"]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
+        done = subprocess.run(command, capture_output=True, text=True, env=with_tests_on_path())
         assert done.returncode == 0 and int(done.stdout) == 10, done.stderr
         for index in range(2):  # the writer's batches, regenerated from its seed
             keys, payloads = random_blocks(5, BLOCK, seed=7 * 100_000 + index)
@@ -206,7 +211,7 @@ def test_processes_sharing_a_directory_stay_under_the_bound(tmp_path) -> None:
     directory.mkdir()
     max_bytes, writers, batches, batch = 60 * RECORD, 4, 12, 5
     command = [sys.executable, str(TESTS / "file_tier_writer.py"), str(directory), str(max_bytes), str(batches)]
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = with_tests_on_path()
     procs = [
         subprocess.Popen([*command, str(batch), str(seed)], stdout=subprocess.PIPE, text=True, env=env)
         for seed in range(1, writers + 1)

@@ -197,9 +197,11 @@ class CachedModel:
     ) -> Turn:
         """Serve one request with ``model.generate`` (other keyword arguments are its own, except ``streamer``).
 
-        Returns the finished turn: ``turn.output`` is what ``generate`` returned.
+        Returns the finished turn: ``turn.output`` is what ``generate`` returned, on the device
+        ``input_ids`` came on (a CPU prompt gets a CPU output, whatever device the model runs on).
         """
         clock = FirstTokenClock()
+        caller_device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
         turn = self.begin(input_ids, max_new_tokens, extra, force_latest)
         with turn:
             turn.output = self.model.generate(
@@ -211,6 +213,8 @@ class CachedModel:
             )
             turn.ttft_s = clock.seconds
             turn.finish(turn.output)
+        if isinstance(turn.output, torch.Tensor):
+            turn.output = turn.output.to(caller_device)
         return turn
 
 
