@@ -54,10 +54,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+MAX_CLUSTER_PORT = 55535
+"""A cluster node also listens on its port + 10000 (the bus), so its port must be at most this."""
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free loopback port low enough for a cluster node (port + 10000 must exist too)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port <= MAX_CLUSTER_PORT:
+            return port
 
 
 def _command(host: str, port: int, *args: str, timeout: float = 1.0) -> bytes:
