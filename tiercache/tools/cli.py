@@ -205,14 +205,19 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if ok else EXIT_UNAVAILABLE
 
 
+def _text(value: Any) -> str:
+    """One stats value on one line: nested mappings (latencies, a tier's own counters, the MRC) inline."""
+    if isinstance(value, Mapping):
+        return ", ".join(f"{key} {_text(inner)}" for key, inner in value.items())
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
 def format_stats(stats: Mapping[str, Any]) -> str:
     """A table of ``TierManager.stats()``: one row per tier and counter, then queue depths."""
     lines = [f"{'tier':<12}{'metric':<32}value"]
     for tier, values in stats.get("tiers", {}).items():
         for name, value in sorted(values.items()):
-            if isinstance(value, Mapping):
-                value = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
-            lines.append(f"{tier:<12}{name:<32}{value}")
+            lines.append(f"{tier:<12}{name:<32}{_text(value)}")
     for name, value in stats.get("queues", {}).items():
         lines.append(f"{'queues':<12}{name:<32}{value}")
     return "\n".join(lines)
