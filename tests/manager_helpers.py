@@ -9,6 +9,7 @@ import torch
 
 from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.manager import TierManager
+from tiercache.paged import PagedKV
 
 TEST_DEVICE = os.getenv("TEST_TIERCACHE_DEVICE", "cpu")
 """The GPU tier's device in the manager tests: ``cpu`` stands in for it; ``cuda`` on a GPU machine.
@@ -45,21 +46,12 @@ def block_kv(manager: TierManager, key: bytes) -> torch.Tensor:
 
 def write_block(manager: TierManager, block: int, kv: torch.Tensor) -> None:
     """Write one block's KV (in serialized order) into the pool."""
-    pool = manager.gpu.tensors
-    kv = kv.to(pool[0].device)
-    if manager.layout.block_major:
-        pool[0][block].copy_(kv)
-    else:
-        for layer, tensor in enumerate(pool):
-            tensor[block].copy_(kv[layer])
+    PagedKV(manager.layout, manager.gpu.tensors).put_block(block, kv)
 
 
 def read_block(manager: TierManager, block: int) -> torch.Tensor:
     """One block's KV from the pool, on the CPU, in serialized order."""
-    pool = manager.gpu.tensors
-    if manager.layout.block_major:
-        return pool[0][block].cpu()
-    return torch.stack([tensor[block].cpu() for tensor in pool])
+    return PagedKV(manager.layout, manager.gpu.tensors).get_block(block)
 
 
 def compute_and_store(manager: TierManager, tokens: Any, wait_s: float = 10.0) -> list[int]:

@@ -53,6 +53,7 @@ class PagedKV:
         else:
             self.keys = [tensor[:, KEY] for tensor in pool]
             self.values = [tensor[:, VALUE] for tensor in pool]
+        self.pool = list(pool)
         self.device = pool[0].device
         self.dtype = layout.torch_dtype
 
@@ -96,6 +97,21 @@ class PagedKV:
             key, value = keys.index_select(0, ids), values.index_select(0, ids)
             layers.append((key, value) if dtype is None else (key.to(dtype), value.to(dtype)))
         return layers
+
+    def put_block(self, block: int, kv: torch.Tensor) -> None:
+        """Write one whole block given in the layout's serialized order (``layout.block_shape``)."""
+        kv = self._cast_in(kv.to(self.device))
+        if self.layout.block_major:
+            self.pool[0][block].copy_(kv)
+            return
+        for layer, tensor in enumerate(self.pool):
+            tensor[block].copy_(kv[layer])
+
+    def get_block(self, block: int) -> torch.Tensor:
+        """One whole block, on the CPU, in the layout's serialized order."""
+        if self.layout.block_major:
+            return self.pool[0][block].cpu()
+        return torch.stack([tensor[block].cpu() for tensor in self.pool])
 
     def _covering(self, block_table: BlockTable, end: int) -> torch.Tensor:
         table = self.table(block_table)

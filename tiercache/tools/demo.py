@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tiercache.manager import CapacityError, TierManager
+from tiercache.paged import PagedKV
 from tiercache.tools.workload import ChatWorkload
 
 LOOKUP_RETRY_SECONDS = 0.0005
@@ -33,20 +34,12 @@ def block_kv(manager: TierManager, key: bytes) -> torch.Tensor:
 
 def write_block(manager: TierManager, block: int, kv: torch.Tensor) -> None:
     """Write one block's KV (in serialized order) into the pool."""
-    pool = manager.gpu.tensors
-    kv = kv.to(pool[0].device)
-    if manager.layout.block_major:
-        pool[0][block].copy_(kv)
-    else:
-        for layer, tensor in enumerate(pool):
-            tensor[block].copy_(kv[layer])
+    PagedKV(manager.layout, manager.gpu.tensors).put_block(block, kv)
 
 
 def read_block(manager: TierManager, block: int) -> torch.Tensor:
-    pool = manager.gpu.tensors
-    if manager.layout.block_major:
-        return pool[0][block].cpu()
-    return torch.stack([tensor[block].cpu() for tensor in pool])
+    """One block's KV from the pool, on the CPU, in serialized order."""
+    return PagedKV(manager.layout, manager.gpu.tensors).get_block(block)
 
 
 @dataclass
