@@ -154,6 +154,30 @@ async def test_acl_denials_are_named_noperm(redis_factory, caplog) -> None:
         await blind.close()
 
 
+async def test_denied_sets_among_stored_ones_are_counted_each_in_its_place(redis_factory) -> None:
+    """SET replies are read in bulk while they are all ``+OK``; an error among them (here an ACL
+    that lets this user write only keys whose hex starts with 0) must land on its own value."""
+    server = redis_factory(extra_args=[
+        "--user", "default", "on", "nopass", "~*", "&*", "+@all",
+        "--user", "zeros", "on", ">pw", "~tiercache:0*", "&*", "+@all",
+    ])
+    tier = await open_tier(server.url, username="zeros", password="pw")
+    reader = await open_tier(server.url)
+    try:
+        _, payloads = random_blocks(48, BLOCK)
+        allowed = [True] * 20 + [i % 2 == 0 for i in range(20)] + [False] * 4 + [True] * 4
+        keys = [(b"\x00" if ok else b"\xff") + b"%015d" % i for i, ok in enumerate(allowed)]
+        assert await tier.put(keys, payloads) == allowed
+        stats = tier.stats()
+        assert stats["put_ok"] == sum(allowed) and stats["put_auth_noperm"] == len(allowed) - sum(allowed)
+        out = empty_dests(48, BLOCK)
+        assert await reader.get_into(keys, out) == allowed
+        assert all(bytes(out[i]) == bytes(payloads[i]) for i, ok in enumerate(allowed) if ok)
+    finally:
+        await tier.close()
+        await reader.close()
+
+
 async def test_unbounded_server_refuses_writes_unless_allowed(redis_factory) -> None:
     server = redis_factory(maxmemory="0", maxmemory_policy="noeviction")
     refusing = await open_tier(server.url)

@@ -242,12 +242,23 @@ class PutJob(Job):
         """The header and stored payload of value ``position`` (checksummed here, in the I/O thread)."""
         return self.codec.encode(self.keys[position], self.payloads[position])
 
+    def read_replies(self, conn: Connection, count: int, pending_after: int) -> None:
+        """All the buffered ``+OK`` replies at once; anything else one by one."""
+        while count:
+            start = self.read
+            stored = 0 if self.cancelled else conn.consume_repeated(OK_REPLY, count)
+            if stored:
+                for index in range(start, start + stored):
+                    self.results[self.indices[index]] = True
+                self._stored += stored
+                self._stored_bytes += sum(self._sizes[start : start + stored])
+                self.read += stored
+                count -= stored
+            else:
+                super().read_replies(conn, 1, pending_after + count - 1)
+                count -= 1
+
     def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
-        if conn.consume(OK_REPLY):
-            self.results[self.indices[index]] = True
-            self._stored += 1
-            self._stored_bytes += self._sizes[index]
-            return
         reply = conn.read_reply()
         if reply == b"OK":
             self.results[self.indices[index]] = True
@@ -258,7 +269,6 @@ class PutJob(Job):
             self.error = reply.message
         else:
             self.outcomes["server_error"] += 1
-
 
     def finish(self) -> None:
         if self._stored:

@@ -77,6 +77,17 @@ class Job:
         """Read the reply to request ``index`` (``pending_after`` more replies are on their way)."""
         raise NotImplementedError
 
+    def read_replies(self, conn: Connection, count: int, pending_after: int) -> None:
+        """Read the next ``count`` replies (``pending_after`` more follow the last), advancing ``read``
+        with each one, so that a failure midway counts only the unread; a cancelled job's replies
+        are read and dropped."""
+        for left in range(count - 1, -1, -1):
+            if self.cancelled:
+                self.discard_reply(conn)
+            else:
+                self.read_reply(conn, self.read, pending_after + left)
+            self.read += 1
+
     def discard_reply(self, conn: Connection) -> None:
         """Read and drop one reply (the job was cancelled)."""
         conn.read_reply()
@@ -215,14 +226,8 @@ class Lane:
                 # waits to be sent: new jobs are looked for from there on, one reply at a time).
                 next_group = sending[0].send_group(self.window) if sending else self.window // 2
                 replies = min(job.sent - job.read, max(1, in_flight + next_group - self.window))
-                read_reply = job.read_reply
-                for _ in range(replies):
-                    in_flight -= 1
-                    if job.cancelled:
-                        job.discard_reply(conn)
-                    else:
-                        read_reply(conn, job.read, in_flight)
-                    job.read += 1
+                in_flight -= replies
+                job.read_replies(conn, replies, in_flight)
                 if job.done:
                     self._complete(reading.popleft())
         except BaseException as error:  # every failure becomes an outcome

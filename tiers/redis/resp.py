@@ -107,12 +107,13 @@ class Connection:
             self.sock.close()
 
     def send(self, buffers: list[bytes | memoryview]) -> None:
-        """Send the buffers back to back without joining them."""
+        """Send the buffers (bytes, or views in byte format: ``len`` counts bytes) back to back
+        without joining them."""
         if self._tls:
             for buffer in buffers:
                 self.sock.sendall(buffer)
             return
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = list(buffers)
         first = 0
         while first < len(views):
             sent = self.sock.sendmsg(views[first : first + SENDMSG_MAX_BUFFERS])
@@ -121,7 +122,7 @@ class Connection:
                     sent -= len(views[first])
                     first += 1
                 else:
-                    views[first] = views[first][sent:]
+                    views[first] = memoryview(views[first])[sent:]
                     sent = 0
 
     def receive_value(self, line: bytes, dest: memoryview, readahead: int) -> bool:
@@ -241,6 +242,17 @@ class Connection:
             self._start += len(reply)
             return True
         return False
+
+    def consume_repeated(self, reply: bytes, most: int) -> int:
+        """Consume the buffered replies (reading more if none is) when they are all ``reply``, at most
+        ``most`` of them; how many. 0 when any other reply is among them: read those one by one."""
+        if self._start == self._end:
+            self._fill()
+        count = min(most, (self._end - self._start) // len(reply))
+        if count and not self._line.startswith(reply * count, self._start):
+            return 0
+        self._start += count * len(reply)
+        return count
 
     def buffered_prefix_of(self, line: bytes) -> int:
         """How many bytes are buffered if they are a prefix of ``line``; -1 if they are not."""
