@@ -13,6 +13,11 @@ loopback, started here and stopped at the end), in one run:
   transfers per tier at once). Client CPU per value (all threads of this
   process) and redis-server CPU per value are reported next to the rates;
 * a plain redis-py pipeline (``SET``/``GET`` of ``bytes`` values, no validation);
+* on one server, SET through the leanest client possible (one socket, one
+  ``sendmsg`` per value, a few in flight, no value check): once over the tier's
+  distinct payloads and once sending one payload over and over, as
+  redis-benchmark does (its value stays in the CPU cache). The two show what
+  sending distinct bytes costs on this machine, apart from anything the tier does;
 * the value check on its own: xxh3-64 (the codec without a secret) next to the
   keyed BLAKE2b MAC (the codec with one), GB/s over one block.
 
@@ -32,6 +37,7 @@ import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -207,6 +213,34 @@ async def redis_py_rates(client: redis.Redis | redis.cluster.RedisCluster, size:
             "GET": (await best_rate(get, moved, count, []))["gbps"]}
 
 
+def socket_loop_rate(host: str, port: int, size: str, distinct: bool) -> float:
+    """Best SET GB/s of a bare socket loop over the tier's key space (no value check).
+
+    ``distinct``: the payloads the tier stores, in turn; else the first one every time.
+    """
+    block = SIZES[size]
+    data, _ = buffers(BATCH_BLOCKS[size], block)
+    count = KEYSPACE_BYTES // block
+    commands = [b"*3\r\n$3\r\nSET\r\n$9\r\nloop:%04d\r\n$%d\r\n" % (i % 10000, block) for i in range(count)]
+    in_flight = RedisOptions().window_for(block)  # as many as the tier keeps
+    replies = bytearray(len(b"+OK\r\n") * in_flight)
+    best = 0.0
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(REPEATS):
+            pending = 0
+            started = time.perf_counter()
+            for i, head in enumerate(commands):
+                sock.sendmsg([head, data[i % len(data)] if distinct else data[0], b"\r\n"])
+                pending += 1
+                while pending >= in_flight:
+                    pending -= sock.recv_into(replies) // len(b"+OK\r\n")
+            while pending:
+                pending -= sock.recv_into(replies) // len(b"+OK\r\n")
+            best = max(best, count * block / (time.perf_counter() - started) / GB)
+    return best
+
+
 def check_rates() -> list[dict]:
     """GB/s of the value check alone: xxh3-64 (no secret) and the keyed MAC (with one)."""
     rows = []
@@ -246,6 +280,10 @@ async def redis_rows(
             client.flushall()
             plain = await redis_py_rates(client, size)
             client.flushall()
+            loop = {} if cluster else {
+                "distinct": socket_loop_rate(host, port, size, True), "one": socket_loop_rate(host, port, size, False)
+            }
+            client.flushall()
             for op, rate in ours.items():
                 base = op.split()[0]
                 rows.append({
@@ -262,6 +300,12 @@ async def redis_rows(
                     "tier_vs_ceiling": rate["gbps"] / ceiling[base]["gbps"],
                     "tier_vs_redis_py": rate["gbps"] / plain[base],
                 })
+                if loop and base == "SET":
+                    rows[-1].update({
+                        "socket_loop_distinct_gbps": loop["distinct"],
+                        "socket_loop_one_value_gbps": loop["one"],
+                        "tier_vs_socket_loop_distinct": rate["gbps"] / loop["distinct"],
+                    })
     finally:
         client.close()
     return rows
@@ -299,6 +343,13 @@ async def main() -> None:
               f"  {r['tier_gbps']:>6.2f}  {r['redis_py_pipeline_gbps']:>8.2f}"
               f"  {r['tier_vs_ceiling']:>9.2f}  {r['tier_client_cpu_us_per_value']:>12.1f}"
               f"  {r['server_cpu_us_per_value']:>9.1f}")
+    print(f"\n{'SET':<11}{'size':>6}  {'redis-bench':>11}  {'loop, 1 value':>13}  {'loop, distinct':>14}"
+          f"  {'tier':>6}  {'tier/loop distinct':>18}   (GB/s)")
+    for r in rows:
+        if "socket_loop_distinct_gbps" in r:
+            print(f"{r['target']:<11}{r['size']:>6}  {r['redis_benchmark_gbps']:>11.2f}"
+                  f"  {r['socket_loop_one_value_gbps']:>13.2f}  {r['socket_loop_distinct_gbps']:>14.2f}"
+                  f"  {r['tier_gbps']:>6.2f}  {r['tier_vs_socket_loop_distinct']:>18.2f}")
     print(f"\n{'value check':<11}{'size':>6}  {'xxh3':>6}  {'keyed MAC':>9}   (GB/s)")
     for r in checks:
         print(f"{'':<11}{r['size']:>6}  {r['xxh3_gbps']:>6.2f}  {r['mac_gbps']:>9.2f}")
