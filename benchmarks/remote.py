@@ -11,18 +11,21 @@ loopback, started here and stopped at the end), in one run:
   distinct values that was written once before timing. GET is timed with one
   load at a time and with two loads outstanding (the manager runs several
   transfers per tier at once). Client CPU per value (all threads of this
-  process) and redis-server CPU per value are reported next to the rates;
+  process) and redis-server CPU per value are reported next to the rates.
+  Each timed repetition follows one more redis-benchmark run at its best
+  setting, and ``tier/ceil`` is the median of these paired ratios (the best
+  rates' ratio is in the JSON as ``tier_best_vs_best_setting``);
 * a plain redis-py pipeline (``SET``/``GET`` of ``bytes`` values, no validation);
 * on one server, SET through the leanest client possible (one socket, one
-  ``sendmsg`` per value, a few in flight, no value check): once over the tier's
+  ``sendmsg`` per value, as many in flight as the tier keeps, no value check): once over the tier's
   distinct payloads and once sending one payload over and over, as
   redis-benchmark does (its value stays in the CPU cache). The two show what
   sending distinct bytes costs on this machine, apart from anything the tier does;
 * the value check on its own: xxh3-64 (the codec without a secret) next to the
   keyed BLAKE2b MAC (the codec with one), GB/s over one block.
 
-Tier and redis-py figures are the best of a few repetitions, interleaved,
-because a shared 2-core machine moves 15-30% between runs. Prints a table and
+Rates are the best of a few repetitions, because a shared 2-core machine moves
+15-30% between runs (and more from one minute to the next). Prints a table and
 writes ``remote.json`` next to this script. The file tier's figures are in
 ``benchmarks/file_tier.py``; the regional tier's in ``benchmarks/sync.py``.
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -95,6 +99,21 @@ def machine_info() -> dict:
     }
 
 
+def run_redis_benchmark(
+    host: str, port: int, size: str, cluster: bool, clients: int, pipeline: int, ops: str = "set,get"
+) -> tuple[dict[str, float], bool]:
+    """GB/s per op of one redis-benchmark run, and whether it ran to the end."""
+    argv = ["redis-benchmark", "-h", host, "-p", str(port), "-t", ops,
+            "-d", str(SIZES[size]), "-n", str(BENCH_REQUESTS[size]), "-r", str(BENCH_KEYSPACE),
+            "-c", str(clients), "-P", str(pipeline), "-q"]
+    if cluster:
+        argv.append("--cluster")
+    result = subprocess.run(argv, capture_output=True, text=True)
+    rates = {op: float(rps) * SIZES[size] / GB
+             for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", result.stdout)}
+    return rates, result.returncode == 0
+
+
 def redis_benchmark(host: str, port: int, size: str, cluster: bool) -> dict[str, dict]:
     """Best SET and GET GB/s of redis-benchmark over the client/pipeline settings.
 
@@ -104,20 +123,19 @@ def redis_benchmark(host: str, port: int, size: str, cluster: bool) -> dict[str,
     best: dict[str, dict] = {"failed": {"settings": []}}
     for clients in BENCH_CLIENTS:
         for pipeline in BENCH_PIPELINES:
-            argv = ["redis-benchmark", "-h", host, "-p", str(port), "-t", "set,get",
-                    "-d", str(SIZES[size]), "-n", str(BENCH_REQUESTS[size]), "-r", str(BENCH_KEYSPACE),
-                    "-c", str(clients), "-P", str(pipeline), "-q"]
-            if cluster:
-                argv.append("--cluster")
-            result = subprocess.run(argv, capture_output=True, text=True)
-            output = result.stdout
-            if result.returncode != 0:
+            rates, finished = run_redis_benchmark(host, port, size, cluster, clients, pipeline)
+            if not finished:
                 best["failed"]["settings"].append(f"-c {clients} -P {pipeline}")
-            for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", output):
-                rate = float(rps) * SIZES[size] / GB
+            for op, rate in rates.items():
                 if rate > best.get(op, {}).get("gbps", 0.0):
                     best[op] = {"gbps": rate, "clients": clients, "pipeline": pipeline}
     return best
+
+
+def at_best_setting(host: str, port: int, size: str, cluster: bool, best: dict[str, dict], op: str) -> float:
+    """GB/s of one more redis-benchmark run of ``op`` at its best setting (``best`` from ``redis_benchmark``)."""
+    rates, _ = run_redis_benchmark(host, port, size, cluster, best[op]["clients"], best[op]["pipeline"], op.lower())
+    return rates.get(op, 0.0)
 
 
 def server_cpu_s(pids: list[int]) -> float:
@@ -129,19 +147,33 @@ def server_cpu_s(pids: list[int]) -> float:
     return total / CLOCK_TICKS
 
 
-async def best_rate(run: Callable[[], Awaitable[object]], nbytes: int, values: int, pids: list[int]) -> dict:
-    """Best GB/s of ``REPEATS`` timed runs of ``run``, and the median CPU µs per value."""
+async def best_rate(
+    run: Callable[[], Awaitable[object]], nbytes: int, values: int, pids: list[int],
+    ceiling: Callable[[], float] | None = None,
+) -> dict:
+    """Best GB/s of ``REPEATS`` timed runs of ``run``, and the median CPU µs per value.
+
+    With a ``ceiling`` (a redis-benchmark run at its best setting), each run
+    follows one, and ``paired_ratio`` is the median of the run-by-run ratios: the
+    machine's speed drifts by tens of percent from minute to minute here, and a
+    pair taken seconds apart shares that drift.
+    """
     best = 0.0
     client_us: list[float] = []
     server_us: list[float] = []
+    ratios: list[float] = []
     for _ in range(REPEATS):
+        reference = ceiling() if ceiling is not None else 0.0
         cpu, server, started = time.process_time(), server_cpu_s(pids), time.perf_counter()
         await run()
         elapsed = time.perf_counter() - started
         client_us.append((time.process_time() - cpu) * MICROSECONDS / values)
         server_us.append((server_cpu_s(pids) - server) * MICROSECONDS / values)
         best = max(best, nbytes / elapsed / GB)
-    return {"gbps": best, "client_cpu_us": float(np.median(client_us)), "server_cpu_us": float(np.median(server_us))}
+        if reference:
+            ratios.append(nbytes / elapsed / GB / reference)
+    return {"gbps": best, "client_cpu_us": float(np.median(client_us)), "server_cpu_us": float(np.median(server_us)),
+            "paired_ratio": float(np.median(ratios)) if ratios else float("nan")}
 
 
 def buffers(count: int, size: int) -> tuple[list[memoryview], list[memoryview]]:
@@ -152,7 +184,10 @@ def buffers(count: int, size: int) -> tuple[list[memoryview], list[memoryview]]:
     return data, dests
 
 
-async def tier_rates(tier: RedisTier, size: str, pids: list[int]) -> dict[str, dict]:
+async def tier_rates(
+    tier: RedisTier, size: str, pids: list[int], ceiling: Callable[[str], float]
+) -> dict[str, dict]:
+    """The tier's SET, GET and GET x2 rates; each repetition paired with ``ceiling(op)``."""
     block = SIZES[size]
     batch = BATCH_BLOCKS[size]
     rng = np.random.default_rng(1)
@@ -178,9 +213,9 @@ async def tier_rates(tier: RedisTier, size: str, pids: list[int]) -> dict[str, d
     await put()
     moved = len(keys) * block
     return {
-        "SET": await best_rate(put, moved, len(keys), pids),
-        "GET": await best_rate(get, moved, len(keys), pids),
-        f"GET x{OUTSTANDING}": await best_rate(get_outstanding, moved, len(keys), pids),
+        "SET": await best_rate(put, moved, len(keys), pids, lambda: ceiling("SET")),
+        "GET": await best_rate(get, moved, len(keys), pids, lambda: ceiling("GET")),
+        f"GET x{OUTSTANDING}": await best_rate(get_outstanding, moved, len(keys), pids, lambda: ceiling("GET")),
     }
 
 
@@ -274,7 +309,8 @@ async def redis_rows(
             tier = RedisTier(remote_context(block, "redis"), options)
             await tier.start()
             try:
-                ours = await tier_rates(tier, size, pids)
+                ours = await tier_rates(tier, size, pids, functools.partial(at_best_setting, host, port, size,
+                                                                            cluster, ceiling))
             finally:
                 await tier.close()
             client.flushall()
@@ -297,7 +333,8 @@ async def redis_rows(
                     "tier_client_cpu_us_per_value": rate["client_cpu_us"],
                     "server_cpu_us_per_value": rate["server_cpu_us"],
                     "redis_py_pipeline_gbps": plain[base],
-                    "tier_vs_ceiling": rate["gbps"] / ceiling[base]["gbps"],
+                    "tier_vs_ceiling": rate["paired_ratio"],
+                    "tier_best_vs_best_setting": rate["gbps"] / ceiling[base]["gbps"],
                     "tier_vs_redis_py": rate["gbps"] / plain[base],
                 })
                 if loop and base == "SET":
