@@ -248,10 +248,7 @@ class PutJob(Job):
             start = self.read
             stored = 0 if self.cancelled else conn.consume_repeated(OK_REPLY, count)
             if stored:
-                for index in range(start, start + stored):
-                    self.results[self.indices[index]] = True
-                self._stored += stored
-                self._stored_bytes += sum(self._sizes[start : start + stored])
+                self._mark_stored(start, start + stored)
                 self.read += stored
                 count -= stored
             else:
@@ -261,14 +258,19 @@ class PutJob(Job):
     def read_reply(self, conn: Connection, index: int, pending_after: int) -> None:
         reply = conn.read_reply()
         if reply == b"OK":
-            self.results[self.indices[index]] = True
-            self._stored += 1
-            self._stored_bytes += self._sizes[index]
+            self._mark_stored(index, index + 1)
         elif isinstance(reply, ServerError):
             self.outcomes[reply.outcome] += 1
             self.error = reply.message
         else:
             self.outcomes["server_error"] += 1
+
+    def _mark_stored(self, start: int, stop: int) -> None:
+        """Requests ``start..stop-1`` were answered ``+OK``."""
+        for index in range(start, stop):
+            self.results[self.indices[index]] = True
+        self._stored += stop - start
+        self._stored_bytes += sum(self._sizes[start:stop])
 
     def finish(self) -> None:
         if self._stored:

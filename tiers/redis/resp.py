@@ -234,15 +234,6 @@ class Connection:
             self._end += count
             missing -= count
 
-    def consume(self, reply: bytes) -> bool:
-        """Whether the next reply is exactly ``reply`` (then it is consumed); reads more if none is buffered."""
-        if self._start == self._end:
-            self._fill()
-        if self._line.startswith(reply, self._start, self._end):
-            self._start += len(reply)
-            return True
-        return False
-
     def consume_repeated(self, reply: bytes, most: int) -> int:
         """Consume the buffered replies (reading more if none is) when they are all ``reply``, at most
         ``most`` of them; how many. 0 when any other reply is among them: read those one by one."""
