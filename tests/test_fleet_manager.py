@@ -14,7 +14,7 @@ import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block, topology
 
-from tiercache.events import block_hash
+from tiercache.events.wire import block_hash
 from tiercache.manager import TierManager
 
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tiercache.validate import FieldError
+from tiercache.config.validate import FieldError
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,

@@ -30,7 +30,7 @@ from tiercache.handles import Transfer
 from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, Place, Source
 from tiercache.metrics import Metrics
-from tiercache.swap_queue import SwapQueue
+from tiercache.swap.queue import SwapQueue
 from tiercache.transfer_queue import Lane
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from tiercache.loads import FillWaiters
 from tiercache.metrics import Metrics
 from tiercache.moves import HostCopy, RemotePut
 from tiercache.runtime import Runtime
-from tiercache.swap_queue import SwapQueue
+from tiercache.swap.queue import SwapQueue
 from tiercache.transfer_queue import Lane
 
 

@@ -29,7 +29,7 @@ from tiercache.observer import FleetObserver
 from tiercache.policies import make_policy
 from tiercache.runtime import Runtime
 from tiercache.swap import make_swapper
-from tiercache.swap_queue import SwapQueue
+from tiercache.swap.queue import SwapQueue
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.cpu import CpuTier
@@ -207,7 +207,7 @@ def _event_sink(config: TierCacheConfig) -> Any:
     """The EventSink of an ``events: {enabled: true}`` topology (the ``events`` extra), else None."""
     if not config.events.enabled:
         return None
-    from tiercache.event_sink import EventSink  # msgspec (and pyzmq for an endpoint): the 'events' extra
+    from tiercache.events.sink import EventSink  # msgspec (and pyzmq for an endpoint): the 'events' extra
 
     return EventSink.from_config(config.events)
 

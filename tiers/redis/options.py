@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from tiercache.validate import MAX_RETRIES, int_in_range, positive_timeout_s, redis_url, worker_count
+from tiercache.config.validate import MAX_RETRIES, int_in_range, positive_timeout_s, redis_url, worker_count
 
 DEFAULT_PORT = 6379
 MAX_IN_FLIGHT = 32

@@ -24,8 +24,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
-from tiercache.tiers.redis.options import RedisOptions
-from tiercache.validate import (
+from tiercache.config.validate import (
     MAX_RETRIES,
     int_in_range,
     positive_timeout_ms,
@@ -34,6 +33,7 @@ from tiercache.validate import (
     redis_url,
     worker_count,
 )
+from tiercache.tiers.redis.options import RedisOptions
 
 log = logging.getLogger(__name__)
 MS_PER_SECOND = 1000.0

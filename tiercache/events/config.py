@@ -1,6 +1,6 @@
 """The ``events`` section of a topology: where KV events go (off by default).
 
-Kept apart from ``tiercache.events`` so a topology loads without the ``events``
+Kept apart from ``tiercache.events.wire`` so a topology loads without the ``events``
 extra (msgspec, pyzmq) installed; those are imported only when events are on.
 """
 

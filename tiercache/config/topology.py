@@ -20,14 +20,10 @@ from typing import Any
 
 import yaml
 
-from tiercache.config_checks import validate_hierarchy, validate_tier
-from tiercache.config_env import ENV_PREFIX, apply_env_overrides
-from tiercache.cost import CostConfig
-from tiercache.event_config import EventsConfig
-from tiercache.layout import KVLayout
-from tiercache.mrc import MrcConfig
-from tiercache.typed_config import ConfigError, build_dataclass
-from tiercache.validate import (
+from tiercache.config.checks import validate_hierarchy, validate_tier
+from tiercache.config.env import ENV_PREFIX, apply_env_overrides
+from tiercache.config.typed import ConfigError, build_dataclass
+from tiercache.config.validate import (
     int_in_range,
     non_empty_string,
     number_in_range,
@@ -36,6 +32,10 @@ from tiercache.validate import (
     queue_size,
     worker_count,
 )
+from tiercache.cost import CostConfig
+from tiercache.events.config import EventsConfig
+from tiercache.layout import KVLayout
+from tiercache.mrc import MrcConfig
 
 MAX_TP_RANK = 1 << 16
 """Largest tensor-parallel rank accepted."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiercache.layout import KVLayout
-from tiercache.swap_handles import CompletedCopy, CudaEventCopy, SwapHandle, check_pairs
+from tiercache.swap.handles import CompletedCopy, CudaEventCopy, SwapHandle, check_pairs
 
 
 class CopyDirection(enum.Enum):

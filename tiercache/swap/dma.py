@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tiercache.layout import KVLayout
-from tiercache.swap_cuda import CopyDirection, StreamSwapper, record
+from tiercache.swap.cuda import CopyDirection, StreamSwapper, record
 
 DRIVER_LIBRARY = "libcuda.so.1"
 BATCH_API_VERSION = 12080

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tiercache.runtime import Runtime
-from tiercache.swap import CompletedCopy, CudaEventCopy, SwapHandle, Swapper
+from tiercache.swap.handles import CompletedCopy, CudaEventCopy, SwapHandle, Swapper
 
 log = logging.getLogger(__name__)
 

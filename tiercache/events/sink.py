@@ -8,7 +8,7 @@ both). When the deque is full the event is dropped and counted. A background thr
 ``flush_interval_s``, turns everything queued into one ``KVEventBatch`` (keys to
 the integers routers expect, token ids to lists), hands it to each in-process
 subscriber (a failing callback is logged and counted, never raised) and to the
-publisher (ZeroMQ, tiercache.event_publisher), which also answers replay
+publisher (ZeroMQ, tiercache.events.publisher), which also answers replay
 requests from that thread.
 
 The sequences passed in (keys, token ids) are read later, on that thread: the
@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from tiercache.event_config import EventsConfig
-from tiercache.event_lineage import BlockLineage
-from tiercache.events import (
+from tiercache.events.config import EventsConfig
+from tiercache.events.lineage import BlockLineage
+from tiercache.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -57,7 +57,7 @@ class _Kind(enum.Enum):
 
 
 class BatchPublisher(Protocol):
-    """Something that sends batches out of the process (tiercache.event_publisher.ZmqEventPublisher)."""
+    """Something that sends batches out of the process (tiercache.events.publisher.ZmqEventPublisher)."""
 
     def publish(self, batch: KVEventBatch) -> None: ...
 
@@ -91,7 +91,7 @@ class EventSink:
         """A sink with the ZeroMQ publisher when ``config.endpoint`` is set (needs pyzmq), else in-process only."""
         publisher = None
         if config.endpoint is not None:
-            from tiercache.event_publisher import ZmqEventPublisher  # pyzmq is the optional 'events' extra
+            from tiercache.events.publisher import ZmqEventPublisher  # pyzmq is the optional 'events' extra
 
             publisher = ZmqEventPublisher(config)
         return cls(config, publisher)

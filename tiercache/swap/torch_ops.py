@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from tiercache.layout import KVLayout
-from tiercache.swap_cuda import CopyDirection, StreamSwapper
-from tiercache.swap_handles import CompletedCopy, SwapHandle, check_pairs, contiguous_runs, paired_runs
+from tiercache.swap.cuda import CopyDirection, StreamSwapper
+from tiercache.swap.handles import CompletedCopy, SwapHandle, check_pairs, contiguous_runs, paired_runs
 
 
 class TorchSwapper(StreamSwapper):

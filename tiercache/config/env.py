@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from tiercache.typed_config import ConfigError
+from tiercache.config.typed import ConfigError
 
 ENV_PREFIX = "TIERCACHE_"
 """Variables with this prefix are overrides (``TIERCACHE_CONFIG`` names the file instead)."""

@@ -5,14 +5,14 @@ path that works on the device, in the order measured on an H100
 (``benchmarks/swap_cuda.json``), falling back to the pure-torch path; a pool on
 the CPU always gets ``TorchSwapper``'s copy-in-place path. The paths:
 
-* ``SwapPath.DMA_BATCH``: all pieces in one ``cuMemcpyBatchAsync`` (``swap_dma``), optionally
+* ``SwapPath.DMA_BATCH``: all pieces in one ``cuMemcpyBatchAsync`` (``tiercache.swap.dma``), optionally
   dealt over several streams (``lanes``);
-* ``SwapPath.KERNEL``: a CuPy gather/scatter kernel over mapped pinned memory (``swap_kernel``);
-* ``SwapPath.TORCH_RUNS``: one torch ``copy_`` per run of blocks (``swap_torch``);
-* ``SwapPath.TORCH_GATHER``: ``index_select`` + copies, the portable fallback (``swap_torch``).
+* ``SwapPath.KERNEL``: a CuPy gather/scatter kernel over mapped pinned memory (``tiercache.swap.kernel``);
+* ``SwapPath.TORCH_RUNS``: one torch ``copy_`` per run of blocks (``tiercache.swap.torch_ops``);
+* ``SwapPath.TORCH_GATHER``: ``index_select`` + copies, the portable fallback (``tiercache.swap.torch_ops``).
 
 The contract (``Swapper``, ``SwapHandle`` with ``done``/``wait``/``event``/``layer_events``)
-is in ``swap_handles`` and re-exported here.
+is in ``tiercache.swap.handles``; the package re-exports both.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.layout import KVLayout, MemoryOrder
-from tiercache.swap_cuda import CopyDirection, StreamSwapper
-from tiercache.swap_handles import (
+from tiercache.swap.cuda import CopyDirection, StreamSwapper
+from tiercache.swap.handles import (
     CompletedCopy,
     CudaEventCopy,
     SwapHandle,
@@ -34,7 +34,7 @@ from tiercache.swap_handles import (
     contiguous_runs,
     paired_runs,
 )
-from tiercache.swap_torch import TorchRunsSwapper, TorchSwapper
+from tiercache.swap.torch_ops import TorchRunsSwapper, TorchSwapper
 
 __all__ = [
     "CompletedCopy",
@@ -101,11 +101,11 @@ def build_swapper(
     if isinstance(choice, SwapPath):
         choice = PathChoice(choice)
     if choice.path is SwapPath.DMA_BATCH:
-        from tiercache.swap_dma import DmaSwapper
+        from tiercache.swap.dma import DmaSwapper
 
         return DmaSwapper(layout, pool, host, prefer_overlap=choice.prefer_overlap, lanes=choice.lanes)
     if choice.path is SwapPath.KERNEL:
-        from tiercache.swap_kernel import DEFAULT_GRID, KernelSwapper
+        from tiercache.swap.kernel import DEFAULT_GRID, KernelSwapper
 
         return KernelSwapper(layout, pool, host, grid=choice.grid or DEFAULT_GRID)
     if choice.path is SwapPath.TORCH_RUNS:

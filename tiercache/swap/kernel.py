@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tiercache.layout import KVLayout
-from tiercache.swap_cuda import CopyDirection, StreamSwapper
+from tiercache.swap.cuda import CopyDirection, StreamSwapper
 
 KERNEL_SOURCE = r"""
 template <typename T>

@@ -23,8 +23,8 @@ from itertools import count
 import msgspec
 import zmq
 
-from tiercache.event_config import EventsConfig, EventWire
-from tiercache.events import KVEventBatch, to_map_wire
+from tiercache.events.config import EventsConfig, EventWire
+from tiercache.events.wire import KVEventBatch, to_map_wire
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tiercache.config.typed import CONVERSION_ERRORS, ConfigError, build_dataclass
+from tiercache.config.validate import MAX_QUEUE_ITEMS, parse_size
 from tiercache.layout import KVLayout
 from tiercache.machine import HOST_MEMORY_SOURCE, cuda_memory_available, host_memory_available
 from tiercache.policies import POLICIES, policy_class
 from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, tier_class
-from tiercache.typed_config import CONVERSION_ERRORS, ConfigError, build_dataclass
-from tiercache.validate import MAX_QUEUE_ITEMS, parse_size
 
 if TYPE_CHECKING:
-    from tiercache.config import TierCacheConfig, TierConfig
+    from tiercache.config.topology import TierCacheConfig, TierConfig
 
 MAX_ADMIT_AFTER_HITS = 1 << 20
 """Largest ``admit_after_hits``: more hits than that never happen to one block."""
