@@ -90,6 +90,7 @@ class LoadRunner:
         gpu_name: str,
         bytes_per_block: int,
         cost: CostModel | None = None,
+        dispatch: Callable[[], object] = lambda: None,
     ) -> None:
         self.lock = lock
         self.local = local
@@ -105,6 +106,8 @@ class LoadRunner:
         self.gpu_name = gpu_name
         self.bytes_per_block = bytes_per_block
         self.cost = cost
+        self.dispatch = dispatch
+        """Starts the moves the hierarchy asked for (the mover's ``dispatch``; called under the lock)."""
 
     def plan(
         self, keys: Sequence[bytes], ids: Sequence[int], places: Sequence[Place], force_latest: bool
@@ -164,7 +167,7 @@ class LoadRunner:
         """Load ``plan`` into its GPU blocks; returns the blocks loaded (a prefix of the plan)."""
         loop = asyncio.get_running_loop()
         settle = asyncio.Event()
-        transfer.on_cancel = lambda: loop.call_soon_threadsafe(settle.set)
+        transfer.on_cancel = lambda: _call_soon(loop, settle.set)
         if transfer.settling:
             settle.set()
         timer = loop.call_later(deadline, settle.set) if deadline is not None else None
@@ -266,6 +269,7 @@ class LoadRunner:
             for lane_index, group in arrived.items():
                 if group:
                     self.hierarchy.fetched(lane_index, [i.key for i in group], [i.slot for i in group])  # type: ignore[misc]
+            self.dispatch()  # promotions into faster remotes start now, not at the engine's next call
 
     async def _await_fill(self, item: LoadItem) -> bool:
         """A block another transfer is writing into the CPU tier: share that write."""
@@ -317,3 +321,12 @@ class LoadRunner:
             self.hierarchy.observer.stored(self.gpu_name, promoted, None, None)
             self.hierarchy.observer.removed(self.cpu_name, freed)
         return len(items)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """``callback`` on ``loop`` from any thread; nothing once the loop is closed (the load ended with it)."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise

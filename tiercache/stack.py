@@ -106,6 +106,7 @@ class Stack:
             self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,
             self.metrics, batch_blocks=queues.batch_blocks, exclusive=config.exclusive, cpu_name=self.cpu.name,
             gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block, cost=self.cost,
+            dispatch=lambda: self.mover.dispatch(),
         )
         self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
                             self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
