@@ -126,3 +126,21 @@ def test_the_curve_reaches_prometheus() -> None:
             compute_and_store(manager, np.arange(2 * BLOCK) + (prompt % 5) * 1000)
         text = render_prometheus(manager.stats())
     assert 'tiercache_tier_mrc_hit_ratio{capacity_multiple="1",tier="gpu"}' in text
+
+
+@pytest.mark.parametrize("batch", [np.array, torch.tensor], ids=["numpy", "torch"])
+def test_a_batch_of_one_prompt_stores_with_events_and_curves_on(batch: Any) -> None:
+    """``[1, T]`` input ids (as tokenizers return them): the events carry the prompt's tokens."""
+    config = topology(8, 16, events={"enabled": True}, mrc={"enabled": True, "sample_rate": 1.0})
+    with TierManager(config) as manager:
+        seen: list[Any] = []
+        manager.subscribe(lambda got: seen.extend(got.events))
+        tokens = [list(range(40, 40 + 3 * BLOCK))]
+        ids = manager.allocate(3)
+        assert manager.store(batch(tokens), ids).result(WAIT_S) == 3 * BLOCK
+        manager.release(ids)
+        assert manager._stack.events.flush()
+        (stored,) = [event for event in seen if type(event).__name__ == "BlockStored" and event.medium == "gpu"]
+        assert stored.token_ids == tokens[0]
+        assert stored.block_hashes == [block_hash(key) for key in manager.hasher.keys(tokens[0])]
+        assert manager.stats()["tiers"]["gpu"]["mrc"]["accesses"] == 3

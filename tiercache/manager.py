@@ -24,6 +24,7 @@ import torch
 
 from tiercache.config import PrefetchPolicy, TierCacheConfig, load_config
 from tiercache.handles import Lookup, Transfer, TransferKind
+from tiercache.keys import token_array
 from tiercache.local_tiers import LookupPins, PinState, Place
 from tiercache.queues import prefetch_deadline_s
 from tiercache.slots import CapacityError
@@ -77,9 +78,14 @@ class TierManager:
         self._begin().result()
 
     def close_blocking(self) -> None:
-        """Finish or drop work in flight (bounded), close the remotes (bounded) and stop the loop."""
+        """Settle best-effort loads, finish or drop other work in flight (bounded), close the remotes, stop.
+
+        Afterwards ``poll``, ``stats`` and ``release`` still work; every other call
+        raises ``RuntimeError("TierManager is closed")``.
+        """
         closing, self._closed = self._started and not self._closed, True
         if closing:
+            self._settle_best_effort()
             self._stack.close()
 
     async def close(self) -> None:
@@ -140,9 +146,11 @@ class TierManager:
         Raises ``CapacityError`` and changes nothing when not enough blocks are free
         or evictable; never evicts what an outstanding Lookup pinned.
         """
+        self._require_running()
         with self._lock:
             self._reap_abandoned()
             ids = self.hierarchy.allocate(count)
+            self.local.holds.give(ids)
             self._stack.mover.dispatch()
             return ids
 
@@ -154,14 +162,13 @@ class TierManager:
         in the CPU tier (remote writes go on in the background).
         """
         self._require_running()
-        keys = self.hasher.keys(tokens, extra)[: len(ids)]
-        ids = list(ids[: len(keys)])
-        transfer = Transfer(TransferKind.STORE, len(keys), self.block_size, ids)
+        array = token_array(tokens)
+        keys = self.hasher.keys(array, extra)
         with self._lock:
-            for block in ids:
-                if self.gpu.table.ref(block) < 1:
-                    raise ValueError(f"store: GPU block {block} is not held by the caller")
-            fresh = self.hierarchy.store(keys, ids, tokens)
+            ids = self.local.holds.checked("store", ids)[: len(keys)]
+            keys = keys[: len(ids)]
+            transfer = Transfer(TransferKind.STORE, len(keys), self.block_size, ids)
+            fresh = self.hierarchy.store(keys, ids, array)
             copies = self._stack.mover.dispatch()
         work = [c for c in copies if not c.done()]
         self._finish(transfer, fresh * self.block_size, work)
@@ -181,9 +188,10 @@ class TierManager:
             raise ValueError("load: needs a Lookup that is not pending and was neither loaded nor released")
         queues = self.config.queues
         with self._lock:
+            ids = self.local.holds.checked("load", ids)
             for block in ids:
-                if self.gpu.table.ref(block) < 1 or self.gpu.table.key_of(block) is not None:
-                    raise ValueError(f"load: GPU block {block} is not a block returned by allocate()")
+                if self.gpu.table.key_of(block) is not None:
+                    raise ValueError(f"load: GPU block {block} already holds KV (not a block fresh from allocate())")
             pins.state = PinState.LOADED
             self.hierarchy.count_hits(hit.keys[: hit.num_blocks], hit.tier_blocks, len(hit.keys))
             lower_keys = hit.keys[len(pins.gpu_run) : hit.num_blocks]
@@ -207,24 +215,24 @@ class TierManager:
         return transfer
 
     def release(self, ids_or_hit: Sequence[int] | Lookup) -> None:
-        """Hand back GPU blocks (cached ones stay cached), or drop a Lookup that will not be loaded."""
+        """Hand back GPU blocks (cached ones stay cached), or drop a Lookup that will not be loaded.
+
+        Raises ValueError, releasing nothing, when an id is duplicated, out of range
+        or not held by the caller. Works after ``close`` too.
+        """
         with self._lock:
             self._reap_abandoned()
             if isinstance(ids_or_hit, Lookup):
                 if ids_or_hit.pins is not None:
                     self.local.drop(ids_or_hit.pins, with_run=True)
                 return
-            for block in ids_or_hit:
-                self.gpu.table.unpin(block)
+            self.local.holds.take_back(self.local.holds.checked("release", ids_or_hit))
 
     def poll(self) -> list[Transfer]:
         """Transfers finished since the last poll (and best-effort loads settled now)."""
+        self._settle_best_effort()
         with self._lock:
             self._reap_abandoned()
-            settle, self._best_effort = self._best_effort, []
-        for transfer in settle:
-            transfer.cancel()
-        with self._lock:
             finished = list(self._completed)
             self._completed.clear()
         return finished
@@ -253,6 +261,7 @@ class TierManager:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` of prefill in ``seconds``: the cost model's recompute rate."""
+        self._require_running()
         if self._stack.cost is not None:
             with self._lock:
                 self._stack.cost.observe_prefill(tokens, seconds)
@@ -272,6 +281,13 @@ class TierManager:
         if not self._started or self._closed:
             state = "closed" if self._closed else "not started (call start() or start_blocking() first)"
             raise RuntimeError(f"TierManager is {state}")
+
+    def _settle_best_effort(self) -> None:
+        """Best-effort loads end with what has arrived (at a poll, or before the loop stops at close)."""
+        with self._lock:
+            settle, self._best_effort = self._best_effort, []
+        for transfer in settle:
+            transfer.cancel()
 
     def _reap_abandoned(self) -> None:
         """Drop the lower pins of Lookups the engine let go of without loading or releasing them."""
