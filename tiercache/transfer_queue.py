@@ -9,7 +9,8 @@ counts as a failure exactly like a refused connection. After
 until its back-off has passed; then one call probes the tier again.
 
 Remote lookups in flight are remembered per prefix (``RemoteProbes``), keyed on
-every key asked, so two prompts never share an answer.
+every key asked, so two prompts never share an answer; the lookup
+(``tiercache.lookup``) is the one reader of their answers.
 """
 
 from __future__ import annotations
@@ -147,11 +148,3 @@ class RemoteProbes:
 
     async def _ask(self, keys: list[bytes]) -> list[list[Presence]]:
         return list(await asyncio.gather(*(lane.contains(keys) for lane in self.lanes)))
-
-
-def first_holders(answers: list[list[Presence]], count: int) -> list[int | None]:
-    """Per key, the first (fastest) lane that holds it, or None."""
-    return [
-        next((lane for lane, answer in enumerate(answers) if answer[position] is Presence.HELD), None)
-        for position in range(count)
-    ]
