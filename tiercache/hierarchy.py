@@ -17,6 +17,9 @@ Pure: it changes slot tables and counters under the manager's lock and turns
 * A block read from a slower remote is written into the faster remotes above it.
 * Keys are remembered as written per remote lane, and forgotten when a read of
   them fails, so the next store rewrites a value that was lost or corrupted.
+  Routers hear of a remote's blocks as they land or are served, and of their
+  removal only when the remote says so (an answer of "not held", its own
+  eviction report), never because a read or a probe failed.
 """
 
 from __future__ import annotations
@@ -336,6 +339,7 @@ class Hierarchy:
         written = self._written[lane]
         for key in keys:
             written[key] = None
+        self.observer.stored(self.lanes[lane].name, keys, None, None)  # served: held, whatever was said before
         for faster in range(lane):
             rule = self.lanes[faster]
             todo = [
@@ -346,11 +350,17 @@ class Hierarchy:
             if todo:
                 self.put(faster, [k for k, _ in todo], [s for _, s in todo], Reason.PROMOTION)
 
-    def forget(self, lane: int, keys: Sequence[bytes]) -> None:
-        """Reads of these keys failed (missing, invalid): the next store writes them again."""
+    def forget(self, lane: int, keys: Sequence[bytes], *, proven: bool = True) -> None:
+        """The remote may have lost these keys: the next store writes them again.
+
+        ``proven``: the remote said so (it answered "not held", or reported dropping
+        them), and they are reported removed; else (a read failed) nothing is reported.
+        """
         written = self._written[lane]
-        gone = [key for key in keys if written.pop(key, False) is None]
-        self.observer.removed(self.lanes[lane].name, gone)
+        for key in keys:
+            written.pop(key, None)
+        if proven:
+            self.observer.removed(self.lanes[lane].name, keys)
 
     def _count_move(self, source: str, destination: str, blocks: int) -> None:
         """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""

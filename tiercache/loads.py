@@ -31,6 +31,7 @@ from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, Place, Source
 from tiercache.metrics import Metrics
 from tiercache.swap.queue import SwapQueue
+from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import Lane
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class LoadRunner:
         self.cost = cost
         self.dispatch = dispatch
         """Starts the moves the hierarchy asked for (the mover's ``dispatch``; called under the lock)."""
+        self._checks: set[asyncio.Task[None]] = set()
 
     def plan(
         self, keys: Sequence[bytes], ids: Sequence[int], places: Sequence[Place], force_latest: bool
@@ -242,8 +244,9 @@ class LoadRunner:
             keys = [item.key for item in pending]
             views = [self.views(item.slot) for item in pending]  # type: ignore[arg-type]
             started = time.perf_counter()
-            results = await lane.get_into(keys, views, force_latest)
+            answer = await lane.read(keys, views, force_latest)
             elapsed = time.perf_counter() - started
+            results = answer if answer is not None else [False] * len(keys)
             got = [item for item, ok in zip(pending, results, strict=True) if ok]
             missed = [item.key for item, ok in zip(pending, results, strict=True) if not ok]
             arrived[lane.index] = got
@@ -252,11 +255,13 @@ class LoadRunner:
             self.metrics.add(lane.name, "bytes_read", len(got) * self.bytes_per_block)
             self.metrics.add(lane.name, "load_misses", len(missed))
             with self.lock:
-                self.hierarchy.forget(lane.index, missed)
+                self.hierarchy.forget(lane.index, missed, proven=False)
                 self.hierarchy.observer.accessed(lane.name, keys)
                 if self.cost is not None:
                     self.cost.observe_fetch(lane.name, len(keys), len(keys) * self.bytes_per_block, elapsed)
             pending = [item for item, ok in zip(pending, results, strict=True) if not ok]
+            if missed and answer is not None:
+                self._check_missing(lane, missed)
         landed = {id(item) for group in arrived.values() for item in group}
         with self.lock:
             oks = [id(item) in landed for item in items]
@@ -270,6 +275,23 @@ class LoadRunner:
                 if group:
                     self.hierarchy.fetched(lane_index, [i.key for i in group], [i.slot for i in group])  # type: ignore[misc]
             self.dispatch()  # promotions into faster remotes start now, not at the engine's next call
+
+    def _check_missing(self, lane: Lane, keys: list[bytes]) -> None:
+        """Off the load's path: ask whether the keys a read missed are gone, and report those that are.
+
+        A read can miss a block the remote still holds (one failed key, a value
+        rewritten meanwhile): only the remote's own "not held" is told to routers.
+        """
+        check = asyncio.get_running_loop().create_task(self._report_absent(lane, keys))
+        self._checks.add(check)
+        check.add_done_callback(self._checks.discard)
+
+    async def _report_absent(self, lane: Lane, keys: list[bytes]) -> None:
+        answers = await lane.contains(keys)
+        absent = [key for key, found in zip(keys, answers, strict=True) if found is Presence.ABSENT]
+        if absent:
+            with self.lock:
+                self.hierarchy.forget(lane.index, absent)
 
     async def _await_fill(self, item: LoadItem) -> bool:
         """A block another transfer is writing into the CPU tier: share that write."""

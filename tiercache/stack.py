@@ -10,6 +10,7 @@ the background runtime.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 from typing import Any
@@ -96,7 +97,9 @@ class Stack:
             self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
             gpu_name=self.gpu.name, block_size=self.block_size, max_pending_stores=queues.max_pending_stores,
             remember_keys=remember,
-            observer=FleetObserver(self.events, self.curves, self.block_size, lora_id)
+            observer=FleetObserver(
+                self.events, self.curves, self.block_size, lora_id, [t.name for t in self.remotes]
+            )
             if self.events is not None or self.curves
             else None,
         )
@@ -117,6 +120,8 @@ class Stack:
         )
         self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
                             self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
+        for lane in self.lanes:
+            lane.tier.on_evicted(functools.partial(self.mover.evicted, lane.index))
 
         self.names = self.tier_names.all
         """Every tier's name, fastest first."""

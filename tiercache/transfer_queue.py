@@ -99,7 +99,11 @@ class Lane:
             return [Presence.UNKNOWN] * len(keys)
         return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
 
-    async def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], force_latest: bool) -> list[bool]:
+    async def read(
+        self, keys: Sequence[bytes], views: Sequence[memoryview], force_latest: bool
+    ) -> list[bool] | None:
+        """Per key, whether its value was read into its view; None when the call failed as a whole
+        (deadline, open breaker, exception): then the tier told nothing about any key."""
         started = time.perf_counter()
         oks = await self._call(
             Priority.LOAD,
@@ -108,7 +112,11 @@ class Lane:
             self.lookup_timeout_s * LOAD_DEADLINE_FACTOR,
         )
         self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
-        return _booleans(oks, len(keys))
+        return None if oks is None else [bool(ok) for ok in oks]
+
+    async def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], force_latest: bool) -> list[bool]:
+        """``read``, with a failed call as a miss of every key."""
+        return _booleans(await self.read(keys, views, force_latest), len(keys))
 
     async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
         started = time.perf_counter()

@@ -36,7 +36,9 @@ class RedisOptions:
     value completely before copying any of it into the destination.
     ``allow_unbounded``: write even when the server has no ``maxmemory``.
     ``breaker_*``: consecutive failures before a node is skipped, first and
-    longest back-off.
+    longest back-off. ``notify_evictions``: hear the server's own evictions and
+    expiries through keyspace notifications (adds ``Exe`` to its
+    ``notify-keyspace-events`` with ``CONFIG SET``), so routers are told of them.
     """
 
     url: str = f"redis://127.0.0.1:{DEFAULT_PORT}"
@@ -60,6 +62,7 @@ class RedisOptions:
     breaker_failures: int = 3
     breaker_backoff_s: float = 0.5
     breaker_backoff_max_s: float = 30.0
+    notify_evictions: bool = True
 
     def connections_for(self, block_bytes: int) -> int:
         """Connections per node for blocks of ``block_bytes`` (``connections``, or by value size)."""
