@@ -8,7 +8,8 @@ keeps, per medium, the set of block hashes the engine said it holds. On stdin,
 ``view N`` waits until it has applied every batch up to sequence N and answers
 one JSON line on stdout: ``{medium: [hashes...]}``. ``quit`` ends it.
 
-Nothing here imports tiercache: it reads only what is on the wire.
+It reads only what is on the wire, with the message structs ``test_events``
+declares the way vLLM does (not tiercache's own).
 """
 
 from __future__ import annotations
@@ -16,45 +17,13 @@ from __future__ import annotations
 import json
 import select
 import sys
-from typing import Any
 
 import msgspec
 import zmq
+from test_events import BlockRemoved, BlockStored, KVEventBatch
 
 WAIT_MS = 50
 """Poll step while waiting for batches (the caller bounds the whole wait)."""
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 class Router:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from manager_helpers import block_kv, read_block, topology, write_block
+from manager_helpers import block_kv, compute_and_store, read_block, topology, write_block
 
 from tiercache.events.wire import block_hash
 from tiercache.manager import TierManager
@@ -149,14 +149,17 @@ def prompt(blocks: int, salt: int, block_size: int = TINY_BLOCK) -> np.ndarray:
 
 
 def compute(manager: TierManager, tokens: np.ndarray) -> None:
-    """A request with nothing reused: allocate, compute every block, store, release; its writes land."""
-    keys = manager.hasher.keys(tokens)
-    ids = manager.allocate(len(keys))
-    for key, block in zip(keys, ids, strict=True):
-        write_block(manager, block, block_kv(manager, key))
-    manager.store(tokens, ids).result(WAIT_S)
-    manager.release(ids)
+    """A request with nothing reused, whose writes land before the next one."""
+    compute_and_store(manager, tokens, WAIT_S)
     at_rest(manager)
+
+
+def computed(manager: TierManager, count: int, block_size: int = TINY_BLOCK) -> tuple[list[np.ndarray], list[bytes]]:
+    """``count`` four-block prompts computed one after the other; the prompts and all their keys."""
+    prompts = [prompt(4, salt, block_size) for salt in range(count)]
+    for tokens in prompts:
+        compute(manager, tokens)
+    return prompts, [key for tokens in prompts for key in manager.hasher.keys(tokens)]
 
 
 def serve(manager: TierManager, tokens: np.ndarray) -> int:
@@ -185,10 +188,7 @@ def test_probes_and_reads_that_time_out_remove_nothing_from_the_view(router_of: 
     config = topology(4, 4, remotes=[sim()], events=EVENTS, queues={"remote_lookup_timeout_ms": 50})
     with TierManager(config) as manager:
         router = router_of(manager)
-        prompts = [prompt(4, salt) for salt in range(3)]
-        for tokens in prompts:
-            compute(manager, tokens)  # the first prompt is now only in the remote
-        keys = [key for tokens in prompts for key in manager.hasher.keys(tokens)]
+        prompts, keys = computed(manager, 3)  # the first prompt is now only in the remote
         assert_view_is_true(router, manager, keys)
         tier = manager.remotes[0]
 
@@ -224,10 +224,7 @@ def test_a_bounded_remote_that_drops_its_oldest_blocks(router_of: Any) -> None:
     config = topology(4, 4, remotes=[sim(capacity_blocks=6)], events=EVENTS)
     with TierManager(config) as manager:
         router = router_of(manager)
-        prompts = [prompt(4, salt) for salt in range(5)]
-        for tokens in prompts:
-            compute(manager, tokens)
-        keys = [key for tokens in prompts for key in manager.hasher.keys(tokens)]
+        prompts, keys = computed(manager, 5)
         truth = assert_view_is_true(router, manager, keys)
         assert len(truth["sim"]) == 6
         assert serve(manager, prompts[-1]) == 4
@@ -239,10 +236,7 @@ def test_a_file_tier_clean_up(router_of: Any, tmp_path: Path) -> None:
     remote = {"type": "file", "name": "disk", "options": options}
     with TierManager(topology(4, 4, layout=BIG_LAYOUT, remotes=[remote], events=EVENTS)) as manager:
         router = router_of(manager)
-        prompts = [prompt(4, salt, BIG_LAYOUT["block_size"]) for salt in range(5)]
-        for tokens in prompts:
-            compute(manager, tokens)
-        keys = [key for tokens in prompts for key in manager.hasher.keys(tokens)]
+        _, keys = computed(manager, 5, BIG_LAYOUT["block_size"])
         truth = assert_view_is_true(router, manager, keys)
         assert 0 < len(truth["disk"]) <= 8
         assert manager.remotes[0].stats()["gc_removed_segments"] > 0
@@ -260,10 +254,7 @@ def test_a_redis_that_evicts_or_expires(
     remote = {"type": "redis", "name": "redis", "options": {"url": redis.url, **tier}}
     with TierManager(topology(4, 4, layout=BIG_LAYOUT, remotes=[remote], events=EVENTS)) as manager:
         router = router_of(manager)
-        prompts = [prompt(4, salt, BIG_LAYOUT["block_size"]) for salt in range(24)]
-        for tokens in prompts:
-            compute(manager, tokens)
-        keys = [key for tokens in prompts for key in manager.hasher.keys(tokens)]
+        _, keys = computed(manager, 24, BIG_LAYOUT["block_size"])
         if "ttl_s" in tier:
             time.sleep(2 * tier["ttl_s"])
         truth = assert_view_is_true(router, manager, keys)
