@@ -197,7 +197,7 @@ def _event_sink(config: TierCacheConfig) -> Any:
         return None
     from tiercache.events.sink import EventSink  # msgspec (and pyzmq for an endpoint): the 'events' extra
 
-    return EventSink.from_config(config.events)
+    return EventSink.from_config(config.events, lora_name=config.model.lora)
 
 
 def _no_cpu(slot: int) -> memoryview:
