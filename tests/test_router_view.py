@@ -259,3 +259,20 @@ def test_a_redis_that_evicts_or_expires(
             time.sleep(2 * tier["ttl_s"])
         truth = assert_view_is_true(router, manager, keys)
         assert len(truth.get("redis", set())) < len(keys), "the server dropped nothing: the test proves nothing"
+
+
+def test_requests_sharing_a_new_prompt_leave_its_remote_blocks_announced(router_of: Any) -> None:
+    """Both look up before either stores: the second's "not held" is stale once the first's writes landed."""
+    with TierManager(topology(8, 8, remotes=[sim()], events=EVENTS)) as manager:
+        router = router_of(manager)
+        tokens = prompt(4, 77)
+        keys = manager.hasher.keys(tokens)
+        first = manager.lookup_wait(tokens, timeout_s=WAIT_S)
+        second = manager.lookup_wait(tokens, timeout_s=WAIT_S)
+        assert first.num_blocks == second.num_blocks == 0
+        manager.load(first, [])
+        compute(manager, tokens)  # the first request computes and stores: written through to the remote
+        manager.load(second, [])  # the second goes ahead with what its lookup saw
+        compute_and_store(manager, tokens)
+        truth = assert_view_is_true(router, manager, keys)
+        assert len(truth["sim"]) == 4

@@ -73,7 +73,10 @@ class Hierarchy:
         self.observer: TierObserver = observer or NullObserver()
         self.outbox: list[Move] = []
         self._hits: OrderedDict[bytes, int] = OrderedDict()
-        self._written: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self.lanes]
+        self._written: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in self.lanes]
+        """Per lane, the keys known written there, with the ``landings`` count when that was last seen."""
+        self.landings = 0
+        """Blocks seen to be in a remote so far (a put landed, a read served): a clock for ``landed_since``."""
 
     # ---- admission ------------------------------------------------------------------
     def hits(self, key: bytes) -> int:
@@ -302,6 +305,10 @@ class Hierarchy:
         """Whether ``key`` is remembered as stored in ``lane``."""
         return key in self._written[lane]
 
+    def landed_since(self, lane: int, key: bytes, clock: int) -> bool:
+        """Whether ``key`` was seen in ``lane`` after ``landings`` read ``clock`` (an older "not held" is stale)."""
+        return self._written[lane].get(key, -1) > clock
+
     def put(self, lane: int, keys: list[bytes], slots: list[int], reason: Reason) -> None:
         """Queue a put of readable CPU slots (pinned until it lands), or drop it when the queue is full."""
         cpu = self.local.cpu
@@ -324,7 +331,8 @@ class Hierarchy:
         written = self._written[move.lane]
         landed = [key for key, ok in zip(move.keys, oks, strict=True) if ok]
         for key in landed:
-            written[key] = None
+            self.landings += 1
+            written[key] = self.landings
         name = self.lanes[move.lane].name
         self.observer.accessed(name, move.keys)
         self.observer.stored(name, landed, None, None)
@@ -338,7 +346,8 @@ class Hierarchy:
         """Blocks read from ``lane`` into CPU slots: known there; written into the faster remotes above it."""
         written = self._written[lane]
         for key in keys:
-            written[key] = None
+            self.landings += 1
+            written[key] = self.landings
         self.observer.stored(self.lanes[lane].name, keys, None, None)  # served: held, whatever was said before
         for faster in range(lane):
             rule = self.lanes[faster]

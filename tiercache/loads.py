@@ -287,11 +287,15 @@ class LoadRunner:
         check.add_done_callback(self._checks.discard)
 
     async def _report_absent(self, lane: Lane, keys: list[bytes]) -> None:
+        with self.lock:
+            clock = self.hierarchy.landings
         answers = await lane.contains(keys)
         absent = [key for key, found in zip(keys, answers, strict=True) if found is Presence.ABSENT]
         if absent:
-            with self.lock:
-                self.hierarchy.forget(lane.index, absent)
+            with self.lock:  # a key written again meanwhile is not reported
+                hierarchy = self.hierarchy
+                gone = [key for key in absent if not hierarchy.landed_since(lane.index, key, clock)]
+                hierarchy.forget(lane.index, gone)
 
     async def _await_fill(self, item: LoadItem) -> bool:
         """A block another transfer is writing into the CPU tier: share that write."""
