@@ -276,3 +276,15 @@ def test_requests_sharing_a_new_prompt_leave_its_remote_blocks_announced(router_
         compute_and_store(manager, tokens)
         truth = assert_view_is_true(router, manager, keys)
         assert len(truth["sim"]) == 4
+
+
+def test_a_redis_cluster_whose_nodes_expire_their_keys(router_of: Any, redis_cluster: Any) -> None:
+    """Each node publishes its own keys' expiries: the tier listens on every node."""
+    remote = {"type": "redis", "name": "cluster", "options": {"url": redis_cluster.url, "cluster": True, "ttl_s": 0.5}}
+    with TierManager(topology(4, 4, layout=BIG_LAYOUT, remotes=[remote], events=EVENTS)) as manager:
+        router = router_of(manager)
+        assert manager.remotes[0]._watcher.subscribed == len(redis_cluster.nodes)
+        _, keys = computed(manager, 6, BIG_LAYOUT["block_size"])
+        time.sleep(1.0)
+        truth = assert_view_is_true(router, manager, keys)
+        assert "cluster" not in truth, "every key expired"
