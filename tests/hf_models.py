@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from tiercache import TierManager
 from tiercache.config import TierCacheConfig, config_from_dict
+from tiercache.integrations.transformers import CachedModel
 from tiercache.layout import KVLayout
 
 VOCAB = 256
@@ -26,6 +28,14 @@ GPU_BLOCKS, CPU_BLOCKS = 64, 128
 MODEL_SEED = 0
 PAD_TOKEN = 0
 """Prompts use ids from 1 up; no EOS is configured, so every reply has its full length."""
+PREFIX_BLOCKS = 5
+"""A two-request test: the first stores ``PREFIX`` tokens, the second reuses them and computes ``SUFFIX`` more."""
+PREFIX = PREFIX_BLOCKS * BLOCK_SIZE
+SUFFIX = 3
+DECODE_STEPS = 6
+RECOMPUTE_TOLERANCE = 1e-5
+"""A cache-less recompute runs other matrix product shapes: it agrees within this, not bit for bit."""
+GENERATE = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
 
 
 def tiny_config(arch: str) -> Any:
@@ -118,3 +128,42 @@ def assert_bitwise(expected: Any, got: Any) -> None:
     assert len(got.logits) == len(expected.logits)
     for want, have in zip(expected.logits, got.logits, strict=True):
         assert torch.equal(want, have), (want - have).abs().max()
+
+
+# ---- the two-request check the driver tests share -------------------------------------------------
+def store_prefix(manager: TierManager, model: Any, prefix: torch.Tensor) -> None:
+    """The first request: prefill ``prefix`` in one pass (one new token) and store its blocks.
+
+    Waiting for the store means its copies down (and the write-through puts they
+    start) are in flight before the engine closes, so ``close`` drains them.
+    """
+    turn = CachedModel(model, manager).generate(prefix, max_new_tokens=1, do_sample=False)
+    assert turn.cached_tokens == 0
+    assert turn.stored is not None and turn.stored.result() == prefix.shape[1]
+
+
+def evict_gpu(manager: TierManager) -> None:
+    """Push every cached block out of the GPU pool (they live on in the CPU tier)."""
+    manager.release(manager.allocate(manager.gpu.num_blocks))
+
+
+def reuse(manager: TierManager, model: Any, prompt: torch.Tensor, source: str, force_latest: bool = False) -> Any:
+    """The second request: it must reuse exactly the prefix, from ``source``, and compute the suffix."""
+    turn = CachedModel(model, manager).generate(prompt, DECODE_STEPS, force_latest=force_latest, **GENERATE)
+    assert turn.reused[source] == PREFIX, turn.reused
+    assert turn.cached_tokens == PREFIX and turn.computed_tokens == SUFFIX
+    return turn.output
+
+
+def expected(model: Any, prompt: torch.Tensor) -> Any:
+    replay = Replay(model)
+    replay.prefill(prompt[:, :PREFIX])
+    return replay.turn(prompt, PREFIX, DECODE_STEPS)
+
+
+def check(model: Any, prompt: torch.Tensor, got: Any) -> None:
+    assert_bitwise(expected(model, prompt), got)
+    recomputed = generate(model, prompt, None, DECODE_STEPS)
+    assert got.sequences.tolist() == recomputed.sequences.tolist()
+    for want, have in zip(recomputed.logits, got.logits, strict=True):
+        torch.testing.assert_close(have, want, rtol=0, atol=RECOMPUTE_TOLERANCE)

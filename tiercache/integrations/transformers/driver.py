@@ -17,6 +17,10 @@ Two ways to use it:
   ``turn.finish(sequences)`` stores the KV and releases the blocks (leaving the
   block without ``finish`` releases them unstored).
 
+Every key carries the model's identity (``ModelIdentity``: config, name,
+dtype, and the weights where nothing else names them), so a different model
+on the same topology never reuses this one's KV.
+
 It is a synchronous reference driver for one request at a time; an engine's
 scheduler interleaves the same calls across requests (see README).
 """
@@ -24,116 +28,40 @@ scheduler interleaves the same calls across requests (see README).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from tiercache import CapacityError
+from tiercache.integrations.transformers.identity import ModelIdentity
 from tiercache.integrations.transformers.paged_cache import PagedCache
+from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
 from tiercache.keys import Tokens, token_array
 from tiercache.layout import KVLayout
 from tiercache.paged import PagedKV, blocks_needed
 
 if TYPE_CHECKING:
-    from tiercache import Lookup, TierManager, Transfer
+    from tiercache import Lookup, TierManager
 
-__all__ = ["CachedModel", "FirstTokenClock", "Turn"]
-
-PROMPT_AND_FIRST_TOKEN = 2
-"""``generate`` hands a streamer the prompt first, then each new token: the second call is the first token."""
-
-
-class FirstTokenClock(BaseStreamer):
-    """A ``generate`` streamer that notes when the first new token is out (time to first token)."""
-
-    def __init__(self) -> None:
-        """The clock starts now (create it before the request's lookup to count lookup and load)."""
-        self.started = time.perf_counter()
-        self.first_token_at: float | None = None
-        self._calls = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        """Called by ``generate`` with the prompt, then with each new token."""
-        self._calls += 1
-        if self._calls == PROMPT_AND_FIRST_TOKEN:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        """Nothing to flush."""
-
-    @property
-    def seconds(self) -> float | None:
-        """From the clock's creation to the first new token (None before it)."""
-        return None if self.first_token_at is None else self.first_token_at - self.started
-
-
-@dataclass(eq=False)
-class Turn:
-    """One request served through tiercache: its blocks, its cache, and what was reused for it."""
-
-    manager: TierManager
-    input_ids: torch.Tensor
-    """The prompt, ``[1, T]`` on the model's device (pass it to ``model.generate`` whole)."""
-    block_table: list[int]
-    cache: PagedCache
-    reused: dict[str, int]
-    """Prompt tokens whose KV came from each tier, fastest tier first."""
-    cached_tokens: int
-    prepare_s: float
-    """Seconds for lookup, allocate and load."""
-    extra: bytes | str | None = None
-    stored: Transfer | None = None
-    """``store``'s handle once finished: ``stored.result()`` waits until the blocks are indexed and copied down."""
-    output: Any = None
-    """``model.generate``'s return value (``CachedModel.generate`` only)."""
-    ttft_s: float | None = None
-    """Seconds from the request's start to its first new token (``CachedModel.generate`` only)."""
-    released: bool = field(default=False, repr=False)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The prompt's length in tokens."""
-        return self.input_ids.shape[1]
-
-    @property
-    def computed_tokens(self) -> int:
-        """Prompt tokens the model prefilled (not reused)."""
-        return self.prompt_tokens - self.cached_tokens
-
-    def finish(self, sequences: Any) -> None:
-        """Store the KV of the tokens the model has processed (prompt and reply) and release the blocks.
-
-        ``sequences``: ``model.generate``'s output (or its ``sequences``), ``[1, T + new]``.
-        """
-        if self.released:
-            raise RuntimeError("Turn.finish: the turn was already finished or closed")
-        tokens = getattr(sequences, "sequences", sequences)
-        processed = token_array(tokens)[: self.cache.get_seq_length()]
-        self.stored = self.manager.store(processed, self.block_table, self.extra)
-        self.close()
-
-    def close(self) -> None:
-        """Release the request's blocks (cached ones stay cached); idempotent."""
-        if not self.released:
-            self.released = True
-            self.manager.release(self.block_table)
-
-    def __enter__(self) -> Turn:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+__all__ = ["CachedModel"]
 
 
 class CachedModel:
     """A ``transformers`` causal LM whose requests reuse and feed tiercache's KV."""
 
-    def __init__(self, model: Any, manager: TierManager, *, lookup_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        manager: TierManager,
+        *,
+        lookup_timeout_s: float | None = None,
+        weights_digest: bool = False,
+    ) -> None:
         """``manager``'s layout must match the model's KV (see ``KVLayout.from_hf_config``); its pool's
         device must be the model's. ``lookup_timeout_s`` bounds the wait for a pending remote lookup
-        (past it the prompt is a miss and is recomputed)."""
+        (past it the prompt is a miss and is recomputed). ``weights_digest``: name the model by a digest
+        of its weights too (a fine-tune that keeps its base's config and ``name_or_path`` must set it;
+        see ``ModelIdentity``)."""
         layout = manager.layout
         wanted = KVLayout.from_hf_config(model.config, dtype=layout.dtype, block_size=layout.block_size)
         mine = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
@@ -150,6 +78,14 @@ class CachedModel:
         self.manager = manager
         self.kv = PagedKV(layout, manager.gpu.tensors)
         self.lookup_timeout_s = lookup_timeout_s
+        self.identity = ModelIdentity.of(model, weights_digest=weights_digest)
+
+    def key_extra(self, extra: bytes | str | None = None) -> bytes:
+        """What this model passes to the manager as a request's ``extra``: its identity, then ``extra``.
+
+        Use it to call ``lookup``/``store`` directly for the keys ``CachedModel`` uses.
+        """
+        return self.identity.salt + (extra.encode() if isinstance(extra, str) else extra or b"")
 
     def begin(
         self, input_ids: Tokens, max_new_tokens: int, extra: bytes | str | None = None, force_latest: bool = False
@@ -163,8 +99,8 @@ class CachedModel:
         tokens = token_array(input_ids)
         if len(tokens) == 0:
             raise ValueError("CachedModel.begin: an empty prompt")
-        mgr, size = self.manager, self.manager.block_size
-        hit = mgr.lookup_wait(tokens, extra, timeout_s=self.lookup_timeout_s)
+        mgr, size, salted = self.manager, self.manager.block_size, self.key_extra(extra)
+        hit = mgr.lookup_wait(tokens, salted, timeout_s=self.lookup_timeout_s)
         usable = min(hit.num_blocks, (len(tokens) - 1) // size)
         on_gpu = min(len(hit.gpu_block_ids), usable)
         try:
@@ -184,7 +120,7 @@ class CachedModel:
             reused=_reused_per_tier(hit, on_gpu, loaded // size, size),
             cached_tokens=cached,
             prepare_s=time.perf_counter() - started,
-            extra=extra,
+            extra=salted,
         )
 
     def generate(
