@@ -70,11 +70,13 @@ def topology(
     memory: str = "block_major",
     remotes: list[dict[str, Any]] | None = None,
     gpu_blocks: int = GPU_BLOCKS,
+    gpu_policy: str = "lru",
 ) -> TierCacheConfig:
     """GPU pool (on the CPU) + CPU tier (+ remotes), with the layout read from the model's config."""
     layout = KVLayout.from_hf_config(model.config, block_size=BLOCK_SIZE, memory=memory)
+    gpu = {"name": "gpu", "type": "gpu", "capacity_blocks": gpu_blocks, "policy": gpu_policy}
     tiers: list[dict[str, Any]] = [
-        {"name": "gpu", "type": "gpu", "capacity_blocks": gpu_blocks, "options": {"device": "cpu"}},
+        {**gpu, "options": {"device": "cpu"}},
         {"name": "cpu", "type": "cpu", "capacity_blocks": CPU_BLOCKS, "write_policy": "write_through"},
     ]
     fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")

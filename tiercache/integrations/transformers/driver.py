@@ -117,7 +117,7 @@ class CachedModel:
             input_ids=torch.as_tensor(tokens, device=self.model.device)[None],
             block_table=table,
             cache=PagedCache(self.kv, table, cached),
-            reused=_reused_per_tier(hit, on_gpu, loaded // size, size),
+            reused=_reused_per_tier(hit, cached // size),
             cached_tokens=cached,
             prepare_s=time.perf_counter() - started,
             extra=salted,
@@ -154,14 +154,13 @@ class CachedModel:
         return turn
 
 
-def _reused_per_tier(hit: Lookup, on_gpu: int, loaded_blocks: int, block_size: int) -> dict[str, int]:
-    """Tokens reused per tier: the GPU blocks used, then the loaded ones, fastest lower tier first."""
-    reused = {}
-    for index, (tier, count) in enumerate(hit.tier_blocks.items()):
-        if index == 0:
-            taken = on_gpu
-        else:
-            taken = min(count, loaded_blocks)
-            loaded_blocks -= taken
-        reused[tier] = taken * block_size
+def _reused_per_tier(hit: Lookup, reused_blocks: int) -> dict[str, int]:
+    """Tokens reused per tier, position by position over the blocks the request got (used in place or loaded).
+
+    A GPU block past the leading run (a policy other than LRU can leave one there)
+    is copied on the device by ``load`` and counts for the GPU, like the run.
+    """
+    reused = dict.fromkeys(hit.tier_blocks, 0)
+    for tier in hit.tiers[:reused_blocks]:
+        reused[tier] += hit.block_size
     return reused

@@ -60,7 +60,7 @@ class Turn:
     block_table: list[int]
     cache: PagedCache
     reused: dict[str, int]
-    """Prompt tokens whose KV came from each tier, fastest tier first."""
+    """Prompt tokens whose KV came from each tier, fastest tier first (they add up to ``cached_tokens``)."""
     cached_tokens: int
     prepare_s: float
     """Seconds for lookup, allocate and load."""
