@@ -11,7 +11,10 @@ Two ways to use it:
 
 * ``CachedModel(model, mgr).generate(input_ids, max_new_tokens=...)`` runs
   ``model.generate`` on the request's ``PagedCache`` and returns the finished
-  ``Turn`` (output, tokens reused per tier, time to first token).
+  ``Turn`` (output, tokens reused per tier, time to first token). Beam search
+  and several sequences per prompt run too: the prompt is prefilled on the
+  pool and stored, the beams decode on a ``DynamicCache`` transformers can
+  reorder (see ``generate``).
 * ``with cached.begin(input_ids, max_new_tokens) as turn:`` hands ``turn.cache``
   to the caller's own ``model.generate(...)`` or forward passes;
   ``turn.finish(sequences)`` stores the KV and releases the blocks (leaving the
@@ -27,6 +30,7 @@ scheduler interleaves the same calls across requests (see README).
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -135,22 +139,57 @@ class CachedModel:
 
         Returns the finished turn: ``turn.output`` is what ``generate`` returned, on the device
         ``input_ids`` came on (a CPU prompt gets a CPU output, whatever device the model runs on).
+        With several sequences per prompt (``num_beams`` or ``num_return_sequences`` above 1) the
+        prompt but its last token is prefilled on the pool, the sequences decode on a ``DynamicCache``
+        holding a copy of it per sequence (transformers reorders beams there), only the prompt's blocks
+        are stored, and ``turn.ttft_s`` is None (transformers streams no beams).
         """
-        clock = FirstTokenClock()
         caller_device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
-        turn = self.begin(input_ids, max_new_tokens, extra, force_latest)
-        with turn:
-            turn.output = self.model.generate(
-                turn.input_ids,
-                past_key_values=turn.cache,
-                max_new_tokens=max_new_tokens,
-                streamer=clock,
-                **generate_kwargs,
-            )
-            turn.ttft_s = clock.seconds
-            turn.finish(turn.output)
+        copies = _sequences_per_prompt(self.model, generate_kwargs)
+        if copies > 1:
+            turn = self._generate_sequences(input_ids, max_new_tokens, copies, extra, force_latest, generate_kwargs)
+        else:
+            clock = FirstTokenClock()
+            turn = self.begin(input_ids, max_new_tokens, extra, force_latest)
+            with turn:
+                turn.output = self.model.generate(
+                    turn.input_ids,
+                    past_key_values=turn.cache,
+                    max_new_tokens=max_new_tokens,
+                    streamer=clock,
+                    **generate_kwargs,
+                )
+                turn.ttft_s = clock.seconds
+                turn.finish(turn.output)
         if isinstance(turn.output, torch.Tensor):
             turn.output = turn.output.to(caller_device)
+        return turn
+
+    def _generate_sequences(
+        self,
+        input_ids: Tokens,
+        max_new_tokens: int,
+        copies: int,
+        extra: bytes | str | None,
+        force_latest: bool,
+        generate_kwargs: dict[str, Any],
+    ) -> Turn:
+        """Beam search or several samples: prefill the prompt on the pool, decode ``copies`` rows apart."""
+        turn = self.begin(input_ids, 0, extra, force_latest)
+        with turn:
+            prefilled = turn.prompt_tokens - 1
+            if turn.cached_tokens < prefilled:
+                with torch.no_grad():
+                    self.model(
+                        turn.input_ids[:, turn.cached_tokens : prefilled],
+                        past_key_values=turn.cache,
+                        **_last_logits_only(self.model),
+                    )
+            rows = turn.cache.dense(copies, self.model.dtype)
+            turn.output = self.model.generate(
+                turn.input_ids, past_key_values=rows, max_new_tokens=max_new_tokens, **generate_kwargs
+            )
+            turn.finish(turn.input_ids)
         return turn
 
 
@@ -164,3 +203,16 @@ def _reused_per_tier(hit: Lookup, reused_blocks: int) -> dict[str, int]:
     for tier in hit.tiers[:reused_blocks]:
         reused[tier] += hit.block_size
     return reused
+
+
+def _sequences_per_prompt(model: Any, generate_kwargs: dict[str, Any]) -> int:
+    """The rows ``generate`` expands a prompt to: ``num_beams`` or ``num_return_sequences``, whichever is more."""
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    beams = generate_kwargs.get("num_beams", config.num_beams) or 1
+    sequences = generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1
+    return max(beams, sequences)
+
+
+def _last_logits_only(model: Any) -> dict[str, int]:
+    """``logits_to_keep=1`` where the model's forward takes it (a prefill needs no logits but the last)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

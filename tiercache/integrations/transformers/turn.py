@@ -71,7 +71,7 @@ class Turn:
     output: Any = None
     """``model.generate``'s return value (``CachedModel.generate`` only)."""
     ttft_s: float | None = None
-    """Seconds from the request's start to its first new token (``CachedModel.generate`` only)."""
+    """Seconds from the request's start to its first new token (``CachedModel.generate`` with one sequence only)."""
     released: bool = field(default=False, repr=False)
 
     @property
