@@ -1,11 +1,16 @@
 """Tiny random-weight ``transformers`` models built from configs (never downloaded), and topologies that fit them.
 
-Two architectures: a Llama with grouped-query attention (head dim = hidden /
-heads) and a Qwen3, whose config sets ``head_dim`` explicitly to twice
-hidden / heads and whose attention normalises q and k. ``replay`` is the
-reference a cached run must equal bit for bit: the same forward calls on a plain
-``DynamicCache``, cropped to what tiercache reused, so every K/V the model reads
-was computed by the same kernel calls as the one it read from the pool.
+Two full-attention architectures: a Llama with grouped-query attention (head
+dim = hidden / heads) and a Qwen3, whose config sets ``head_dim`` explicitly to
+twice hidden / heads and whose attention normalises q and k. Four with sliding
+windows of ``WINDOW`` tokens (shorter than the prompts): a Mistral (every layer
+sliding), a Gemma2 and a Gemma3 (sliding and full layers alternating, Gemma3
+with its own RoPE base for the sliding ones) and a Qwen2 whose upper layer
+slides (``max_window_layers``). ``Replay`` is the reference a cached run must
+equal bit for bit: the same forward calls on a plain ``DynamicCache`` that keeps
+every position, as the pool does (the model's mask applies the window), cropped
+to what tiercache reused, so every K/V the model reads was computed by the same
+kernel calls as the one it read from the pool.
 """
 
 from __future__ import annotations
@@ -13,7 +18,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tiercache import TierManager
 from tiercache.config import TierCacheConfig, config_from_dict
@@ -23,6 +42,9 @@ from tiercache.layout import KVLayout
 VOCAB = 256
 BLOCK_SIZE = 4
 ARCHITECTURES = ("llama", "qwen3")
+SLIDING_ARCHITECTURES = ("mistral", "gemma2", "gemma3", "qwen2")
+WINDOW = 6
+"""The sliding window of the sliding architectures, in tokens: shorter than every prompt the tests serve."""
 MEMORY_ORDERS = ("block_major", "layer_major")
 GPU_BLOCKS, CPU_BLOCKS = 64, 128
 MODEL_SEED = 0
@@ -38,8 +60,11 @@ RECOMPUTE_TOLERANCE = 1e-5
 GENERATE = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
 
 
-def tiny_config(arch: str) -> Any:
-    """A two-layer config of ``arch`` with grouped-query attention (4 query heads, 2 KV heads)."""
+def tiny_config(arch: str, window: int = WINDOW) -> Any:
+    """A two-layer config of ``arch`` with grouped-query attention (4 query heads, 2 KV heads).
+
+    ``window``: the sliding window of the sliding architectures.
+    """
     common = {
         "vocab_size": VOCAB,
         "num_hidden_layers": 2,
@@ -50,19 +75,38 @@ def tiny_config(arch: str) -> Any:
         "bos_token_id": None,
         "eos_token_id": None,
     }
+    sliding = {**common, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "sliding_window": window}
+    alternating = ["sliding_attention", "full_attention"]
     if arch == "llama":
         return LlamaConfig(hidden_size=64, intermediate_size=128, **common)
     if arch == "qwen3":
         return Qwen3Config(hidden_size=48, head_dim=24, intermediate_size=96, **common)
+    if arch == "mistral":
+        return MistralConfig(**sliding)
+    if arch == "gemma2":
+        return Gemma2Config(layer_types=alternating, **sliding)
+    if arch == "gemma3":
+        return Gemma3TextConfig(layer_types=alternating, **sliding)
+    if arch == "qwen2":
+        return Qwen2Config(use_sliding_window=True, max_window_layers=1, **sliding)
     raise ValueError(f"unknown architecture {arch!r}")
 
 
-def tiny_model(arch: str, seed: int = MODEL_SEED) -> Any:
+MODEL_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mistral": MistralForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+}
+
+
+def tiny_model(arch: str, seed: int = MODEL_SEED, window: int = WINDOW) -> Any:
     """Seeded random weights (float32, eval mode); the global RNG is left as it was."""
-    classes = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return classes[arch](tiny_config(arch)).eval()
+        return MODEL_CLASSES[arch](tiny_config(arch, window)).eval()
 
 
 def topology(
@@ -111,7 +155,8 @@ class Replay:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = DynamicCache()
+        """Built without the config: every layer keeps every position, sliding ones too, as the pool does."""
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ from hf_models import (
     tiny_model,
     topology,
 )
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MambaConfig, MambaForCausalLM
 
 from tiercache import CapacityError, TierManager, UnsupportedModelError
 from tiercache.integrations.transformers import CachedModel
@@ -179,12 +179,10 @@ def test_prompt_cached_to_its_end_recomputes_its_last_block() -> None:
 
 
 def test_models_whose_cache_is_not_plain_kv_are_refused() -> None:
-    sliding = MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
-    )
-    model = MistralForCausalLM(sliding).eval()
+    state_space = MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2)
+    model = MambaForCausalLM(state_space).eval()
     with TierManager(topology(tiny_model("llama"))) as manager:
-        with pytest.raises(UnsupportedModelError, match="sliding window of 4096"):
+        with pytest.raises(UnsupportedModelError, match="state-space layers"):
             CachedModel(model, manager)
         with pytest.raises(ValueError, match=r"set layout.num_layers/num_kv_heads/head_dim in the topology"):
             CachedModel(tiny_model("qwen3"), manager)

@@ -121,9 +121,10 @@ def test_beam_search_reuses_the_prefix_and_matches_transformers() -> None:
     torch.testing.assert_close(turn.output.sequences_scores, plain.sequences_scores, rtol=0, atol=RECOMPUTE_TOLERANCE)
 
 
-def test_beam_search_on_an_empty_cache_stores_its_prompt_for_the_next_request() -> None:
-    """The beams match transformers', and the prompt they stored is reused by the next request."""
-    model, prompt = tiny_model("qwen3"), random_tokens(PREFIX + SUFFIX, seed=22)
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_beam_search_on_an_empty_cache_stores_its_prompt_for_the_next_request(arch: str) -> None:
+    """A full-attention and a sliding-window model: the beams match transformers', the prompt is reused next."""
+    model, prompt = tiny_model(arch), random_tokens(PREFIX + SUFFIX, seed=22)
     with TierManager(topology(model)) as manager:
         cached = CachedModel(model, manager)
         first = cached.generate(prompt, DECODE_STEPS, **BEAMS)
