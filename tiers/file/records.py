@@ -95,6 +95,12 @@ def scan(fd: int, start: int, end: int, max_body: int) -> tuple[list[Record], in
     return records, offset
 
 
+def starts_like_a_segment(fd: int) -> bool:
+    """Whether a file begins with a record header's magic, or with the zeros of a reservation not yet written."""
+    head = os.pread(fd, len(RECORD_MAGIC), 0)
+    return head in (RECORD_MAGIC, bytes(len(head)))
+
+
 def verify_in_place(codec: Codec, key: bytes, header: memoryview, payload: memoryview) -> DecodeStatus:
     """Validate an uncompressed value read as (codec header, payload already in the destination).
 
