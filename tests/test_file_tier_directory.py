@@ -20,6 +20,7 @@ from file_tier_helpers import BLOCK, RECORD, TESTS, directory_bytes, open_tier, 
 from redis_servers import empty_dests, random_blocks, remote_context
 
 from tiercache.codec import Codec
+from tiercache.tiers.base import Presence
 from tiercache.tiers.file.records import RecordKind, pack_header
 
 HANG_GUARD_S = 120.0
@@ -127,7 +128,7 @@ async def test_a_segment_whose_first_batch_is_still_being_written_is_not_skipped
         segment = tmp_path / "other-writer.000001.seg"
         segment.write_bytes(bytes(RECORD))  # reserved, nothing written yet
         await tier.gc()
-        assert await tier.contains(keys) == [False]
+        assert await tier.contains(keys) == [Presence.ABSENT]
         with open(segment, "r+b") as handle:  # the batch lands: body, then its record header
             handle.write(pack_header(RecordKind.VALUE, keys[0], 1, len(value)) + value)
         out = empty_dests(1, BLOCK)
