@@ -112,6 +112,7 @@ def test_an_odd_entry_is_skipped_counted_logged_once_and_never_blocks(tmp_path, 
     result = json.loads(stdout)
     assert result["stored"] == result["offered"], (result, stderr[-2000:])
     assert result["intact"] == result["offered"], (result, stderr[-2000:])
+    assert result["unknown"] == 0, (result, stderr[-2000:])  # the tier could always tell what it holds
     assert odd.is_symlink() or odd.exists(), "the tier removed an entry it cannot judge"
     after = os.lstat(odd)
     assert (stat.S_IFMT(after.st_mode), after.st_ino) == (stat.S_IFMT(kept.st_mode), kept.st_ino)
