@@ -45,9 +45,8 @@ from tiercache.tiers.file.entries import SEGMENT_SUFFIX, DirectoryEntries
 from tiercache.tiers.file.index import Entry, SegmentIndex
 from tiercache.tiers.file.options import FileOptions
 from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header, verify_in_place
+from tiercache.tiers.file.vectored import IOV_MAX, pwrite_all
 
-IOV_MAX = os.sysconf("SC_IOV_MAX")
-"""Most buffers one ``pwritev`` / ``preadv`` takes."""
 RUN_BLOCKS = IOV_MAX // 3
 """Most back-to-back records one read ``preadv`` covers (three buffers each)."""
 WRITER_ID_HEX = 8
@@ -235,14 +234,14 @@ class SegmentStore:
         for header, stored in encoded:
             buffers += [placeholder, header, memoryview(stored).cast("B")]
         try:
-            _pwrite_all(active.fd, buffers, start)
+            pwrite_all(active.fd, buffers, start)
             headers = []
             offset = start
             for key, length in zip(keys, lengths, strict=True):
                 headers.append((pack_header(RecordKind.VALUE, key, version, length), offset))
                 offset += RECORD_HEADER_SIZE + length
             for header, at in headers:
-                _pwrite_all(active.fd, [header], at)
+                pwrite_all(active.fd, [header], at)
             if self.options.fsync:
                 os.fdatasync(active.fd)
         except OSError:
@@ -272,7 +271,7 @@ class SegmentStore:
             return known
         active, start = reserved
         try:
-            _pwrite_all(active.fd, [pack_header(RecordKind.TOMBSTONE, key, version, 0) for key in keys], start)
+            pwrite_all(active.fd, [pack_header(RecordKind.TOMBSTONE, key, version, 0) for key in keys], start)
         except OSError:
             self.counts["delete_unlogged"] += len(keys)
             self._retire(active)
@@ -392,18 +391,3 @@ class SegmentStore:
         self.counts["gc_removed_bytes"] += freed.bytes
         self.counts["gc_expired"] += freed.expired
 
-
-def _pwrite_all(fd: int, buffers: Sequence[memoryview | bytes], offset: int) -> None:
-    """``pwritev`` every buffer at ``offset`` onwards, however the kernel splits it."""
-    views = [memoryview(buffer).cast("B") for buffer in buffers]
-    index = 0
-    while index < len(views):
-        count = os.pwritev(fd, views[index : index + IOV_MAX], offset)
-        if count <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += count
-        while index < len(views) and count >= len(views[index]):
-            count -= len(views[index])
-            index += 1
-        if count:
-            views[index] = views[index][count:]
