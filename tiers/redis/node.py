@@ -141,6 +141,11 @@ class Node:
         """Connections opened so far (a reconnect after a failure counts again)."""
         return sum(lane.connects for lane in self.lanes)
 
+    @property
+    def replaced(self) -> int:
+        """Connections that broke under traffic and were replaced (not counted as the server failing)."""
+        return sum(lane.replaced for lane in self.lanes)
+
     def _open(self) -> Connection:
         """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity probe."""
         tier, options = self._tier, self._tier.options

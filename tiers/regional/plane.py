@@ -217,9 +217,10 @@ class Plane:
             await self._call("delete", KeysJob(b"UNLINK", list(range(len(names))), names, None, "ok"))
 
     def stats(self, role: str) -> dict[str, float]:
-        """``{role}_{op}_{outcome}`` counts and ``{role}_connects``."""
+        """``{role}_{op}_{outcome}`` counts, ``{role}_connects`` and ``{role}_connections_replaced``."""
         stats = {f"{role}_{name}": float(count) for name, count in self.counts.items()}
         stats[f"{role}_connects"] = float(self.node.connects)
+        stats[f"{role}_connections_replaced"] = float(self.node.replaced)
         return stats
 
     async def close(self) -> None:
