@@ -10,12 +10,12 @@ server starts storing the first values while the next ones are checksummed).
 Coroutines hand jobs over with ``Lane.submit`` and await a future that the
 thread completes with ``call_soon_threadsafe``; the event loop never blocks.
 
-A connection that breaks under traffic (reset, timeout, garbage) is dropped and
+A connection that breaks under traffic (reset, closed, garbage) is dropped and
 replaced, and what it had not answered is sent again on the fresh one: requests
 are GET, SET of a whole value, EXISTS, UNLINK or control commands, all safe to
 repeat, and a reply stream is never read past a point where it was lost. Only a
-server that gives no working connection (refused, silent while connecting, or
-several fresh connections broken before any reply) fails the jobs, each counting
+server that gives no working connection (refused, silent past the socket timeout,
+or several fresh connections broken before any reply) fails the jobs, each counting
 its unread keys under the failure's kind; the next job reconnects.
 Nothing raised in the thread reaches the event loop: unexpected exceptions are
 logged and counted as ``internal``.
@@ -39,9 +39,10 @@ CLOSE_TIMEOUT_S = 5.0
 """``close`` waits at most this long for the thread (it is a daemon: it never holds up exit)."""
 _STOP = object()
 """Queued by ``close``: the thread fails what is left and exits."""
-BROKEN_KINDS = frozenset({"connection", "protocol", "timeout"})
-"""Failures of an open connection (reset or closed, a reply stream lost track of, silent past the
-socket timeout): the connection is replaced and what it had not answered is sent again."""
+BROKEN_KINDS = frozenset({"connection", "protocol"})
+"""Failures of an open connection (reset or closed, a reply stream lost track of): the connection is
+replaced and what it had not answered is sent again. A timeout is not one of them: a server silent
+past the socket timeout is failing (asking it again on a fresh connection would double the wait)."""
 MAX_QUIET_BREAKS = 3
 """Fresh connections that may break in a row before any reply; one more fails the jobs (the server,
 not a connection, is failing)."""
@@ -203,10 +204,10 @@ class Lane:
         """Serve ``first`` and every job queued while requests are in flight; True if told to stop.
 
         A connection that breaks under established traffic (reset, closed, a reply
-        stream lost track of, silence past the socket timeout) is dropped and
-        replaced: what was not answered is sent again on a fresh connection. The
-        jobs fail only when no connection can be opened, or when
-        ``MAX_QUIET_BREAKS`` fresh connections in a row broke before any reply.
+        stream lost track of) is dropped and replaced: what was not answered is
+        sent again on a fresh connection. The jobs fail when no connection can be
+        opened, on a timeout, or when ``MAX_QUIET_BREAKS`` fresh connections in a
+        row broke before any reply.
         """
         sending: deque[Job] = deque([first])
         reading: deque[Job] = deque()
