@@ -1,4 +1,10 @@
-"""A central that is full: real redis-servers (moved from ``test_sync``)."""
+"""force_latest when central cannot answer, and a central that is full: real redis-servers.
+
+force_latest serves the newest version committed at central when the read
+began (and this node's own acknowledged writes), which only central can tell:
+with central unreachable, or its breaker open, every force_latest read is a
+miss, this node's unreplicated writes included.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,40 @@ from typing import Any
 
 import pytest
 from redis_servers import RedisServer
-from sync_sites import FAST_RETRIES, FINGERPRINT, eventually, key
+from sync_sites import FAST_RETRIES, FINGERPRINT, Topology, eventually, key, payload, read
 
 from tiercache.codec import Codec
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier
+
+OWN_WRITES = 8
+OPEN_FOR_S = 60.0
+"""The central breaker's back-off: it stays open for the whole test once tripped."""
+
+
+async def test_an_open_central_breaker_makes_force_latest_miss_even_own_writes(sites: Topology) -> None:
+    a = await sites.tier(
+        sites.region_a,
+        **FAST_RETRIES,
+        invalidate=False,
+        breaker_failures=2,
+        breaker_backoff_s=OPEN_FOR_S,
+        breaker_backoff_max_s=OPEN_FOR_S,
+    )
+    keys = [key(200 + i) for i in range(OWN_WRITES)]
+    written = [bytes(payload(i)) for i in range(OWN_WRITES)]
+    a.pause_replication()
+    assert await a.put(keys, [payload(i) for i in range(OWN_WRITES)]) == [True] * OWN_WRITES
+    assert await read(a, keys, force_latest=True) == written, "central up: this node reads its own writes"
+    sites.central.kill()
+    while not a.stats()["central_breaker_open"]:
+        assert await read(a, [key(999)], force_latest=True) == [None]
+    unavailable = a.stats()["latest_unavailable"]
+    assert await read(a, keys, force_latest=True) == [None] * OWN_WRITES, "no latest without central's word"
+    assert a.stats()["latest_unavailable"] == unavailable + OWN_WRITES
+    assert await read(a, keys) == written, "plain reads still serve the region's copies"
+    a.resume_replication()
+
 
 BIG_BLOCK_BYTES = 64 * 1024
 SMALL_CENTRAL = "3mb"
