@@ -17,8 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block, topology, until
+from redis_servers import random_blocks, remote_context
+from sync_sites import eventually, holds
 
 from tiercache.manager import TierManager
+from tiercache.metrics import Metrics
+from tiercache.tiers.base import Presence
+from tiercache.tiers.redis import RedisOptions, RedisTier
+from tiercache.transfer_queue import Lane
 
 SOCKET_TIMEOUT_S = 60.0
 """Far beyond every deadline below: a call that waits for the socket is still waiting at ``ANSWER_BY_S``."""
@@ -34,6 +40,7 @@ WAIT_S = 30.0
 """A hang detector for background work, never a speed judgement."""
 LOOKUP_POLL_S = 0.005
 BLOCK = TINY_LAYOUT["block_size"]
+BLOCK_BYTES = 4096
 
 
 def config(url: str, cpu_blocks: int = CPU_BLOCKS) -> Any:
@@ -117,3 +124,26 @@ def test_a_frozen_server_holds_neither_lookups_nor_loads_and_late_reads_keep_the
         for tokens in stored:
             assert loads_right(manager, tokens), "a late read wrote into a slot that was reused"
         until(lambda: loads_right(manager, prompt(0)), WAIT_S)
+
+
+async def test_a_call_still_waiting_for_a_slot_at_its_deadline_never_reaches_the_tier(redis_server: Any) -> None:
+    """Behind a late call holding the lane's only slot, the next call is dropped at its deadline, not queued
+    to reach the frozen server later."""
+    tier = RedisTier(remote_context(BLOCK_BYTES), RedisOptions(url=redis_server.url, timeout_s=SOCKET_TIMEOUT_S))
+    await tier.start()
+    metrics = Metrics()
+    lane = Lane(0, tier, 1, metrics, LOOKUP_DEADLINE_MS / 1000)
+    counters = metrics.counters[tier.name]
+    keys, _ = random_blocks(4, BLOCK_BYTES)
+    redis_server.stop()
+    try:
+        for _ in range(2):
+            assert await lane.contains(keys) == [Presence.UNKNOWN] * len(keys)
+        assert counters["deadline_misses"] == 2
+        assert counters["late_calls_in_flight"] == 1, "only the first call reached the tier"
+    finally:
+        redis_server.cont()
+    await eventually(lambda: holds(counters["late_calls_in_flight"] == 0))
+    answered = sum(count for name, count in tier.stats().items() if name.startswith("contains_"))
+    assert answered == len(keys), "the dropped call never sent its EXISTS"
+    await tier.close()

@@ -72,15 +72,23 @@ class Lane:
         """Run a tier operation inside the lane's limit and deadline; None when it failed as a whole.
 
         At the deadline the lane stops waiting, whatever the tier's sockets or threads
-        do: the call fails now and goes on by itself (never cancelled: a tier's cancel
-        may return before its threads let go of the caller's buffers). ``on_late`` gets
-        that call; it is done once the tier no longer touches what it was given.
+        do: the call fails now and, once the tier was asked, goes on by itself (never
+        cancelled: a tier's cancel may return before its threads let go of the
+        caller's buffers). ``on_late`` gets that call; it is done once the tier no
+        longer touches what it was given. A call still waiting for a slot is dropped.
         """
         if not self.breaker.allow():
             self.metrics.add(self.name, "lane_open_skips")
             return None
         started = time.perf_counter()
-        call = asyncio.ensure_future(self.limiter.run(priority, operation))
+        asked = False
+
+        def ask() -> Awaitable[list[T]]:
+            nonlocal asked
+            asked = True
+            return operation()
+
+        call = asyncio.ensure_future(self.limiter.run(priority, ask))
         try:
             done, _ = await asyncio.wait({call}, timeout=deadline_s)
         except asyncio.CancelledError:
@@ -90,7 +98,10 @@ class Lane:
         if not done:
             self.metrics.add(self.name, "deadline_misses")
             self.breaker.failure()
-            self._leave_late(call, on_late)
+            if asked:
+                self._leave_late(call, on_late)
+            else:  # still waiting for a slot: the tier was never asked, nothing of the caller's is in use
+                call.cancel()
             return None
         try:
             result = call.result()
