@@ -11,6 +11,7 @@ its connection is reset in (at a random byte of it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import threading
@@ -61,8 +62,14 @@ class LoopbackProxy:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
 
     async def _serve(self, client_reader: Any, client_writer: Any) -> None:
+        """Forward one connection both ways; ends quietly when the server is gone or the proxy stops
+        (a handler ending in an exception or cancelled is logged by asyncio as unhandled)."""
         self.connections += 1
-        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        try:
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            client_writer.close()
+            return
         replies = self.replies(client_writer, server_writer)
 
         async def pump(reader: Any, writer: Any, forward: Any) -> None:
@@ -80,11 +87,12 @@ class LoopbackProxy:
             await server_writer.drain()
             return True
 
-        await asyncio.gather(
-            pump(client_reader, server_writer, requests),
-            pump(server_reader, client_writer, replies),
-            return_exceptions=True,
-        )
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(
+                pump(client_reader, server_writer, requests),
+                pump(server_reader, client_writer, replies),
+                return_exceptions=True,
+            )
 
     def replies(self, client: Any, server: Any) -> Any:
         """A coroutine function forwarding one connection's reply bytes; False: stop (the connection is gone)."""
