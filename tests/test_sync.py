@@ -29,7 +29,7 @@ from tiercache.codec import Codec
 from tiercache.manager import TierManager
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, value_version
-from tiercache.tiers.regional.shutdown import stop_tasks
+from tiercache.tiers.shutdown import stop_tasks
 from tiercache.tools.cli import inspect_topology
 
 INSPECT_TIMEOUT_S = 10.0
