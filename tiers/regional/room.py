@@ -98,6 +98,14 @@ class Room:
         self._report(refused, removed, freed)
         return freed
 
+    def stats(self, role: str) -> dict[str, float]:
+        """``{role}_full_refused``, ``{role}_freed`` and ``{role}_freed_bytes``."""
+        return {
+            f"{role}_full_refused": float(self.refused),
+            f"{role}_freed": float(self.freed),
+            f"{role}_freed_bytes": float(self.freed_bytes),
+        }
+
     def _report(self, refused: int, removed: int, freed: int) -> None:
         """A warning at most once per ``LOG_INTERVAL_S`` with the counts since the last one."""
         self._unlogged = [self._unlogged[0] + refused, self._unlogged[1] + removed, self._unlogged[2] + freed]

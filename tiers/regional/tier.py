@@ -384,9 +384,7 @@ class RegionalTier(RemoteTier):
             stats.update(self.central.server.stats("central"))
             stats.update(self.central.plane.stats("central"))
             stats["central_commit_failed"] = self.central.commit_failed
-            stats["central_full_refused"] = self.central.room.refused
-            stats["central_freed"] = self.central.room.freed
-            stats["central_freed_bytes"] = self.central.room.freed_bytes
+            stats.update(self.central.room.stats("central"))
             stats["central_retention_stops"] = float(self.retention is Retention.STOPS)
         if self.region is not None:
             stats.update(self.region.server.stats("region"))
