@@ -274,7 +274,7 @@ class RemoteStore:
         count = len(keys)
         if not self._reserve_writes(count):
             self._count("writes_dropped", count)
-            return _resolved([False] * count)
+            return resolved([False] * count)
         future = self._submit(self._write(list(keys), list(views)), [False] * count)
         future.add_done_callback(lambda _: self._write_done(count))
         return future
@@ -305,7 +305,7 @@ class RemoteStore:
             coroutine.close()
             if failed and not self._closed:
                 self._count("not_started", len(failed))
-            return _resolved(failed)
+            return resolved(failed)
         return self.runtime.submit(coroutine)
 
     async def _contains(self, keys: list[bytes]) -> list[Found]:
@@ -391,7 +391,8 @@ class RemoteStore:
         return tiers
 
 
-def _resolved(value: Any) -> concurrent.futures.Future[Any]:
+def resolved(value: Any) -> concurrent.futures.Future[Any]:
+    """A future that already holds ``value`` (an answer known without asking a tier)."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_result(value)
     return future
