@@ -161,6 +161,8 @@ def test_writes_past_the_bound_fail_at_once_and_close_is_bounded(redis_server: R
         events = store.take_events()
         assert [(e.tier, set(e.keys)) for e in events] == [("redis0", set(keys[:COUNT]))]
         assert store.take_events() == []
+        big = store.write(keys, payloads)  # nothing else in flight: one batch past the bound is taken
+        assert big.result(WAIT_S) == [True] * (3 * COUNT)
         redis_server.stop()
         store.write(keys[COUNT:], payloads[COUNT:])
         started = time.monotonic()

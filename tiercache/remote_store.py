@@ -32,8 +32,9 @@ deadlines) and a background runtime. Nothing here touches GPU or CPU tiers.
   resolves only once no tier touches the buffers any more, so the caller may
   reuse them then. The caller keeps its buffers alive until then.
 - **Back-pressure.** Writes in flight are bounded by ``queues.max_pending_stores``
-  blocks; a write past it fails at once (counted), so stores never pile up
-  behind a slow store and never delay reads (lanes serve reads first).
+  blocks (to within one batch); a write past it fails at once (counted), so
+  stores never pile up behind a slow store and never delay reads (lanes serve
+  reads first).
 - **Events and stats.** With ``record_events`` every block a tier stored
   becomes a ``StoreEvent`` for ``take_events``; ``counters`` (cheap, any
   thread) and ``stats`` (with each tier's own counters and latencies) say what
@@ -280,9 +281,11 @@ class RemoteStore:
         return future
 
     def _reserve_writes(self, count: int) -> bool:
-        """Count ``count`` blocks as writes in flight, unless that passes ``max_pending_stores``."""
+        """Count ``count`` blocks as writes in flight, unless that passes ``max_pending_stores`` while others
+        are in flight (one batch larger than the bound is taken when nothing else is: the bound holds to within
+        one in-flight batch, and an engine's long prompt is never refused as a whole)."""
         with self._lock:
-            if self._pending_writes + count > self._max_pending_writes:
+            if self._pending_writes and self._pending_writes + count > self._max_pending_writes:
                 return False
             self._pending_writes += count
             return True

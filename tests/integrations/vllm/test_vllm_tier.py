@@ -81,6 +81,20 @@ def test_a_store_cascades_into_redis_and_another_process_promotes_it_byte_identi
     assert reader.all_chunks_free() and writer.all_chunks_free()
 
 
+def test_a_prompt_longer_than_the_store_bound_is_cascaded_whole(
+    redis_server: RedisServer, engines: list[Engine]
+) -> None:
+    """One cascade job of more chunks than queues.max_pending_stores, with nothing else in flight, is taken."""
+    topology = redis_topology(redis_server)
+    topology["queues"]["max_pending_stores"] = COUNT - 2
+    writer = engine_over(engines, topology)
+    keys = chunk_keys(COUNT, "long-prompt")
+    writer.store(keys, payloads(COUNT, writer.row_bytes, seed=7))
+    writer.settle()
+    assert int(redis_server.cli("DBSIZE")) == COUNT
+    assert tier_of(writer).store.counters().get("writes_dropped", 0) == 0
+
+
 @pytest.mark.parametrize("config", [{"model": "other-model"}, {"rank": 1}], ids=["model", "rank"])
 def test_another_model_or_rank_misses(redis_server: RedisServer, engines: list[Engine], config: dict) -> None:
     topology = redis_topology(redis_server)
