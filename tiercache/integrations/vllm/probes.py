@@ -100,8 +100,8 @@ class ProbeBook:
             self._settle(batch)
         batch, self._pending = self._pending, _Batch([])
         if batch.probes:
-            keys = [self._store.key(probe.key) for probe in batch.probes]
-            batch.future, batch.sent = self._store.contains(keys), time.monotonic()
+            keys = [probe.key for probe in batch.probes]  # mapped into the namespace on the store's loop
+            batch.future, batch.sent = self._store.contains(keys, engine_keys=True), time.monotonic()
             self._in_flight.append(batch)
 
     def _settle(self, batch: _Batch) -> bool:

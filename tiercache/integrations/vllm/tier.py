@@ -31,7 +31,6 @@ calls back into vLLM.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -58,7 +57,8 @@ from tiercache.integrations.vllm.jobs import Job, JobBook
 from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
 from tiercache.integrations.vllm.namespace import vllm_namespace
 from tiercache.integrations.vllm.probes import GIVE_UP_FACTOR, ProbeBook
-from tiercache.remote_store import MS_PER_SECOND, RemoteStore, resolved
+from tiercache.remote_store import RemoteStore, resolved
+from tiercache.remote_tiers import MS_PER_SECOND
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -66,8 +66,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EVENT_KEYS_REMEMBERED = 1 << 16
-"""tiercache keys remembered to name the vLLM chunk of a store event (oldest forgotten first)."""
 OWNERSHIP_PREFIX = "tiercache:"
 """An event's ``ownership``: this prefix and the tiercache tier's topology name."""
 CONFIG_KEYS = ("topology", "overrides", "force_latest", "enable_kv_events", "locality")
@@ -132,7 +130,6 @@ class TierCacheTier(SecondaryTierManager):
         self._probes = ProbeBook(self.store, give_up_s)
         self._jobs = JobBook()
         self._stats = StatsDelta()
-        self._event_keys: OrderedDict[bytes, OffloadKey] | None = OrderedDict() if events else None
         self.store.start()
 
     # -- rows of the primary -------------------------------------------------
@@ -140,20 +137,6 @@ class TierCacheTier(SecondaryTierManager):
     def _views(self, chunk_ids: Iterable[int]) -> list[memoryview]:
         size, rows = self.block_size_bytes, self._rows
         return [rows[int(chunk) * size : (int(chunk) + 1) * size] for chunk in chunk_ids]
-
-    def _keys(self, keys: Iterable[OffloadKey]) -> list[bytes]:
-        key = self.store.key
-        names = self._event_keys
-        out = []
-        for offload_key in keys:
-            stored = key(offload_key)
-            out.append(stored)
-            if names is not None:
-                names[stored] = offload_key
-        if names is not None:
-            while len(names) > EVENT_KEYS_REMEMBERED:
-                names.popitem(last=False)
-        return out
 
     # -- lookups -------------------------------------------------------------
 
@@ -179,7 +162,7 @@ class TierCacheTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         try:
-            future = self.store.write(self._keys(keys), self._views(job_metadata.chunk_ids))
+            future = self.store.write(keys, self._views(job_metadata.chunk_ids), engine_keys=True)
         except Exception:
             log.exception("tiercache tier %r: store job %d failed to start", self.tier_type, job_metadata.job_id)
             future = resolved([False] * len(keys))
@@ -190,7 +173,7 @@ class TierCacheTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         try:
             views = self._views(job_metadata.chunk_ids)
-            future = self.store.read(self._keys(keys), views, force_latest=self.force_latest)
+            future = self.store.read(keys, views, force_latest=self.force_latest, engine_keys=True)
         except Exception:
             log.exception("tiercache tier %r: load job %d failed to start", self.tier_type, job_metadata.job_id)
             future = resolved([False] * len(keys))
@@ -232,23 +215,16 @@ class TierCacheTier(SecondaryTierManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
-        names = self._event_keys
-        if names is None:
-            return []
-        events = []
-        for stored in self.store.take_events():
-            keys = [names[key] for key in stored.keys if key in names]
-            if keys:
-                events.append(
-                    OffloadingEvent(
-                        keys=keys,
-                        medium=self.medium,
-                        removed=False,
-                        locality=self.locality,
-                        ownership=OWNERSHIP_PREFIX + stored.tier,
-                    )
-                )
-        return events
+        return [
+            OffloadingEvent(
+                keys=list(stored.keys),  # the OffloadKeys the jobs named (engine_keys=True)
+                medium=self.medium,
+                removed=False,
+                locality=self.locality,
+                ownership=OWNERSHIP_PREFIX + stored.tier,
+            )
+            for stored in self.store.take_events()
+        ]
 
     @classmethod
     @override
