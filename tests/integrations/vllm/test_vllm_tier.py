@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import redis_topology
 from redis_servers import RedisServer
 from vllm.v1.kv_offload.base import LookupResult, Medium
-from vllm_engine import Engine, chunk_keys, digest, offloading_config, payloads, tier_config
+from vllm_engine import Engine, chunk_keys, digest, offloading_config, payloads, tier_config, wait_replicated
 
 from tiercache.integrations.vllm import TierCacheTier
 from tiercache.integrations.vllm.metrics import PROBES, READ_HITS, WRITES
@@ -179,14 +178,6 @@ def test_force_latest_reads_the_newest_version_committed_at_central(
     assert plain.read(keys) == old, "without force_latest region A serves its own (older) copy"
     latest = engine_over(engines, regional(region_a), tier_options={"force_latest": True})
     assert latest.read(keys) == new, "force_latest: central's newest version, not region A's copy"
-
-
-def wait_replicated(engine: Engine, count: int) -> None:
-    """Until the engine's regional tier has replicated ``count`` chunks to central (bounded, not timed)."""
-    deadline = time.monotonic() + 20
-    while tier_of(engine).store.stats()["tiers"]["regional"]["store"].get("replicated", 0) < count:
-        assert time.monotonic() < deadline, "replication to central did not finish"
-        time.sleep(0.02)
 
 
 def test_bad_tier_options_are_clear_errors_at_startup(redis_server: RedisServer, tmp_path: Path) -> None:

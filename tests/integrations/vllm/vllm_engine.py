@@ -195,6 +195,15 @@ class Engine:
         self.manager.shutdown()
 
 
+def wait_replicated(engine: Engine, count: int) -> None:
+    """Until the engine's regional tier has replicated ``count`` chunks to central (bounded, not timed)."""
+    (tier,) = engine.tiers
+    deadline = time.monotonic() + SETTLE_S
+    while tier.store.stats()["tiers"]["regional"]["store"].get("replicated", 0) < count:
+        assert time.monotonic() < deadline, "replication to central did not finish"
+        time.sleep(POLL_S)
+
+
 def main() -> None:
     """The second process: read chunks through a fresh spec; print their digests (None for a miss) as JSON."""
     request = json.loads(sys.argv[1])

@@ -77,8 +77,9 @@ class ProbeBook:
             probe = _Probe(key, self._pending)
             self._probes[key] = probe
             self._pending.probes.append(probe)
-        probe.requests.add(req_id)
-        self._request_keys.setdefault(req_id, set()).add(key)
+        if req_id not in probe.requests:  # asked again every step while the request waits: nothing to record
+            probe.requests.add(req_id)
+            self._request_keys.setdefault(req_id, set()).add(key)
         found = probe.found
         if found is None:
             batch = probe.batch
