@@ -13,10 +13,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import redis_topology
 from redis_servers import RedisServer
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
-from vllm_engine import SETTLE_S, Engine, chunk_keys, offloading_config, payloads, tier_config
+from vllm_engine import SETTLE_S, Engine, chunk_keys, offloading_config, payloads, redis_topology, tier_config
 
 from tiercache.integrations.vllm import TierCacheTier
 

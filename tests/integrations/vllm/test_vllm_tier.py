@@ -15,10 +15,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import redis_topology
 from redis_servers import RedisServer
 from vllm.v1.kv_offload.base import LookupResult, Medium
-from vllm_engine import Engine, chunk_keys, digest, offloading_config, payloads, tier_config, wait_replicated
+from vllm_engine import (
+    Engine,
+    chunk_keys,
+    digest,
+    offloading_config,
+    payloads,
+    redis_topology,
+    tier_config,
+    wait_replicated,
+)
 
 from tiercache.integrations.vllm import TierCacheTier
 from tiercache.integrations.vllm.metrics import PROBES, READ_HITS, WRITES

@@ -17,7 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext, make_offload_key
@@ -30,6 +30,9 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+if TYPE_CHECKING:
+    from redis_servers import RedisServer  # the script runs without tests/ on its path
+
 KV_BYTES_PER_BLOCK = 16384
 """One worker's KV bytes per block (four pages: a row of the primary without padding)."""
 NUM_CHUNKS = 32
@@ -37,6 +40,23 @@ SETTLE_S = 20.0
 """Longest a test waits for background work to settle before it fails (never a timing assertion)."""
 POLL_S = 0.005
 TIER_MODULE = "tiercache.integrations.vllm"
+
+
+LOOKUP_TIMEOUT_MS = 150
+
+
+def redis_topology(server: RedisServer, **options: Any) -> dict[str, Any]:
+    """A remote-only topology over one test server (short timeouts, so failures show quickly)."""
+    return {
+        "tiers": [
+            {
+                "name": "redis",
+                "type": "redis",
+                "options": {"url": server.url, "allow_unbounded": True, "timeout_s": 0.3, **options},
+            }
+        ],
+        "queues": {"remote_lookup_timeout_ms": LOOKUP_TIMEOUT_MS},
+    }
 
 
 def tier_config(topology: Any, **options: Any) -> dict[str, Any]:
