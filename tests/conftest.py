@@ -3,19 +3,21 @@
 ``redis_server`` yields one started ``RedisServer`` (host, port, url, ``kill()``,
 ``stop()``/``cont()``, ``restart()``, ``cli()``); ``redis_factory(**kwargs)``
 starts as many as a test needs (e.g. central + two regions); ``redis_cluster``
-yields a started ``RedisClusterNodes``. All of them are torn down even when the
+yields a started ``RedisClusterNodes``; ``sites`` a central and two regions
+(``sync_sites.Topology``). All of them are torn down even when the
 test fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
 pytest.register_assert_rewrite("tiercache.testing")  # the conformance checks' asserts say what failed
 
 from redis_servers import RedisClusterNodes, RedisServer  # noqa: E402 - after the rewrite hook, like any import
+from sync_sites import Topology  # noqa: E402
 
 
 @pytest.fixture
@@ -39,6 +41,17 @@ def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
 def redis_server(redis_factory: Callable[..., RedisServer]) -> RedisServer:
     """One empty server (maxmemory 512mb, allkeys-lru), killed after the test."""
     return redis_factory()
+
+
+@pytest.fixture
+async def sites(redis_factory: Callable[..., RedisServer]) -> AsyncIterator[Topology]:
+    """Central plus regions A and B (``sync_sites.Topology``); the tiers it made are closed after the test."""
+    topo = Topology(redis_factory)
+    try:
+        yield topo
+    finally:
+        for tier in topo.tiers:
+            await tier.close()
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,3 +65,15 @@ def compute_and_store(manager: TierManager, tokens: Any, wait_s: float = 10.0) -
     manager.store(tokens, ids).result(wait_s)
     manager.release(ids)
     return ids
+
+
+UNTIL_WAIT_S = 20.0
+"""``until``'s bound on background work: a hang detector, never a speed judgement."""
+
+
+def until(condition: Callable[[], Any], wait_s: float = UNTIL_WAIT_S) -> None:
+    """Poll ``condition`` until it holds; fail after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)

@@ -199,3 +199,22 @@ def test_lookup_pins_are_taken_over_or_dropped_once() -> None:
     assert local.drop(pins, with_run=True)
     assert not local.drop(pins, with_run=True), "a second release is a no-op"
     assert pins.state is PinState.RELEASED and local.gpu.ref(ids[0]) == 1 and local.cpu.ref(slot) == 0
+
+
+def test_an_abandoned_write_forgets_its_key_and_keeps_its_slot_until_the_writer_lets_go() -> None:
+    """A remote read past its deadline may still write into its staging slot: nothing else gets the slot."""
+    hierarchy = build(cpu_slots=2)
+    cpu = hierarchy.local.cpu
+    late = hierarchy.begin_cpu_write(key(0))
+    cpu.abandon_write(late)
+    cpu.check_invariants()
+    assert key(0) not in cpu and cpu.ref(late) == 1 and cpu.num_free == 1
+    other = hierarchy.begin_cpu_write(key(1))
+    assert other != late
+    cpu.commit_write(other)
+    assert hierarchy.begin_cpu_write(key(2)) == other, "room is made by evicting, never from the held slot"
+    with pytest.raises(CapacityError):
+        cpu.begin_write(key(3))
+    cpu.unpin(late)
+    cpu.check_invariants()
+    assert cpu.num_free == 1 and hierarchy.begin_cpu_write(key(3)) == late

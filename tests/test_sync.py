@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,82 +13,27 @@ import redis.asyncio as aioredis
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 from redis_servers import RedisServer
+from sync_sites import (
+    BLOCK_BYTES,
+    FAST_RETRIES,
+    FINGERPRINT,
+    Topology,
+    eventually,
+    holds,
+    key,
+    payload,
+    read,
+)
 
 from tiercache.codec import Codec
 from tiercache.manager import TierManager
 from tiercache.tiers.base import RemoteContext
-from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode, value_version
+from tiercache.tiers.regional import RegionalOptions, RegionalTier, value_version
 from tiercache.tiers.shutdown import stop_tasks
 from tiercache.tools.cli import inspect_topology
 
-BLOCK_BYTES = 256
-FINGERPRINT = bytes(range(16, 32))
-WAIT_STEP_S = 0.005
-WAIT_STEPS = 2000
-"""``eventually`` gives background work up to 10 s before failing (never a timing assertion)."""
 INSPECT_TIMEOUT_S = 10.0
 """Generous: a failure detector for a hung probe, not a speed requirement."""
-FAST_RETRIES = {"replication_retries": 2, "retry_backoff_ms": 5.0, "timeout_s": 0.3, "connect_timeout_s": 0.3}
-
-
-async def eventually(condition: Callable[[], Any]) -> None:
-    for _ in range(WAIT_STEPS):
-        if await condition():
-            return
-        await asyncio.sleep(WAIT_STEP_S)
-    raise AssertionError("condition not reached")
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def payload(tag: int) -> memoryview:
-    return memoryview(bytes([tag % 256]) * BLOCK_BYTES)
-
-
-def buffers(count: int) -> list[memoryview]:
-    return [memoryview(bytearray(BLOCK_BYTES)) for _ in range(count)]
-
-
-class Topology:
-    """Central plus two regions, and a tier factory over them."""
-
-    def __init__(self, factory: Callable[..., RedisServer]) -> None:
-        self.central, self.region_a, self.region_b = factory(), factory(), factory()
-        self.tiers: list[RegionalTier] = []
-
-    async def tier(self, region: RedisServer | None, codec: Codec | None = None, **options: Any) -> RegionalTier:
-        mode = SyncMode.REGIONAL if region is not None else SyncMode.CENTRAL
-        opts = RegionalOptions(
-            central_url=self.central.url, region_url=region.url if region else "", mode=mode, **options
-        )
-        tier = RegionalTier(RemoteContext("regional", codec or Codec(FINGERPRINT), BLOCK_BYTES), opts)
-        await tier.start()
-        if tier.invalidator is not None:
-            await eventually(lambda: _true(tier.invalidator.subscribed.is_set()))
-        self.tiers.append(tier)
-        return tier
-
-
-async def _true(value: bool) -> bool:
-    return value
-
-
-@pytest.fixture
-async def sites(redis_factory: Callable[..., RedisServer]) -> AsyncIterator[Topology]:
-    topo = Topology(redis_factory)
-    try:
-        yield topo
-    finally:
-        for tier in topo.tiers:
-            await tier.close()
-
-
-async def read(tier: RegionalTier, keys: list[bytes], *, force_latest: bool = False) -> list[bytes | None]:
-    dests = buffers(len(keys))
-    oks = await tier.get_into(keys, dests, force_latest=force_latest)
-    return [bytes(d) if ok else None for d, ok in zip(dests, oks, strict=True)]
 
 
 async def test_read_your_writes_before_and_after_replication(sites: Topology) -> None:
@@ -310,7 +254,7 @@ async def test_close_is_bounded_under_publish_traffic(sites: Topology) -> None:
             )
             await tier.start()
             assert tier.invalidator is not None
-            await eventually(lambda tier=tier: _true(tier.invalidator.received > 0))
+            await eventually(lambda tier=tier: holds(tier.invalidator.received > 0))
             assert await tier.put([key(1000 + i)], [payload(i)]) == [True]
             tasks = tier.background_tasks()
             closing = asyncio.create_task(tier.close())
@@ -381,71 +325,6 @@ async def test_invalid_values_are_deleted_from_their_store(sites: Topology) -> N
     finally:
         await region.aclose()
         await central.aclose()
-
-
-BIG_BLOCK_BYTES = 64 * 1024
-SMALL_CENTRAL = "3mb"
-"""Room for a few dozen 64 KiB values beside the server's own ~1 MB."""
-CENTRAL_TTL_S = 3.0
-"""Long enough to see the TTL set, short enough to wait for the expiry."""
-
-
-def big_tier(central: RedisServer, region: RedisServer, **options: Any) -> RegionalTier:
-    opts = RegionalOptions(central_url=central.url, region_url=region.url, invalidate=False, **FAST_RETRIES, **options)
-    return RegionalTier(RemoteContext("regional", Codec(FINGERPRINT), BIG_BLOCK_BYTES), opts)
-
-
-async def put_big(tier: RegionalTier, first: int, count: int) -> None:
-    for i in range(first, first + count):
-        assert await tier.put([key(i)], [memoryview(bytes([i % 256]) * BIG_BLOCK_BYTES)]) == [True]
-    await tier.flush()
-
-
-async def test_full_central_is_announced_counted_and_logged(
-    redis_factory: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
-) -> None:
-    """Issue 11 item 4: a full noeviction central used to stop replication with no log line and no counter."""
-    central = redis_factory(maxmemory=SMALL_CENTRAL, maxmemory_policy="noeviction")
-    tier = big_tier(central, redis_factory())
-    with caplog.at_level("WARNING"):
-        await tier.start()
-        try:
-            assert tier.stats()["central_retention_stops"] == 1
-            assert any("maxmemory-policy noeviction" in r.getMessage() for r in caplog.records)
-            await put_big(tier, 0, 80)
-            stats = tier.stats()
-        finally:
-            await tier.close()
-    assert stats["replicated"] > 0
-    assert stats["replication_failed"] > 0
-    assert stats["central_commit_failed"] >= stats["replication_failed"]
-    assert stats["central_errors_oom"] > 0
-    assert any("failed with OOM" in r.getMessage() for r in caplog.records)
-    assert any("gave up replicating" in r.getMessage() for r in caplog.records)
-
-
-async def test_central_ttl_frees_a_full_central(redis_factory: Callable[..., RedisServer]) -> None:
-    """With central_ttl_s, committed values and version keys expire, so a full central takes commits again."""
-    central = redis_factory(maxmemory=SMALL_CENTRAL, maxmemory_policy="noeviction")
-    tier = big_tier(central, redis_factory(), central_ttl_s=CENTRAL_TTL_S)
-    await tier.start()
-    try:
-        assert tier.stats()["central_retention_stops"] == 0
-        await put_big(tier, 0, 1)
-        assert tier.central is not None
-        assert int(central.cli("PTTL", tier.central.keys.value(key(0)))) > 0
-        assert int(central.cli("PTTL", tier.central.keys.version(key(0)))) > 0
-        await put_big(tier, 1, 80)
-        assert tier.stats()["replication_failed"] > 0, "central must have been full"
-        replicated = tier.stats()["replicated"]
-
-        async def commits_again() -> bool:
-            await put_big(tier, 1000, 1)
-            return tier.stats()["replicated"] > replicated
-
-        await eventually(commits_again)
-    finally:
-        await tier.close()
 
 
 CENTRAL_PASSWORD = "central-secret"
@@ -559,7 +438,7 @@ async def test_manager_close_with_a_regional_tier_is_bounded_under_publish_traff
             await manager.start()
             tier = manager.remotes[0]
             assert isinstance(tier, RegionalTier) and tier.invalidator is not None
-            await eventually(lambda tier=tier: _true(tier.invalidator.received > 0))
+            await eventually(lambda tier=tier: holds(tier.invalidator.received > 0))
             tokens = np.arange(block) + i * block
             ids = manager.allocate(1)
             await manager.store(tokens, ids)

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tiercache.cost import CostModel
 from tiercache.handles import Transfer
@@ -235,16 +236,22 @@ class LoadRunner:
         return oks
 
     async def _fetch_remote(self, items: list[LoadItem], force_latest: bool) -> None:
-        """Try the lanes in order for each block; commit what arrived, abort the rest."""
+        """Try the lanes in order for each block; commit what arrived, abort the rest.
+
+        A lane that passes its deadline fails its blocks at once, but its read may
+        still write into their slots: they leave the CPU tier's index now and stay
+        reserved until the read ends (no later lane reads into them either).
+        """
         pending = list(items)
         arrived: dict[int, list[LoadItem]] = {}
+        late: list[asyncio.Future[Any]] = []
         for lane in self.lanes:
-            if not pending:
+            if not pending or late:
                 break
             keys = [item.key for item in pending]
             views = [self.views(item.slot) for item in pending]  # type: ignore[arg-type]
             started = time.perf_counter()
-            answer = await lane.read(keys, views, force_latest)
+            answer = await lane.read(keys, views, force_latest, on_late=late.append)
             elapsed = time.perf_counter() - started
             results = answer if answer is not None else [False] * len(keys)
             got = [item for item, ok in zip(pending, results, strict=True) if ok]
@@ -255,17 +262,23 @@ class LoadRunner:
             self.metrics.add(lane.name, "bytes_read", len(got) * self.bytes_per_block)
             self.metrics.add(lane.name, "load_misses", len(missed))
             with self.lock:
-                self.hierarchy.forget(lane.index, missed, proven=False)
+                if not late:  # a late lane did not say whether it holds them
+                    self.hierarchy.forget(lane.index, missed, proven=False)
                 self.hierarchy.observer.accessed(lane.name, keys)
                 if self.cost is not None:
                     self.cost.observe_fetch(lane.name, len(keys), len(keys) * self.bytes_per_block, elapsed)
             pending = [item for item, ok in zip(pending, results, strict=True) if not ok]
             if missed and answer is not None:
                 self._check_missing(lane, missed)
+        held = pending if late else []
+        held_ids = {id(item) for item in held}
         landed = {id(item) for group in arrived.values() for item in group}
         with self.lock:
             oks = [id(item) in landed for item in items]
-            self.hierarchy.end_cpu_writes([item.slot for item in items], oks)  # type: ignore[misc]
+            ending = [(item.slot, ok) for item, ok in zip(items, oks, strict=True) if id(item) not in held_ids]
+            self.hierarchy.end_cpu_writes([slot for slot, _ in ending], [ok for _, ok in ending])  # type: ignore[misc]
+            for item in held:
+                self.local.cpu.abandon_write(item.slot)  # type: ignore[union-attr, arg-type]
             self.waiters.ended([item.key for item in items], oks)
             for item, ok in zip(items, oks, strict=True):
                 if ok:
@@ -275,6 +288,9 @@ class LoadRunner:
                 if group:
                     self.hierarchy.fetched(lane_index, [i.key for i in group], [i.slot for i in group])  # type: ignore[misc]
             self.dispatch()  # promotions into faster remotes start now, not at the engine's next call
+        if held:
+            slots = [item.slot for item in held]
+            late[0].add_done_callback(lambda _: self._free_late(slots))  # type: ignore[arg-type]
 
     def _check_missing(self, lane: Lane, keys: list[bytes]) -> None:
         """Off the load's path: ask whether the keys a read missed are gone, and report those that are.
@@ -296,6 +312,12 @@ class LoadRunner:
                 hierarchy = self.hierarchy
                 gone = [key for key in absent if not hierarchy.landed_since(lane.index, key, clock)]
                 hierarchy.forget(lane.index, gone)
+
+    def _free_late(self, slots: list[int]) -> None:
+        """A read past its deadline has ended: the slots it could write into are free again."""
+        with self.lock:
+            for slot in slots:
+                self.local.cpu.unpin(slot)  # type: ignore[union-attr]
 
     async def _await_fill(self, item: LoadItem) -> bool:
         """A block another transfer is writing into the CPU tier: share that write."""

@@ -106,7 +106,15 @@ class Metrics:
 
 
 GAUGE_FIELDS = frozenset(
-    {"capacity_blocks", "cached_blocks", "free_blocks", "evictable_blocks", "breaker_state", "pending_stores"}
+    {
+        "capacity_blocks",
+        "cached_blocks",
+        "free_blocks",
+        "evictable_blocks",
+        "breaker_state",
+        "pending_stores",
+        "late_calls_in_flight",
+    }
 )
 """Fields that go up and down; every other number in ``stats()`` is a monotonic counter."""
 TIER_OWN_STATS = "store"

@@ -211,14 +211,24 @@ class SlotTable:
 
     def abort_write(self, slot: int) -> None:
         """Drop a write that failed: the key is forgotten and the slot returns to the free list."""
+        self._forget_write(slot)
+        self._ref[slot] = 0
+        self._free.append(slot)
+
+    def abandon_write(self, slot: int) -> None:
+        """Drop a write whose writer may still write into the slot (a read past its deadline): the
+        key is forgotten now, the slot stays held (ref 1, unbound) until that writer ``unpin``s it."""
+        self._forget_write(slot)
+        self._ref[slot] = 1
+
+    def _forget_write(self, slot: int) -> None:
+        """Unbind a slot being written from its key (the policy forgets the key too)."""
         if self._ref[slot] != WRITING:
             raise ValueError(f"slot {slot} is not being written")
         key = self._key[slot]
         del self._slot[key]
         self.policy.remove(key)
         self._key[slot] = None
-        self._ref[slot] = 0
-        self._free.append(slot)
 
     def pin(self, slot: int) -> None:
         """Add a reader; a pinned slot is never evicted."""

@@ -4,7 +4,10 @@ A lane bounds the operations in flight to its tier (``PriorityLimiter``: loads
 before stores, a slot kept for loads), turns any exception or wrong-sized answer
 into failures of the keys involved, times every call, and keeps a breaker of its
 own fed by what the engine feels: a lookup or a read that passes its deadline
-counts as a failure exactly like a refused connection. After
+counts as a failure exactly like a refused connection. The deadline bounds what
+the engine waits for whatever the tier's sockets do: the lane stops waiting and
+the late call runs out by itself; a late read hands its call to the caller, who
+keeps the read's buffers reserved until it is done. After
 ``LANE_BREAKER_FAILURES`` failures in a row the lane answers misses at once
 until its back-off has passed; then one call probes the tier again.
 
@@ -21,7 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.metrics import Metrics
@@ -60,25 +63,49 @@ class Lane:
         self.breaker = CircuitBreaker(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
 
     async def _call(
-        self, priority: Priority, operation: Callable[[], Awaitable[list[T]]], count: int, deadline_s: float | None
+        self,
+        priority: Priority,
+        operation: Callable[[], Awaitable[list[T]]],
+        count: int,
+        deadline_s: float | None,
+        on_late: Callable[[asyncio.Future[Any]], None] | None = None,
     ) -> list[T] | None:
-        """Run a tier operation inside the lane's limit and deadline; None when it failed as a whole."""
+        """Run a tier operation inside the lane's limit and deadline; None when it failed as a whole.
+
+        At the deadline the lane stops waiting, whatever the tier's sockets or threads
+        do: the call fails now and, once the tier was asked, goes on by itself (never
+        cancelled: a tier's cancel may return before its threads let go of the
+        caller's buffers). ``on_late`` gets that call; it is done once the tier no
+        longer touches what it was given. A call still waiting for a slot is dropped.
+        """
         if not self.breaker.allow():
             self.metrics.add(self.name, "lane_open_skips")
             return None
         started = time.perf_counter()
+        asked = False
+
+        def ask() -> Awaitable[list[T]]:
+            nonlocal asked
+            asked = True
+            return operation()
+
+        call = asyncio.ensure_future(self.limiter.run(priority, ask))
         try:
-            if deadline_s is None:
-                result = await self.limiter.run(priority, operation)
-            else:
-                result = await asyncio.wait_for(self.limiter.run(priority, operation), deadline_s)
-        except asyncio.TimeoutError:
-            self.metrics.add(self.name, "deadline_misses")
-            self.breaker.failure()
-            return None
+            done, _ = await asyncio.wait({call}, timeout=deadline_s)
         except asyncio.CancelledError:
+            call.cancel()
             self.breaker.abandon()
             raise
+        if not done:
+            self.metrics.add(self.name, "deadline_misses")
+            self.breaker.failure()
+            if asked:
+                self._leave_late(call, on_late)
+            else:  # still waiting for a slot: the tier was never asked, nothing of the caller's is in use
+                call.cancel()
+            return None
+        try:
+            result = call.result()
         except Exception:
             log.exception("tier %s raised; counting its keys as failed", self.name)
             self.metrics.add(self.name, "exceptions")
@@ -92,6 +119,21 @@ class Lane:
         self.metrics.observe(self.name, "call", (time.perf_counter() - started) * MS_PER_SECOND)
         return result
 
+    def _leave_late(
+        self, call: asyncio.Future[Any], on_late: Callable[[asyncio.Future[Any]], None] | None
+    ) -> None:
+        """Let a call past its deadline run out on its own (``late_calls_in_flight`` until it has)."""
+        self.metrics.add(self.name, "late_calls_in_flight")
+
+        def ended(_: asyncio.Future[Any]) -> None:
+            self.metrics.add(self.name, "late_calls_in_flight", -1)
+            if not call.cancelled() and call.exception() is not None:
+                log.warning("tier %s: a call past its deadline raised: %r", self.name, call.exception())
+
+        call.add_done_callback(ended)
+        if on_late is not None:
+            on_late(call)
+
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
         """Per key, whether the tier holds it; ``UNKNOWN`` where the lane or the tier could not tell."""
         found = await self._call(Priority.LOAD, lambda: self.tier.contains(keys), len(keys), self.lookup_timeout_s)
@@ -100,23 +142,38 @@ class Lane:
         return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
 
     async def read(
-        self, keys: Sequence[bytes], views: Sequence[memoryview], force_latest: bool
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        force_latest: bool,
+        *,
+        on_late: Callable[[asyncio.Future[Any]], None],
     ) -> list[bool] | None:
-        """Per key, whether its value was read into its view; None when the call failed as a whole
-        (deadline, open breaker, exception): then the tier told nothing about any key."""
+        """Read ``keys`` into ``views``: per key, whether its value arrived; None when the call failed as a
+        whole (deadline, open breaker, exception: the tier told nothing about any key). At the deadline
+        ``on_late`` gets the read, which may still write into ``views`` until it is done: keep them
+        reserved till then."""
         started = time.perf_counter()
         oks = await self._call(
             Priority.LOAD,
             lambda: self.tier.get_into(keys, views, force_latest=force_latest),
             len(keys),
             self.lookup_timeout_s * LOAD_DEADLINE_FACTOR,
+            on_late,
         )
         self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
         return None if oks is None else [bool(ok) for ok in oks]
 
-    async def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], force_latest: bool) -> list[bool]:
+    async def get_into(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        force_latest: bool,
+        *,
+        on_late: Callable[[asyncio.Future[Any]], None],
+    ) -> list[bool]:
         """``read``, with a failed call as a miss of every key."""
-        return _booleans(await self.read(keys, views, force_latest), len(keys))
+        return _booleans(await self.read(keys, views, force_latest, on_late=on_late), len(keys))
 
     async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
         started = time.perf_counter()

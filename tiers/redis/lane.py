@@ -10,8 +10,13 @@ server starts storing the first values while the next ones are checksummed).
 Coroutines hand jobs over with ``Lane.submit`` and await a future that the
 thread completes with ``call_soon_threadsafe``; the event loop never blocks.
 
-A failure (reset, timeout, garbage) fails every job in flight on the connection,
-each counting its unread keys under the failure's kind; the next job reconnects.
+A connection that breaks under traffic (reset, closed, garbage) is dropped and
+replaced, and what it had not answered is sent again on the fresh one: requests
+are GET, SET of a whole value, EXISTS, UNLINK or control commands, all safe to
+repeat, and a reply stream is never read past a point where it was lost. Only a
+server that gives no working connection (refused, silent past the socket timeout,
+or several fresh connections broken before any reply) fails the jobs, each counting
+its unread keys under the failure's kind; the next job reconnects.
 Nothing raised in the thread reaches the event loop: unexpected exceptions are
 logged and counted as ``internal``.
 """
@@ -34,6 +39,13 @@ CLOSE_TIMEOUT_S = 5.0
 """``close`` waits at most this long for the thread (it is a daemon: it never holds up exit)."""
 _STOP = object()
 """Queued by ``close``: the thread fails what is left and exits."""
+BROKEN_KINDS = frozenset({"connection", "protocol"})
+"""Failures of an open connection (reset or closed, a reply stream lost track of): the connection is
+replaced and what it had not answered is sent again. A timeout is not one of them: a server silent
+past the socket timeout is failing (asking it again on a fresh connection would double the wait)."""
+MAX_QUIET_BREAKS = 3
+"""Fresh connections that may break in a row before any reply; one more fails the jobs (the server,
+not a connection, is failing)."""
 
 
 class Job:
@@ -55,6 +67,8 @@ class Job:
         """The last error seen: the failure's cause, or an error reply (``NOPERM ...``)."""
         self.cancelled = False
         """Set from the event loop: read what was sent without touching the caller's buffers, send no more."""
+        self.on_wire = False
+        """In the thread: requests of this job await replies on the current connection."""
         self.future: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -128,6 +142,13 @@ class Lane:
         """Set by ``close`` before it queues the stop: the future the thread resolves on exit."""
         self._conn: Connection | None = None
         self.connects = 0
+        self.replaced = 0
+        """Connections that broke under traffic and were replaced (their jobs sent again)."""
+        self._replies_on_connection = 0
+        self._quiet_breaks = 0
+        """Fresh connections in a row that broke before any reply."""
+        self._stop_seen = False
+        """In the thread: ``close`` queued the stop while jobs were being served."""
         self.last_connection: Connection | None = None
         """The connection most recently opened (its ``capacity`` is read on the event loop)."""
 
@@ -180,62 +201,114 @@ class Lane:
                     loop.call_soon_threadsafe(_set_done, stopped)
 
     def _serve(self, first: Job) -> bool:
-        """Serve ``first`` and every job queued while requests are in flight; True if told to stop."""
+        """Serve ``first`` and every job queued while requests are in flight; True if told to stop.
+
+        A connection that breaks under established traffic (reset, closed, a reply
+        stream lost track of) is dropped and replaced: what was not answered is
+        sent again on a fresh connection. The jobs fail when no connection can be
+        opened, on a timeout, or when ``MAX_QUIET_BREAKS`` fresh connections in a
+        row broke before any reply.
+        """
         sending: deque[Job] = deque([first])
         reading: deque[Job] = deque()
+        self._stop_seen = False
+        while True:
+            opening = self._conn is None
+            try:
+                if self._conn is None:
+                    self._conn = self._opener()
+                    self.connects += 1
+                    self.last_connection = self._conn
+                    self._replies_on_connection = 0
+                opening = False
+                self._pump(self._conn, sending, reading)
+                return self._stop_seen
+            except BaseException as error:  # every failure becomes an outcome
+                kind = failure_kind(error)
+                self._drop_connection()
+                detail = error.detail if isinstance(error, ConnectionFailed) else str(error)
+                jobs = list(dict.fromkeys([*reading, *sending]))
+                reading.clear()
+                sending.clear()
+                cause = f"{kind}: {detail or type(error).__name__}"
+                if opening or kind not in BROKEN_KINDS or not self._replace_connection(cause):
+                    self._fail(jobs, kind, cause)
+                    return self._stop_seen
+                sending.extend(self._rewind(jobs))
+                if not sending:
+                    return self._stop_seen
+
+    def _replace_connection(self, cause: str) -> bool:
+        """After a connection broke: whether to open another (not while closing, nor after
+        ``MAX_QUIET_BREAKS`` fresh ones in a row broke before any reply: then the server, not a
+        connection, is failing)."""
+        if self._on_stop is not None:  # ``close`` aborted the connection
+            return False
+        self._quiet_breaks = 0 if self._replies_on_connection else self._quiet_breaks + 1
+        if self._quiet_breaks > MAX_QUIET_BREAKS:
+            self._quiet_breaks = 0
+            return False
+        self.replaced += 1
+        logger.debug("redis tier %s: connection replaced (%s)", self.name, cause)
+        return True
+
+    def _rewind(self, jobs: list[Job]) -> list[Job]:
+        """The jobs of a broken connection, to be sent again from their first unanswered request
+        (cancelled ones are complete: they send nothing more)."""
+        again = []
+        for job in jobs:
+            job.sent = job.read
+            job.on_wire = False
+            if job.cancelled:
+                self._complete(job)
+            else:
+                again.append(job)
+        return again
+
+    def _pump(self, conn: Connection, sending: deque[Job], reading: deque[Job]) -> None:
+        """Send and read on ``conn`` until no job is left (new ones are taken from the queue)."""
         in_flight = 0
-        stop = False
-        try:
-            if self._conn is None:
-                self._conn = self._opener()
-                self.connects += 1
-                self.last_connection = self._conn
-            conn = self._conn
-            while sending or reading:
-                while True:
-                    if not sending and not stop and not self._queue.empty():
-                        queued = self._queue.get_nowait()  # only this thread takes from the queue
-                        if queued is _STOP:
-                            stop = True
-                        else:
-                            sending.append(queued)
-                    if not sending:
-                        break
-                    job = sending[0]
-                    if job.sent == 0 and (job.cancelled or not job.begin(conn)):
-                        sending.popleft()
-                        self._complete(job)
-                        continue
-                    if job.sent == job.count or job.cancelled:
-                        sending.popleft()
-                        continue
-                    size = min(job.send_group(self.window), self.window, job.count - job.sent)
-                    if in_flight and in_flight + size > self.window:
-                        break
-                    if job.sent == 0:
-                        reading.append(job)
-                    conn.send(job.requests(job.sent, job.sent + size))
-                    job.sent += size
-                    in_flight += size
-                while reading and reading[0].done:
-                    self._complete(reading.popleft())
-                if not reading:
+        while sending or reading:
+            while True:
+                if not sending and not self._stop_seen and not self._queue.empty():
+                    queued = self._queue.get_nowait()  # only this thread takes from the queue
+                    if queued is _STOP:
+                        self._stop_seen = True
+                    else:
+                        sending.append(queued)
+                if not sending:
+                    break
+                job = sending[0]
+                if job.sent == 0 and (job.cancelled or not job.begin(conn)):
+                    sending.popleft()
+                    self._complete(job)
                     continue
-                job = reading[0]
-                # Read down to where the next send group fits (or half a window when nothing
-                # waits to be sent: new jobs are looked for from there on, one reply at a time).
-                next_group = sending[0].send_group(self.window) if sending else self.window // 2
-                replies = min(job.sent - job.read, max(1, in_flight + next_group - self.window))
-                in_flight -= replies
-                job.read_replies(conn, replies, in_flight)
-                if job.done:
-                    self._complete(reading.popleft())
-        except BaseException as error:  # every failure becomes an outcome
-            kind = failure_kind(error)
-            self._drop_connection()
-            detail = error.detail if isinstance(error, ConnectionFailed) else str(error)
-            self._fail(list(dict.fromkeys([*reading, *sending])), kind, f"{kind}: {detail or type(error).__name__}")
-        return stop
+                if job.sent == job.count or job.cancelled:
+                    sending.popleft()
+                    continue
+                size = min(job.send_group(self.window), self.window, job.count - job.sent)
+                if in_flight and in_flight + size > self.window:
+                    break
+                if not job.on_wire:
+                    job.on_wire = True
+                    reading.append(job)
+                conn.send(job.requests(job.sent, job.sent + size))
+                job.sent += size
+                in_flight += size
+            while reading and reading[0].done:
+                self._complete(reading.popleft())
+            if not reading:
+                continue
+            job = reading[0]
+            # Read down to where the next send group fits (or half a window when nothing
+            # waits to be sent: new jobs are looked for from there on, one reply at a time).
+            next_group = sending[0].send_group(self.window) if sending else self.window // 2
+            replies = min(job.sent - job.read, max(1, in_flight + next_group - self.window))
+            job.read_replies(conn, replies, in_flight - replies)
+            in_flight -= replies
+            self._replies_on_connection += replies
+            if job.done:
+                self._complete(reading.popleft())
 
     def _drop_connection(self) -> None:
         if self._conn is not None:

@@ -23,6 +23,8 @@ from tiercache.tiers.redis.resp import Connection, ConnectionFailed, ServerError
 
 logger = logging.getLogger(__name__)
 
+BREAKER_OPEN = "breaker_open"
+"""The failure (and outcome) of a job the node's open breaker kept from being sent."""
 SOCKET_BUFFER_BYTES = 4 << 20
 """SO_RCVBUF/SO_SNDBUF: room for a couple of MiB-sized values in flight."""
 MICROSECONDS = 1_000_000
@@ -141,6 +143,11 @@ class Node:
         """Connections opened so far (a reconnect after a failure counts again)."""
         return sum(lane.connects for lane in self.lanes)
 
+    @property
+    def replaced(self) -> int:
+        """Connections that broke under traffic and were replaced (not counted as the server failing)."""
+        return sum(lane.replaced for lane in self.lanes)
+
     def _open(self) -> Connection:
         """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity probe."""
         tier, options = self._tier, self._tier.options
@@ -182,13 +189,16 @@ class Node:
     async def call(self, job: Job, lane: int = 0) -> Job:
         """Run ``job`` on lane ``lane`` (modulo the lanes); failures become its outcomes, never raise.
 
+        While the breaker is open the job is not sent and fails as ``breaker_open``.
+
         If the caller is cancelled, the job is told to stop touching the caller's
         buffers and the cancel waits until the lane has let go of them.
         """
         if not job.count:
             return job
         if not self.breaker.allow():
-            job.outcomes["breaker_open"] += job.count
+            job.outcomes[BREAKER_OPEN] += job.count
+            job.failure = BREAKER_OPEN  # not asked: no answer at all, never "absent" or "no version"
             return job
         chosen = self.lanes[lane % len(self.lanes)]
         future = chosen.submit(job)

@@ -254,4 +254,5 @@ class RedisTier(RemoteTier):
         out["breaker_opened"] = float(sum(b.opened for b in breakers))
         out["breaker_rejected"] = float(sum(b.rejected for b in breakers))
         out["connects"] = float(sum(node.connects for node in self._nodes.values()))
+        out["connections_replaced"] = float(sum(node.replaced for node in self._nodes.values()))
         return out

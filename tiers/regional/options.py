@@ -15,9 +15,10 @@ queued replications ``close_flush_ms``, then the background tasks (replication
 workers, invalidator) ``close_timeout_ms`` to stop and the connections
 ``close_timeout_ms`` to close; whatever is left is abandoned with a log line,
 so ``close`` never hangs on a remote. Retention: ``central_ttl_s`` gives
-central's values and version keys a TTL; without it central needs an
-``allkeys-*`` policy, else a full central refuses commits (checked and logged
-at start, see ``retention``).
+central's values and version keys a TTL; without it central should have an
+``allkeys-*`` policy, else a full central refuses commits and the tier removes
+the oldest values itself to make room (checked and logged at start, see
+``retention`` and ``room``).
 """
 
 from __future__ import annotations

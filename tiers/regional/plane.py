@@ -32,15 +32,15 @@ from tiercache.tiers.redis.commands import (
     ReadPlan,
 )
 from tiercache.tiers.redis.lane import Job
-from tiercache.tiers.redis.node import Endpoint, Node
+from tiercache.tiers.redis.node import BREAKER_OPEN, Endpoint, Node
 from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.resp import CRLF, Connection, ServerError, command
 from tiercache.tiers.redis.tier import MIN_KEYS_PER_CONNECTION
 from tiercache.tiers.regional.diagnosis import Diagnosis
 from tiercache.tiers.regional.versions import U64
 
-QUIET_OUTCOMES = frozenset({HIT, BYTES, "miss", "ok", "gone", "breaker_open"}) | INVALID_OUTCOMES
-"""Outcomes that are no server failure (an open breaker was diagnosed when it opened)."""
+QUIET_OUTCOMES = frozenset({HIT, BYTES, "miss", "ok", "gone"}) | INVALID_OUTCOMES
+"""Outcomes that are no server failure."""
 
 
 class VersionedGetJob(GetJob):
@@ -154,7 +154,8 @@ class Plane:
         for outcome, count in job.outcomes.items():
             self.counts[f"{op}_{outcome}"] += count
         if job.failure is not None:
-            self.diagnosis.record_outcome(job.failure, job.error or job.failure, op)
+            if job.failure != BREAKER_OPEN:  # an open breaker was diagnosed when it opened
+                self.diagnosis.record_outcome(job.failure, job.error or job.failure, op)
         else:
             for outcome in job.outcomes.keys() - QUIET_OUTCOMES:
                 self.diagnosis.record_outcome(outcome, job.error or outcome, op)
@@ -216,9 +217,10 @@ class Plane:
             await self._call("delete", KeysJob(b"UNLINK", list(range(len(names))), names, None, "ok"))
 
     def stats(self, role: str) -> dict[str, float]:
-        """``{role}_{op}_{outcome}`` counts and ``{role}_connects``."""
+        """``{role}_{op}_{outcome}`` counts, ``{role}_connects`` and ``{role}_connections_replaced``."""
         stats = {f"{role}_{name}": float(count) for name, count in self.counts.items()}
         stats[f"{role}_connects"] = float(self.node.connects)
+        stats[f"{role}_connections_replaced"] = float(self.node.replaced)
         return stats
 
     async def close(self) -> None:

@@ -1,18 +1,19 @@
-"""How central keeps room for new versions: a TTL per value and version key, or an evicting policy.
+"""How central keeps room for new versions: a TTL per value and version key, an evicting policy, or the tier.
 
-Nothing in the protocol deletes central's values or version keys, so a central
-store at ``maxmemory`` with ``noeviction`` refuses every commit (OOM) and
-replication stops for good. Central needs one of:
+Nothing in the protocol deletes central's values or version keys by itself, so a
+central store at ``maxmemory`` with ``noeviction`` refuses every commit (OOM).
+Central keeps room with one of:
 
 - ``central_ttl_s`` > 0: each commit gives its value and version key that TTL
   (an expired version key makes force_latest reads of that key misses, never
   stale hits), so the expiry (and a ``volatile-*`` policy) frees room;
 - an ``allkeys-*`` maxmemory-policy (an evicted version key, likewise, turns
-  force_latest reads into misses).
+  force_latest reads into misses);
+- failing both, the tier itself: a commit refused for memory makes it remove
+  the oldest committed values (``room``), counted and logged while it lasts.
 
 ``check_retention`` reads central's policy at start and logs a warning naming
-the fix when neither holds; commits that fail anyway are counted and logged by
-cause (``diagnosis``).
+the better fix when neither of the first two holds.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Retention(enum.Enum):
     UNBOUNDED = "unbounded"
     """No maxmemory: central grows until the host runs out of memory."""
     STOPS = "stops"
-    """Commits fail (OOM) once central is full: replication stops."""
+    """Central refuses commits (OOM) once full: the tier frees room itself (``room``)."""
     UNKNOWN = "unknown"
     """Central did not say (down, ``CONFIG`` denied by an ACL, or hidden)."""
 
@@ -62,8 +63,9 @@ async def check_retention(central: CentralStore, ttl_s: float, tier: str) -> Ret
         return Retention.EVICTS
     reason = "nothing the tier writes has a TTL" if policy.startswith(VOLATILE_PREFIX) else "it never evicts"
     log.warning(
-        "regional tier %s: central %s has maxmemory-policy %s and %s: once full, every commit fails (OOM) and "
-        "replication stops; use an allkeys-* policy or set central_ttl_s",
+        "regional tier %s: central %s has maxmemory-policy %s and %s: once full, it refuses commits (OOM) and "
+        "the tier removes the oldest values itself to make room; an allkeys-* policy or central_ttl_s lets "
+        "central evict by itself",
         tier,
         where,
         policy,

@@ -3,7 +3,8 @@
 - ``CentralStore`` commits values with central versions (``versions.COMMIT_SCRIPT``:
   one Lua call assigns the version, patches it into the value's header, records
   it in a per-key version key and publishes ``key + version`` on the update
-  channel), and answers version lookups and reads.
+  channel), frees room when a full central refuses commits (``room``), and
+  answers version lookups and reads.
 - ``RegionStore`` holds a region's copies: refreshing from central never
   overwrites a newer copy nor a copy still waiting for its version (version 0,
   a write of this region not yet replicated).
@@ -22,7 +23,9 @@ from collections.abc import Callable, Sequence
 
 from tiercache.tiers.base import Presence
 from tiercache.tiers.regional.client import GuardedClient, pipelined
+from tiercache.tiers.regional.diagnosis import Cause, classify
 from tiercache.tiers.regional.plane import Plane, Read
+from tiercache.tiers.regional.room import Room
 from tiercache.tiers.regional.versions import (
     CLOCK_TICKS_PER_MS,
     COMMIT_SCRIPT,
@@ -100,11 +103,26 @@ class CentralStore(_Store):
         """Expiry of committed values and version keys (0: none)."""
         self.commit_failed = 0
         """Values whose commit failed (server unreachable, OOM, ACL...); the cause is in the diagnosis."""
+        self.room = Room(server, prefix)
+        """Frees room when central is full and does not evict (``room``)."""
 
     async def commit(self, items: Sequence[tuple[bytes, bytes]]) -> list[int | None]:
-        """Store each (key, value) with a fresh version; the version, or None where it failed."""
+        """Store each (key, value) with a fresh version; the version, or None where it failed.
+
+        What a full central refused (OOM) is committed again once ``room`` has freed space.
+        """
         if not items:
             return []
+        versions, full = await self._commit(items)
+        if full and await self.room.make(len(full), sum(len(items[i][1]) for i in full)):
+            again, _ = await self._commit([items[i] for i in full])
+            for i, version in zip(full, again, strict=True):
+                versions[i] = version
+        self.commit_failed += versions.count(None)
+        return versions
+
+    async def _commit(self, items: Sequence[tuple[bytes, bytes]]) -> tuple[list[int | None], list[int]]:
+        """One pipelined commit: the versions (None where it failed) and the positions refused for memory."""
 
         def queue(pipe) -> None:
             for key, value in items:
@@ -124,11 +142,10 @@ class CentralStore(_Store):
         replies = await self.server.call(lambda client: pipelined(client, queue), None, "commit")
         self.server.check_replies(replies, "commit")
         if replies is None:
-            versions: list[int | None] = [None] * len(items)
-        else:
-            versions = [None if isinstance(reply, Exception) else parse_version(reply) or None for reply in replies]
-        self.commit_failed += versions.count(None)
-        return versions
+            return [None] * len(items), []
+        versions = [None if isinstance(reply, Exception) else parse_version(reply) or None for reply in replies]
+        full = [i for i, reply in enumerate(replies) if isinstance(reply, Exception) and classify(reply) is Cause.OOM]
+        return versions, full
 
     async def memory_policy(self) -> tuple[int, str] | None:
         """Central's ``maxmemory`` and ``maxmemory-policy``, or None when it cannot tell (down, ACL, hidden)."""

@@ -10,8 +10,9 @@ back-filling the region.
 version, or where it is this node's own acknowledged write still waiting for
 replication (once replicated it gets a version above everything committed
 before, so it is the latest this node can know). Anything else is read from
-central and refreshed into the region. When central cannot be asked, a
-force_latest read is a miss: a regional copy is never presented as latest
+central and refreshed into the region. When central cannot be asked (down,
+timed out, its breaker open), a force_latest read is a miss, this node's own
+unreplicated writes included: a regional copy is never presented as latest
 without central's word.
 
 Decisions where DESIGN.md is silent: a regional put is acknowledged when the
@@ -33,8 +34,9 @@ that is not a number) is a miss for its own key only, counted
 from the store it was read from in the background (the ``RemoteTier`` base's
 ``invalid_values``; here only while it is still the value that was read);
 failures of central and region are counted by cause (``diagnosis``: NOAUTH,
-WRONGPASS, NOPERM, OOM, unreachable) and the latest is ``last_error``; ``close``
-is bounded (``tiers/shutdown``).
+WRONGPASS, NOPERM, OOM, unreachable) and the latest is ``last_error``; a full
+central that refuses commits gets room made by removing its oldest values
+(``room``); ``close`` is bounded (``tiers/shutdown``).
 """
 
 from __future__ import annotations
@@ -382,6 +384,7 @@ class RegionalTier(RemoteTier):
             stats.update(self.central.server.stats("central"))
             stats.update(self.central.plane.stats("central"))
             stats["central_commit_failed"] = self.central.commit_failed
+            stats.update(self.central.room.stats("central"))
             stats["central_retention_stops"] = float(self.retention is Retention.STOPS)
         if self.region is not None:
             stats.update(self.region.server.stats("region"))
