@@ -9,14 +9,13 @@ the swap queue, the load runner, the mover, and the background runtime.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from typing import Any
 
 import torch
 
 from tiercache.codec import Codec
-from tiercache.config import ConfigError, TierCacheConfig, TierConfig
+from tiercache.config import TierCacheConfig, TierConfig
 from tiercache.cost import CostModel
 from tiercache.hierarchy import FillRule, Hierarchy
 from tiercache.keys import BlockHasher, Namespace
@@ -27,20 +26,16 @@ from tiercache.mover import Mover
 from tiercache.mrc import MissRatioCurve
 from tiercache.observer import FleetObserver
 from tiercache.policies import make_policy
+from tiercache.remote_store import build_remotes, close_remotes, keyed_codec, lane_stats
 from tiercache.runtime import Runtime
 from tiercache.swap import make_swapper
 from tiercache.swap.queue import SwapQueue
-from tiercache.tiers import tier_class
-from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.cpu import CpuTier
 from tiercache.tiers.gpu import GpuTier
-from tiercache.transfer_queue import Lane, RemoteProbes
+from tiercache.transfer_queue import RemoteProbes
 
-MS_PER_SECOND = 1000.0
 CLOSE_DRAIN_SECONDS = 5.0
 """How long ``close`` lets transfers in flight finish before cancelling them."""
-CLOSE_REMOTE_SECONDS = 2.0
-"""How long the remote tiers' own ``close`` may take before they are abandoned."""
 REMEMBER_FACTOR = 8
 """Keys remembered (hit counts, written to a remote) per local slot."""
 
@@ -72,13 +67,9 @@ class Stack:
             cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options
         )
         codec = namespace_codec(config, self.namespace)
-        self.remotes = [tier_class(t.type)(RemoteContext(t.name, codec, self.layout.bytes_per_block), t.options)
-                        for t in lower]
         queues = config.queues
+        self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
         self.runtime = Runtime()
-        lookup_timeout_s = queues.remote_lookup_timeout_ms / MS_PER_SECOND
-        self.lanes = [Lane(i, tier, queues.transfer_concurrency, self.metrics, lookup_timeout_s)
-                       for i, tier in enumerate(self.remotes)]
         self.probes = RemoteProbes(self.lanes, self.runtime)
         self.local = LocalTiers(self.gpu.table, self.cpu.table if self.cpu else None)
         self.events = _event_sink(config)
@@ -149,16 +140,10 @@ class Stack:
         self.runtime.submit(self.runtime.drain(CLOSE_DRAIN_SECONDS), track=False).result()
         if self.swap is not None:
             self.swap.close()
-        self.runtime.submit(self._close_remotes(), track=False).result()
+        self.runtime.submit(close_remotes(self.runtime, self.remotes), track=False).result()
         self.runtime.stop()
         if self.events is not None:
             self.events.close()
-
-    async def _close_remotes(self) -> None:
-        await self.runtime.drain(CLOSE_REMOTE_SECONDS)
-        closing = [asyncio.ensure_future(tier.close()) for tier in self.remotes]
-        if closing:
-            await asyncio.wait(closing, timeout=CLOSE_REMOTE_SECONDS)
 
     def stats(self) -> dict[str, Any]:
         """See ``TierManager.stats``; call under the lock."""
@@ -167,7 +152,7 @@ class Stack:
             if local is not None:
                 tiers[local.name] = Hierarchy.table_stats(local.table)
         for lane in self.lanes:
-            tiers[lane.name] = {"lane_breaker_opened": lane.breaker.opened, "store": _tier_stats(lane)}
+            tiers[lane.name] = lane_stats(lane)
         for name, values in self.metrics.snapshot().items():
             tiers.setdefault(name, {}).update(values)
         capacities = {tier.name: tier.capacity_blocks for tier in self.config.tiers}
@@ -192,15 +177,7 @@ class Stack:
 
 def namespace_codec(config: TierCacheConfig, namespace: Namespace) -> Codec:
     """The value codec of a topology's namespace, keyed with ``model.secret_env``'s secret when set."""
-    name = config.model.secret_env
-    if name is None:
-        return Codec(namespace.root())
-    secret = os.environ.get(name, "")
-    try:
-        return Codec(namespace.root(), secret=secret.encode())
-    except ValueError as error:
-        expected = f"environment variable {name} set to a secret"
-        raise ConfigError(config.source, "model.secret_env", expected, str(error)) from None
+    return keyed_codec(namespace.root(), config.model.secret_env, config.source)
 
 
 def _event_sink(config: TierCacheConfig) -> Any:
@@ -214,10 +191,3 @@ def _event_sink(config: TierCacheConfig) -> Any:
 
 def _no_cpu(slot: int) -> memoryview:
     raise RuntimeError("no CPU tier: remote tiers need one (the configuration requires it)")
-
-
-def _tier_stats(lane: Lane) -> dict[str, Any]:
-    try:
-        return dict(lane.tier.stats())
-    except Exception:
-        return {}

@@ -61,3 +61,14 @@ def apply_env_overrides(data: dict, environ: Mapping[str, str] | None = None) ->
             value = text
         _set_path(data, parts, value, f"environment variable {variable}")
     return data
+
+
+def apply_overrides(data: dict, overrides: Mapping[str, Any], source: str) -> dict:
+    """Apply ``{"tiers.redis.options.url": value}`` overrides (dotted paths, addressed as the variables') onto
+    the raw mapping; ``source`` names where they came from in errors (an engine's config, say)."""
+    for path, value in overrides.items():
+        parts = [p.lower() for p in str(path).split(".") if p]
+        if not parts:
+            raise ConfigError(source, str(path), "a dotted field path such as tiers.redis.options.url", path)
+        _set_path(data, parts, value, source)
+    return data

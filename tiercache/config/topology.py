@@ -157,6 +157,11 @@ def config_from_dict(data: Any, source: str = "<dict>", environ: Mapping[str, st
 
 def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> TierCacheConfig:
     """Read and validate a YAML topology file."""
+    return config_from_dict(read_yaml(path), str(path), environ)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """The YAML document of a file; a ``ConfigError`` naming the file (and line) when it cannot be read."""
     source = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -169,14 +174,13 @@ def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None 
         bad = raw[error.start : error.end]
         raise ConfigError(source, f"line {line}, byte {error.start}", "UTF-8 text", bad) from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except RecursionError:
         raise ConfigError(source, "document", MAX_YAML_DEPTH_HINT) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "document"
         raise ConfigError(source, where, "valid YAML", str(getattr(error, "problem", error))) from None
-    return config_from_dict(data, source, environ)
 
 
 def default_config_path() -> Path:

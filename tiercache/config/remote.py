@@ -1,0 +1,98 @@
+"""A remote-only topology: the remote tiers an engine puts under its own GPU and CPU tiers.
+
+An engine that keeps its own GPU pool and CPU swap space (vLLM's offloading
+tiers, SGLang's HiCache) hands tiercache only the levels below them. Its
+topology is a YAML document with the ``tiers`` of a full topology minus the
+local ones, and optionally ``model`` (tenant, LoRA id and the secret's variable:
+the model id, dtype, block bytes and ranks come from the engine) and ``queues``.
+Every remote tier is written on every write (``write_through``): the engine's
+own tiers decide what is written, and nothing above a remote-only topology
+evicts into it, so ``write_back`` and ``write_through_selective`` are refused.
+
+Errors name the file (or the engine's config), the field and what was expected,
+exactly as for a full topology; ``TIERCACHE_*`` variables and the engine
+config's ``overrides`` (``{"tiers.redis.options.url": ...}``) apply first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiercache.config.checks import validate_tier
+from tiercache.config.env import apply_env_overrides, apply_overrides
+from tiercache.config.topology import QueueConfig, TierConfig, WritePolicy, read_yaml
+from tiercache.config.typed import ConfigError, build_dataclass
+from tiercache.layout import KVLayout
+from tiercache.tiers import LOCAL_TIER_TYPES
+
+NO_LAYOUT: KVLayout | None = None
+"""Remote tiers are sized by the engine's block bytes, never by a tiercache layout."""
+
+
+@dataclass(frozen=True)
+class RemoteModelConfig:
+    """What of the namespace a remote-only topology may set; the engine supplies model, dtype and ranks."""
+
+    tenant: str | None = None
+    """Salt that keeps tenants sharing one store apart."""
+    lora: str | None = None
+    secret_env: str | None = None
+    """Name of an environment variable holding the namespace's secret (16-64 bytes): values carry a keyed MAC."""
+
+
+@dataclass
+class RemoteTopology:
+    """A validated remote-only topology (see the module docstring)."""
+
+    tiers: list[TierConfig]
+    model: RemoteModelConfig = field(default_factory=RemoteModelConfig)
+    queues: QueueConfig = field(default_factory=QueueConfig)
+    source: str = "<dict>"
+
+
+def remote_topology_from_dict(
+    data: Any,
+    source: str = "<dict>",
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RemoteTopology:
+    """Validate a raw mapping (as loaded from YAML) into a ``RemoteTopology``."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, "", "a mapping with the remote tiers under 'tiers'", data)
+    data = apply_env_overrides(dict(data), environ)
+    if overrides:
+        data = apply_overrides(data, overrides, f"{source} (overrides)")
+    topology = build_dataclass(RemoteTopology, {**data, "source": source}, source, "")
+    if not topology.tiers:
+        raise ConfigError(source, "tiers", "a non-empty list of remote tiers", topology.tiers)
+    seen: set[str] = set()
+    for index, tier in enumerate(topology.tiers):
+        path = f"tiers[{index}]"
+        if tier.type in LOCAL_TIER_TYPES:
+            raise ConfigError(
+                source, f"{path}.type", "a remote tier type (the engine keeps its own GPU and CPU tiers)", tier.type
+            )
+        validate_tier(tier, index, source, NO_LAYOUT)  # type: ignore[arg-type]  # remote tiers never read it
+        if tier.write_policy is not WritePolicy.WRITE_THROUGH:
+            raise ConfigError(
+                source,
+                f"{path}.write_policy",
+                "write_through (the engine's own tiers decide what reaches a remote-only topology)",
+                tier.write_policy.value,
+            )
+        if tier.name in seen:
+            raise ConfigError(source, f"{path}.name", "a name not used by another tier", tier.name)
+        seen.add(tier.name)
+    return topology
+
+
+def load_remote_topology(
+    path: str | os.PathLike[str],
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RemoteTopology:
+    """Read and validate a remote-only YAML topology file."""
+    return remote_topology_from_dict(read_yaml(path), str(path), overrides, environ)
