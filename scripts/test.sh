@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Run the whole test suite (real redis-server processes are started by the fixtures).
+# Run the whole test suite (real redis-server processes are started by the fixtures), then each
+# engine integration's tests in the engine's own venv (vLLM 0.33: .venv-vllm, made by setup_vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q -rs "$@"
+.venv/bin/python -m pytest -q -rs "$@"
+bash scripts/setup_vllm.sh
+TC_TEST_ENGINE=vllm .venv-vllm/bin/python -m pytest -q -rs tests/integrations/vllm

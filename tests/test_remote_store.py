@@ -62,13 +62,17 @@ def test_a_write_is_read_byte_exact_by_another_store_of_the_namespace_only(redis
         assert reader.read(keys, dests).result(WAIT_S) == [True] * COUNT
         assert [bytes(d) for d in dests] == [bytes(p) for p in payloads]
 
+        by_engine_key = empty_dests(COUNT, BLOCK_BYTES)  # the mapping done on the store's loop is the same
+        assert reader.read(engine_keys(COUNT), by_engine_key, engine_keys=True).result(WAIT_S) == [True] * COUNT
+        assert [bytes(d) for d in by_engine_key] == [bytes(p) for p in payloads]
+        assert reader.keys(engine_keys(COUNT)) == keys
         for other in (other_model, other_rank):
             their_keys = [other.key(k) for k in engine_keys(COUNT)]
             assert set(their_keys).isdisjoint(keys)
             assert {f.presence for f in other.contains(their_keys).result(WAIT_S)} == {Presence.ABSENT}
             # Even asked for this namespace's keys, another namespace's codec refuses the values.
             assert other.read(keys, empty_dests(COUNT, BLOCK_BYTES)).result(WAIT_S) == [False] * COUNT
-        assert reader.counters()["read_hits_redis0"] == COUNT
+        assert reader.counters()["read_hits_redis0"] == 2 * COUNT
     finally:
         for store in (writer, reader, other_model, other_rank):
             store.close()
@@ -161,6 +165,8 @@ def test_writes_past_the_bound_fail_at_once_and_close_is_bounded(redis_server: R
         events = store.take_events()
         assert [(e.tier, set(e.keys)) for e in events] == [("redis0", set(keys[:COUNT]))]
         assert store.take_events() == []
+        big = store.write(keys, payloads)  # nothing else in flight: one batch past the bound is taken
+        assert big.result(WAIT_S) == [True] * (3 * COUNT)
         redis_server.stop()
         store.write(keys[COUNT:], payloads[COUNT:])
         started = time.monotonic()

@@ -32,8 +32,9 @@ deadlines) and a background runtime. Nothing here touches GPU or CPU tiers.
   resolves only once no tier touches the buffers any more, so the caller may
   reuse them then. The caller keeps its buffers alive until then.
 - **Back-pressure.** Writes in flight are bounded by ``queues.max_pending_stores``
-  blocks; a write past it fails at once (counted), so stores never pile up
-  behind a slow store and never delay reads (lanes serve reads first).
+  blocks (to within one batch); a write past it fails at once (counted), so
+  stores never pile up behind a slow store and never delay reads (lanes serve
+  reads first).
 - **Events and stats.** With ``record_events`` every block a tier stored
   becomes a ``StoreEvent`` for ``take_events``; ``counters`` (cheap, any
   thread) and ``stats`` (with each tier's own counters and latencies) say what
@@ -54,15 +55,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.codec import Codec
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
-from tiercache.config.topology import QueueConfig, TierConfig
-from tiercache.config.typed import ConfigError
 from tiercache.keys import KEY_BYTES, Namespace
 from tiercache.metrics import Metrics
+from tiercache.remote_tiers import build_remotes, close_remotes, keyed_codec, lane_stats
 from tiercache.runtime import Runtime
-from tiercache.tiers import tier_class
-from tiercache.tiers.base import Presence, RemoteContext, RemoteTier
+from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import Lane
 
 log = logging.getLogger(__name__)
@@ -71,9 +69,6 @@ START_TIMEOUT_S = 5.0
 """How long ``start`` waits for the tiers to connect; an unreachable store is not an error (it reads as misses)."""
 CLOSE_DRAIN_SECONDS = 5.0
 """How long ``close`` lets reads and writes in flight finish before cancelling them."""
-CLOSE_REMOTE_SECONDS = 2.0
-"""How long the remote tiers' own ``close`` may take before they are abandoned."""
-MS_PER_SECOND = 1000.0
 STATS_TIMEOUT_S = 1.0
 """How long ``stats`` waits for the background loop to read the tiers' counters."""
 
@@ -92,48 +87,10 @@ ABSENT = Found(Presence.ABSENT)
 
 @dataclass(frozen=True, slots=True)
 class StoreEvent:
-    """Tier ``tier`` (its topology name) now holds ``keys`` (tiercache keys)."""
+    """Tier ``tier`` (its topology name) now holds ``keys`` (as the caller named them: engine keys or tiercache)."""
 
     tier: str
     keys: tuple[bytes, ...]
-
-
-def keyed_codec(root: bytes, secret_env: str | None, source: str) -> Codec:
-    """The value codec of a namespace root, keyed with the secret in ``$secret_env`` when one is named."""
-    if secret_env is None:
-        return Codec(root)
-    try:
-        return Codec(root, secret=os.environ.get(secret_env, "").encode())
-    except ValueError as error:
-        expected = f"environment variable {secret_env} set to a secret"
-        raise ConfigError(source, "model.secret_env", expected, str(error)) from None
-
-
-def build_remotes(
-    tiers: Sequence[TierConfig], codec: Codec, block_bytes: int, queues: QueueConfig, metrics: Metrics
-) -> tuple[list[RemoteTier], list[Lane]]:
-    """The remote tiers of a topology and one lane each (limiter, breaker, deadlines), fastest first."""
-    remotes = [tier_class(t.type)(RemoteContext(t.name, codec, block_bytes), t.options) for t in tiers]
-    timeout_s = queues.remote_lookup_timeout_ms / MS_PER_SECOND
-    lanes = [Lane(i, tier, queues.transfer_concurrency, metrics, timeout_s) for i, tier in enumerate(remotes)]
-    return remotes, lanes
-
-
-async def close_remotes(runtime: Runtime, remotes: Sequence[RemoteTier]) -> None:
-    """On the loop: let tracked work finish (bounded), then close every tier within ``CLOSE_REMOTE_SECONDS``."""
-    await runtime.drain(CLOSE_REMOTE_SECONDS)
-    closing = [asyncio.ensure_future(tier.close()) for tier in remotes]
-    if closing:
-        await asyncio.wait(closing, timeout=CLOSE_REMOTE_SECONDS)
-
-
-def lane_stats(lane: Lane) -> dict[str, Any]:
-    """A remote tier's lane breaker openings and the tier's own counters (empty when it fails to say)."""
-    try:
-        own = dict(lane.tier.stats())
-    except Exception:
-        own = {}
-    return {"lane_breaker_opened": lane.breaker.opened, "store": own}
 
 
 def first_found(answers: Sequence[Sequence[Presence]], position: int) -> Found:
@@ -164,6 +121,8 @@ class RemoteStore:
         self.topology = topology
         self.block_bytes = block_bytes
         self.root = self.namespace.root()
+        self._hasher = hashlib.blake2b(digest_size=KEY_BYTES, key=self.root)
+        """Keyed with the namespace root; copied per key (cheaper than keying a new one)."""
         self.metrics = Metrics()
         codec = keyed_codec(self.root, model.secret_env, topology.source)
         self.tiers, self.lanes = build_remotes(topology.tiers, codec, block_bytes, topology.queues, self.metrics)
@@ -205,7 +164,18 @@ class RemoteStore:
 
     def key(self, engine_key: bytes) -> bytes:
         """The tiercache key of an engine's block key inside this store's namespace."""
-        return hashlib.blake2b(engine_key, digest_size=KEY_BYTES, key=self.root).digest()
+        digest = self._hasher.copy()
+        digest.update(engine_key)
+        return digest.digest()
+
+    def keys(self, engine_keys: Sequence[bytes]) -> list[bytes]:
+        """``key`` of each engine key."""
+        hasher, out = self._hasher, []
+        for engine_key in engine_keys:
+            digest = hasher.copy()
+            digest.update(engine_key)
+            out.append(digest.digest())
+        return out
 
     # -- life cycle --------------------------------------------------------
 
@@ -253,20 +223,33 @@ class RemoteStore:
 
     # -- the data path (any thread; results as futures) ---------------------
 
-    def contains(self, keys: Sequence[bytes]) -> concurrent.futures.Future[list[Found]]:
+    # ``engine_keys=True``: ``keys`` are the engine's own block keys, mapped with ``key`` on the background loop,
+    # off the caller's thread (a scheduler step then pays nothing per key); events then name them so too.
+
+    def contains(
+        self, keys: Sequence[bytes], *, engine_keys: bool = False
+    ) -> concurrent.futures.Future[list[Found]]:
         """Per key, which tier holds it (``Found``); never raises, never waits."""
-        return self._submit(self._contains(list(keys)), [UNKNOWN] * len(keys))
+        return self._submit(self._contains(list(keys), engine_keys), [UNKNOWN] * len(keys))
 
     def read(
-        self, keys: Sequence[bytes], views: Sequence[memoryview], *, force_latest: bool = False
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        *,
+        force_latest: bool = False,
+        engine_keys: bool = False,
     ) -> concurrent.futures.Future[list[bool]]:
         """Fill ``views[i]`` with the block of ``keys[i]``; True where it was filled (and validated)."""
         if len(keys) != len(views):
             raise ValueError(f"read: {len(keys)} keys but {len(views)} buffers")
         self._check_sizes(views)
-        return self._submit(self._read(list(keys), list(views), force_latest), [False] * len(keys))
+        coroutine = self._read(list(keys), list(views), force_latest, engine_keys)
+        return self._submit(coroutine, [False] * len(keys))
 
-    def write(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> concurrent.futures.Future[list[bool]]:
+    def write(
+        self, keys: Sequence[bytes], views: Sequence[memoryview], *, engine_keys: bool = False
+    ) -> concurrent.futures.Future[list[bool]]:
         """Store each buffer under its key in every tier; True where at least one tier stored it."""
         if len(keys) != len(views):
             raise ValueError(f"write: {len(keys)} keys but {len(views)} buffers")
@@ -274,15 +257,17 @@ class RemoteStore:
         count = len(keys)
         if not self._reserve_writes(count):
             self._count("writes_dropped", count)
-            return _resolved([False] * count)
-        future = self._submit(self._write(list(keys), list(views)), [False] * count)
+            return resolved([False] * count)
+        future = self._submit(self._write(list(keys), list(views), engine_keys), [False] * count)
         future.add_done_callback(lambda _: self._write_done(count))
         return future
 
     def _reserve_writes(self, count: int) -> bool:
-        """Count ``count`` blocks as writes in flight, unless that passes ``max_pending_stores``."""
+        """Count ``count`` blocks as writes in flight, unless that passes ``max_pending_stores`` while others
+        are in flight (one batch larger than the bound is taken when nothing else is: the bound holds to within
+        one in-flight batch, and an engine's long prompt is never refused as a whole)."""
         with self._lock:
-            if self._pending_writes + count > self._max_pending_writes:
+            if self._pending_writes and self._pending_writes + count > self._max_pending_writes:
                 return False
             self._pending_writes += count
             return True
@@ -305,17 +290,21 @@ class RemoteStore:
             coroutine.close()
             if failed and not self._closed:
                 self._count("not_started", len(failed))
-            return _resolved(failed)
+            return resolved(failed)
         return self.runtime.submit(coroutine)
 
-    async def _contains(self, keys: list[bytes]) -> list[Found]:
-        answers = await asyncio.gather(*(lane.contains(keys) for lane in self.lanes))
+    async def _contains(self, keys: list[bytes], engine_keys: bool) -> list[Found]:
+        stored = self.keys(keys) if engine_keys else keys
+        answers = await asyncio.gather(*(lane.contains(stored) for lane in self.lanes))
         found = [first_found(answers, position) for position in range(len(keys))]
         for presence, count in Counter(answer.presence for answer in found).items():
             self._count(f"probe_{presence.value}", count)
         return found
 
-    async def _read(self, keys: list[bytes], views: list[memoryview], force_latest: bool) -> list[bool]:
+    async def _read(
+        self, names: list[bytes], views: list[memoryview], force_latest: bool, engine_keys: bool
+    ) -> list[bool]:
+        keys = self.keys(names) if engine_keys else names
         filled = [False] * len(keys)
         remaining = list(range(len(keys)))
         lanes = self.versioned if force_latest and self.versioned else self.lanes
@@ -329,29 +318,36 @@ class RemoteStore:
                 filled[i] = True
             self._count(f"read_hits_{lane.name}", len(got))
             if got and depth > 0 and not force_latest:
-                self._write_back(lanes[:depth], [keys[i] for i in got], [views[i] for i in got])
+                picked = [keys[i] for i in got], [views[i] for i in got], [names[i] for i in got]
+                self._write_back(lanes[:depth], *picked)
         self._count("read_misses", len(remaining))
         return filled
 
-    def _write_back(self, lanes: Sequence[Lane], keys: list[bytes], views: list[memoryview]) -> None:
+    def _write_back(
+        self, lanes: Sequence[Lane], keys: list[bytes], views: list[memoryview], names: list[bytes]
+    ) -> None:
         """Write blocks read from a slower tier into the faster ones, from copies (the caller reuses its views)."""
         if not self._reserve_writes(len(keys)):
             self._count("write_backs_dropped", len(keys))
             return
         copies = [memoryview(bytes(view)) for view in views]
-        future = self.runtime.submit(self._put(lanes, keys, copies))
+        future = self.runtime.submit(self._put(lanes, keys, copies, names))
         future.add_done_callback(lambda _: self._write_done(len(keys)))
 
-    async def _write(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        stored = await self._put(self.lanes, keys, views)
+    async def _write(self, names: list[bytes], views: list[memoryview], engine_keys: bool) -> list[bool]:
+        keys = self.keys(names) if engine_keys else names
+        stored = await self._put(self.lanes, keys, views, names)
         self._count("writes_ok", sum(stored))
         self._count("writes_failed", len(stored) - sum(stored))
         return stored
 
-    async def _put(self, lanes: Sequence[Lane], keys: list[bytes], views: list[memoryview]) -> list[bool]:
+    async def _put(
+        self, lanes: Sequence[Lane], keys: list[bytes], views: list[memoryview], names: list[bytes]
+    ) -> list[bool]:
+        """Put into every lane; ``names``: the keys as the caller gave them (for events)."""
         results = await asyncio.gather(*(lane.put(keys, views) for lane in lanes))
         for lane, oks in zip(lanes, results, strict=True):
-            held = tuple(key for key, ok in zip(keys, oks, strict=True) if ok)
+            held = tuple(name for name, ok in zip(names, oks, strict=True) if ok)
             if held and self._events is not None:
                 self._events.append(StoreEvent(lane.name, held))
         return [any(column) for column in zip(*results, strict=True)] if results else [False] * len(keys)
@@ -391,7 +387,8 @@ class RemoteStore:
         return tiers
 
 
-def _resolved(value: Any) -> concurrent.futures.Future[Any]:
+def resolved(value: Any) -> concurrent.futures.Future[Any]:
+    """A future that already holds ``value`` (an answer known without asking a tier)."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_result(value)
     return future

@@ -26,7 +26,7 @@ from tiercache.mover import Mover
 from tiercache.mrc import MissRatioCurve
 from tiercache.observer import FleetObserver
 from tiercache.policies import make_policy
-from tiercache.remote_store import build_remotes, close_remotes, keyed_codec, lane_stats
+from tiercache.remote_tiers import build_remotes, close_remotes, keyed_codec, lane_stats
 from tiercache.runtime import Runtime
 from tiercache.swap import make_swapper
 from tiercache.swap.queue import SwapQueue

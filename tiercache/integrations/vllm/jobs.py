@@ -1,0 +1,67 @@
+"""vLLM transfer jobs in flight on a ``RemoteStore``, each reported finished exactly once.
+
+A job is the store's future for its keys plus what vLLM's ``JobResult`` needs.
+The store's loop thread only stamps a finished job's end time (its done
+callback); the scheduler thread collects the jobs whose futures are done in
+``finished``, so every submitted id comes back once, and only once, whatever
+the store answered, including a failure or a cancelled future at close.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+
+from vllm.v1.kv_offload.base import OffloadKey
+
+
+@dataclass
+class Job:
+    """One submitted store (cascade) or load (promotion)."""
+
+    job_id: int
+    keys: list[OffloadKey]
+    is_promotion: bool
+    future: concurrent.futures.Future[list[bool]]
+    started: float
+    ended: float = 0.0
+
+    def outcome(self) -> list[bool]:
+        """Per key, whether it moved; all False when the future failed or was cancelled."""
+        try:
+            oks = self.future.result(timeout=0)
+        except BaseException:
+            return [False] * len(self.keys)
+        return oks if len(oks) == len(self.keys) else [False] * len(self.keys)
+
+
+class JobBook:
+    """Jobs in flight; ``finished`` hands each one back once."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, Job] = {}
+
+    def add(
+        self, job_id: int, keys: list[OffloadKey], is_promotion: bool, future: concurrent.futures.Future[list[bool]]
+    ) -> None:
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id} is already in flight")
+        job = Job(job_id, keys, is_promotion, future, time.monotonic())
+        self._jobs[job_id] = job
+        future.add_done_callback(lambda _: setattr(job, "ended", time.monotonic()))
+
+    def finished(self) -> list[Job]:
+        """Jobs that finished since the last call (never one twice)."""
+        done = [job for job in self._jobs.values() if job.future.done()]
+        for job in done:
+            del self._jobs[job.job_id]
+            job.ended = job.ended or time.monotonic()
+        return done
+
+    def wait_all(self) -> None:
+        """Block until every job in flight has finished (its result is then waiting in ``finished``)."""
+        concurrent.futures.wait([job.future for job in list(self._jobs.values())])
+
+    def __len__(self) -> int:
+        return len(self._jobs)

@@ -1,0 +1,52 @@
+"""The tiercache namespace of a vLLM instance, from its ``OffloadingConfig`` (never its ``engine_id``).
+
+Two vLLM instances share a chunk's KV exactly when everything that fixes the
+chunk's bytes agrees: the model, the KV dtype, tokens per hash and blocks per
+chunk, the bytes of a chunk in the primary tier, the KV-cache groups and their
+layers, the parallel sizes (TP, PP, PCP, DCP, world) and the rank, and vLLM's
+layout choices (replicated, canonical). ``engine_id`` differs per instance and
+the data-parallel index per replica: neither is part of it, so replicas and
+restarts share entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from tiercache.keys import Namespace
+
+FINGERPRINT_HEX = 32
+"""Hex digits of the layout fingerprint (128 bits of SHA-256 over the fields)."""
+
+
+def namespace_fields(config: OffloadingConfig, chunk_bytes: int) -> dict[str, Any]:
+    """Everything of ``config`` (and the primary's bytes per chunk) that must match to share a chunk."""
+    parallel = config.parallel
+    return {
+        "engine": "vllm",
+        "dtype": config.model.dtype,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "chunk_bytes": chunk_bytes,
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "groups": [[group.tokens_per_block, list(group.layer_names)] for group in config.groups],
+        "world_size": parallel.world_size,
+        "tp_size": parallel.tp_size,
+        "pp_size": parallel.pp_size,
+        "pcp_size": parallel.pcp_size,
+        "dcp_size": parallel.dcp_size,
+        "replicated_layout": config.replicated_layout,
+        "canonical_layout": config.canonical_layout,
+        "kv_cache_layout": config.kv_cache_layout,
+    }
+
+
+def vllm_namespace(config: OffloadingConfig, chunk_bytes: int) -> Namespace:
+    """The namespace: the model id, a fingerprint of ``namespace_fields`` and the parallel rank."""
+    text = json.dumps(namespace_fields(config, chunk_bytes), sort_keys=True, separators=(",", ":"))
+    fingerprint = "vllm-" + hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_HEX]
+    return Namespace(config.model.name, fingerprint, tp_rank=config.parallel.rank)

@@ -1,0 +1,249 @@
+"""``TierCacheTier``: a tiercache remote topology as a vLLM 0.33 secondary offloading tier.
+
+vLLM's ``TieringOffloadingSpec`` keeps its own GPU<->pinned-CPU copies and
+cascades chunks from its CPU tier (the primary) into secondary tiers. This tier
+puts a ``RemoteStore`` there: every remote topology tiercache has (Redis, Redis
+Cluster, regional + central, file, simulated) with its options, TLS/AUTH, MAC
+secret, lanes, breakers and deadlines. vLLM builds it as
+``cls(offloading_spec, primary_kv_view, tier_type, backpressure_detector, **config)``;
+the config keys are the constructor's keyword arguments.
+
+- Keys: vLLM's ``OffloadKey`` (block hash + KV group) inside the namespace of
+  ``namespace.vllm_namespace`` (model, dtype, chunk bytes, parallel sizes and rank).
+- ``lookup`` answers from memory (``probes.ProbeBook``): RETRY while a probe is in
+  flight, never a wait. A HIT makes vLLM reserve a primary row; ``submit_load``
+  later reads straight into ``primary_kv_view`` rows, ``submit_store`` writes
+  straight from them (no copy in Python); ``get_finished_jobs`` reports each job
+  once, a failed load with the keys that did arrive (their neighbours are MISS
+  afterwards). A store reported finished is in a shared tier (a Redis SET
+  acknowledged), so another vLLM instance of the namespace finds it.
+- Failures (a server down, slow, or serving garbage) are misses and failed jobs;
+  nothing raises into vLLM's scheduler, and no value that fails the codec's
+  checks reaches the primary's memory.
+- Events: with ``enable_kv_events`` (and vLLM's KV events on), each chunk a
+  tiercache tier stored is an ``OffloadingEvent`` (medium STORAGE, ownership
+  ``tiercache:<tier>``). Counters reach vLLM's stats as ``metrics.DEFINITIONS``.
+
+Every method runs under vLLM's manager lock; the store's own loop thread never
+calls back into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from typing_extensions import override
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiercache.config.remote import load_remote_topology, remote_topology_from_dict
+from tiercache.integrations.vllm.jobs import Job, JobBook
+from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
+from tiercache.integrations.vllm.namespace import vllm_namespace
+from tiercache.integrations.vllm.probes import GIVE_UP_FACTOR, ProbeBook
+from tiercache.remote_store import RemoteStore, resolved
+from tiercache.remote_tiers import MS_PER_SECOND
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+log = logging.getLogger(__name__)
+
+OWNERSHIP_PREFIX = "tiercache:"
+"""An event's ``ownership``: this prefix and the tiercache tier's topology name."""
+CONFIG_KEYS = ("topology", "overrides", "force_latest", "enable_kv_events", "locality")
+"""What a ``secondary_tiers`` entry may set besides vLLM's own ``type``, ``module_path``, ``backpressure``."""
+
+
+class TierCacheTier(SecondaryTierManager):
+    """A tiercache remote topology under vLLM's tiering spec (see the module docstring)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        *,
+        topology: str | Mapping[str, Any] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        force_latest: bool = False,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        **unknown: Any,
+    ) -> None:
+        """``topology``: a remote-only tiercache YAML file (or the same as a mapping); ``overrides``: dotted
+        field paths applied to it (``{"tiers.redis.options.url": "redis://h:6379"}``); ``force_latest``: read
+        the newest version committed at central (needs a regional topology); ``enable_kv_events``: emit
+        ``OffloadingEvent``s for stored chunks; ``locality``: vLLM's LOCAL/REMOTE label for them."""
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if unknown:
+            raise ValueError(
+                f"secondary tier {tier_type!r}: unknown option(s) {sorted(unknown)}; "
+                f"TierCacheTier takes {', '.join(CONFIG_KEYS)} (and vLLM's type, module_path, backpressure)"
+            )
+        if topology is None:
+            raise ValueError(
+                f"secondary tier {tier_type!r}: 'topology' is required: the path of a tiercache remote-only "
+                "topology YAML (e.g. tiercache's configs/remote/redis.yaml), or the same as a mapping"
+            )
+        self.locality = Locality(locality) if locality is not None else None
+        self.force_latest = bool(force_latest)
+        events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+        if enable_kv_events and not events:
+            log.warning("secondary tier %r: enable_kv_events is set but vLLM's KV events are off", tier_type)
+        if isinstance(topology, Mapping):
+            remote = remote_topology_from_dict(topology, f"secondary tier {tier_type!r} topology", overrides)
+        else:
+            remote = load_remote_topology(Path(topology), overrides)
+        self.store = RemoteStore(
+            remote, vllm_namespace(offloading_spec.config, self.block_size_bytes), self.block_size_bytes,
+            record_events=events,
+        )
+        if self.force_latest and not self.store.versioned:
+            raise ValueError(
+                f"secondary tier {tier_type!r}: force_latest needs a versioned tier (type: regional) in "
+                f"{remote.source}; its tiers are {self.store.names}"
+            )
+        self._rows = primary_kv_view.cast("B")
+        give_up_s = GIVE_UP_FACTOR * remote.queues.remote_lookup_timeout_ms / MS_PER_SECOND
+        self._probes = ProbeBook(self.store, give_up_s)
+        self._jobs = JobBook()
+        self._stats = StatsDelta()
+        self.store.start()
+
+    # -- rows of the primary -------------------------------------------------
+
+    def _views(self, chunk_ids: Iterable[int]) -> list[memoryview]:
+        size, rows = self.block_size_bytes, self._rows
+        return [rows[int(chunk) * size : (int(chunk) + 1) * size] for chunk in chunk_ids]
+
+    # -- lookups -------------------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return self._probes.lookup(key, req_context.req_id)
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._probes.finished(req_context.req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._probes.flush()
+
+    # -- jobs ----------------------------------------------------------------
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        try:
+            future = self.store.write(keys, self._views(job_metadata.chunk_ids), engine_keys=True)
+        except Exception:
+            log.exception("tiercache tier %r: store job %d failed to start", self.tier_type, job_metadata.job_id)
+            future = resolved([False] * len(keys))
+        self._jobs.add(job_metadata.job_id, keys, False, future)
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        try:
+            views = self._views(job_metadata.chunk_ids)
+            future = self.store.read(keys, views, force_latest=self.force_latest, engine_keys=True)
+        except Exception:
+            log.exception("tiercache tier %r: load job %d failed to start", self.tier_type, job_metadata.job_id)
+            future = resolved([False] * len(keys))
+        self._jobs.add(job_metadata.job_id, keys, True, future)
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        return [self._result(job) for job in self._jobs.finished()]
+
+    def _result(self, job: Job) -> JobResult:
+        oks = job.outcome()
+        moved = sum(oks)
+        timing = {"transfer_time": job.ended - job.started, "transfer_bytes": moved * self.block_size_bytes}
+        if moved == len(oks):
+            return JobResult(job.job_id, True, **timing)
+        if not job.is_promotion:
+            return JobResult(job.job_id, False, **timing)
+        self._probes.mark_miss([key for key, ok in zip(job.keys, oks, strict=True) if not ok])
+        arrived = tuple(key for key, ok in zip(job.keys, oks, strict=True) if ok)
+        return JobResult(job.job_id, False, successful_keys=arrived or None, **timing)
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(len(self._jobs)) or self._probes.busy
+
+    @override
+    def drain_jobs(self) -> None:
+        self._jobs.wait_all()
+
+    @override
+    def shutdown(self) -> None:
+        self.store.close()
+        try:
+            self._rows.release()  # let vLLM unmap its region (an export left behind keeps it mapped)
+        except BufferError:
+            log.warning("tiercache tier %r: primary rows still referenced at shutdown", self.tier_type)
+
+    # -- events and stats ----------------------------------------------------
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return [
+            OffloadingEvent(
+                keys=list(stored.keys),  # the OffloadKeys the jobs named (engine_keys=True)
+                medium=self.medium,
+                removed=False,
+                locality=self.locality,
+                ownership=OWNERSHIP_PREFIX + stored.tier,
+            )
+            for stored in self.store.take_events()
+        ]
+
+    @classmethod
+    @override
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return dict(DEFINITIONS)
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return self._stats.take(self.store.counters())
+
+    @classmethod
+    @override
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("tiercache_topology", "tiercache_tiers", "tiercache_force_latest")
+
+    @override
+    def config_info(self) -> ConfigInfoMapping:
+        return {
+            "tiercache_topology": self.store.topology.source,
+            "tiercache_tiers": ",".join(self.store.names),
+            "tiercache_force_latest": self.force_latest,
+        }

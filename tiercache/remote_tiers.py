@@ -1,0 +1,67 @@
+"""The remote tiers of a topology: built, closed and described the same way by every owner.
+
+``Stack`` (the ``TierManager``'s parts) and ``RemoteStore`` (the remote-only API
+for engines with their own GPU and CPU tiers) both build each remote tier with
+its options and the namespace's codec (keyed with ``model.secret_env``'s secret
+when one is named), give each one transfer-queue lane (limiter, breaker,
+deadlines), report a tier's counters the same way and close them within a
+deadline, through these functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tiercache.codec import Codec
+from tiercache.config.topology import QueueConfig, TierConfig
+from tiercache.config.typed import ConfigError
+from tiercache.metrics import Metrics
+from tiercache.runtime import Runtime
+from tiercache.tiers import tier_class
+from tiercache.tiers.base import RemoteContext, RemoteTier
+from tiercache.transfer_queue import Lane
+
+MS_PER_SECOND = 1000.0
+CLOSE_REMOTE_SECONDS = 2.0
+"""How long the remote tiers' own ``close`` may take before they are abandoned."""
+
+
+def keyed_codec(root: bytes, secret_env: str | None, source: str) -> Codec:
+    """The value codec of a namespace root, keyed with the secret in ``$secret_env`` when one is named."""
+    if secret_env is None:
+        return Codec(root)
+    try:
+        return Codec(root, secret=os.environ.get(secret_env, "").encode())
+    except ValueError as error:
+        expected = f"environment variable {secret_env} set to a secret"
+        raise ConfigError(source, "model.secret_env", expected, str(error)) from None
+
+
+def build_remotes(
+    tiers: Sequence[TierConfig], codec: Codec, block_bytes: int, queues: QueueConfig, metrics: Metrics
+) -> tuple[list[RemoteTier], list[Lane]]:
+    """The remote tiers of a topology and one lane each (limiter, breaker, deadlines), fastest first."""
+    remotes = [tier_class(t.type)(RemoteContext(t.name, codec, block_bytes), t.options) for t in tiers]
+    timeout_s = queues.remote_lookup_timeout_ms / MS_PER_SECOND
+    lanes = [Lane(i, tier, queues.transfer_concurrency, metrics, timeout_s) for i, tier in enumerate(remotes)]
+    return remotes, lanes
+
+
+async def close_remotes(runtime: Runtime, remotes: Sequence[RemoteTier]) -> None:
+    """On the loop: let tracked work finish (bounded), then close every tier within ``CLOSE_REMOTE_SECONDS``."""
+    await runtime.drain(CLOSE_REMOTE_SECONDS)
+    closing = [asyncio.ensure_future(tier.close()) for tier in remotes]
+    if closing:
+        await asyncio.wait(closing, timeout=CLOSE_REMOTE_SECONDS)
+
+
+def lane_stats(lane: Lane) -> dict[str, Any]:
+    """A remote tier's lane breaker openings and the tier's own counters (empty when it fails to say)."""
+    try:
+        own = dict(lane.tier.stats())
+    except Exception:
+        own = {}
+    return {"lane_breaker_opened": lane.breaker.opened, "store": own}
