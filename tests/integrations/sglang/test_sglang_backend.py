@@ -89,6 +89,10 @@ def test_the_storage_factory_builds_it_and_a_bad_extra_config_is_a_clear_error(
     assert "tiers[0].type: expected a remote tier type" in refused({"tiers": [{"name": "gpu", "type": "gpu"}]})
     message = refused(str(path), force_latest="yes")
     assert message == "--hicache-storage-backend-extra-config: force_latest: expected true or false, got 'yes'"
+    assert refused(str(path), force_latest=True) == (
+        "--hicache-storage-backend-extra-config: force_latest: expected false, or a topology with a versioned tier "
+        "(type: regional), got True"
+    )
     assert "overrides" in refused(str(path), overrides=["tiers.redis0.options.url"])
     assert "tiers[0].options.timeout_s" in refused(str(path), overrides={"tiers.redis0.options.timeout_s": -1})
     assert "model's identity" in refused(str(path), model=None)

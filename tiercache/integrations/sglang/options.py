@@ -6,7 +6,8 @@ keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``), whic
 - ``topology`` (required): the remote-only topology (``tiercache.config.remote``), as the path of a YAML file
   or inline as a mapping;
 - ``overrides``: dotted field paths set on the topology, e.g. ``{"tiers.redis.options.url": "redis://h:6379"}``;
-- ``force_latest``: reads ask a regional topology's central store for the newest version of every page.
+- ``force_latest``: reads ask a regional topology's central store for the newest version of every page
+  (refused for a topology without a versioned tier).
 
 Every error names the flag, the field and what was expected, before SGLang starts serving.
 """
@@ -19,6 +20,7 @@ from typing import Any
 
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
 from tiercache.config.typed import ConfigError
+from tiercache.tiers import tier_class
 
 SOURCE = "--hicache-storage-backend-extra-config"
 """Where the options come from, as errors name it."""
@@ -43,7 +45,11 @@ class BackendOptions:
         force_latest = extra.get("force_latest", False)
         if not isinstance(force_latest, bool):
             raise ConfigError(SOURCE, "force_latest", "true or false", force_latest)
-        return cls(_topology(extra.get("topology"), overrides), force_latest)
+        topology = _topology(extra.get("topology"), overrides)
+        if force_latest and not any(tier_class(tier.type).capabilities.versioned for tier in topology.tiers):
+            expected = "false, or a topology with a versioned tier (type: regional)"
+            raise ConfigError(SOURCE, "force_latest", expected, True)
+        return cls(topology, force_latest)
 
 
 def _topology(value: Any, overrides: Mapping[str, Any]) -> RemoteTopology:
