@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from redis_servers import RedisServer
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang_parts import (
     PAGE_SIZE,
     alloc,
@@ -22,7 +23,10 @@ from sglang_parts import (
     page_keys,
     redis_topology,
     scramble,
+    storage_config,
 )
+
+from tiercache.integrations.sglang.pages import UnsupportedPool
 
 PAGES = 4
 
@@ -112,3 +116,14 @@ def test_indices_or_tensors_that_are_not_this_pools_pages_fail_without_raising(r
         assert backend.batch_set_v1([], indices[:0]) == [] and backend.batch_exists([]) == 0
     finally:
         backend.close()
+
+
+def test_a_host_layout_without_zero_copy_page_metadata_is_refused_at_attach_naming_it(
+    redis_server: RedisServer,
+) -> None:
+    pool = host_pool("page_unified")
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(redis_topology(redis_server.url)), pool)
+    with pytest.raises(UnsupportedPool, match=r"MHATokenToKVPoolHost \(page_unified\): SGLang gives no zero-copy"):
+        backend.register_mem_pool_host(pool)
+    assert backend.batch_exists(page_keys(1)) == 0
+    backend.close()

@@ -49,7 +49,13 @@ class HostPages:
         self.dtype = buffer.dtype
         self._base = buffer.data_ptr()
         self._bytes = byte_view(buffer)
-        pointers, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+        try:
+            pointers, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
+        except (ValueError, AssertionError, NotImplementedError, AttributeError) as error:
+            raise UnsupportedPool(
+                f"{type(pool).__name__} ({self.layout}): SGLang gives no zero-copy page metadata for it ({error}); "
+                "use --hicache-mem-layout page_first, page_first_direct, page_head or layer_first"
+            ) from None
         if not pointers or len(set(sizes)) != 1:
             raise UnsupportedPool(f"{type(pool).__name__} ({self.layout}): pages are not pieces of one size")
         self.pieces = len(pointers)
