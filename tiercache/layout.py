@@ -18,20 +18,23 @@ import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tiercache.config.validate import FieldError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
+if TYPE_CHECKING:
+    import torch
+
+DTYPES: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
 }
+"""The KV dtypes a layout may name (torch's names), with their bytes per element. torch itself is imported
+only when a tensor is made or checked, so a topology is validated without it."""
 
 
 MAX_LAYOUT_DIM = 1 << 20
@@ -113,7 +116,7 @@ class KVLayout:
         if dtype is None:
             configured = text.dtype if hasattr(text, "dtype") else getattr(text, "torch_dtype", None)
             dtype = str(configured).removeprefix("torch.") if configured is not None else "float32"
-        elif isinstance(dtype, torch.dtype):
+        elif not isinstance(dtype, str):  # a torch.dtype
             dtype = str(dtype).removeprefix("torch.")
         return cls(
             num_layers=_hf_field(text, "num_hidden_layers"),
@@ -126,11 +129,13 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return DTYPES[self.dtype]
 
     @property
     def layer_piece_shape(self) -> tuple[int, ...]:
@@ -173,6 +178,8 @@ class KVLayout:
 
     def allocate_pool(self, num_blocks: int, device: str | torch.device) -> list[torch.Tensor]:
         """Zeroed pool tensors on ``device``."""
+        import torch
+
         return [torch.zeros(shape, dtype=self.torch_dtype, device=device) for shape in self.pool_shapes(num_blocks)]
 
     def validate_pool(self, tensors: Sequence[torch.Tensor]) -> int:
