@@ -109,6 +109,7 @@ def test_indices_or_tensors_that_are_not_this_pools_pages_fail_without_raising(r
         assert backend.batch_get_v1(keys, indices[: PAGE_SIZE]) == [False, False]
         beyond = indices + 2 * pool.size  # past the end of the pool's buffer
         assert backend.batch_set_v1(keys, beyond) == [False, False]
+        assert backend.batch_get_v1(keys, [0] * 2 * PAGE_SIZE) == [False, False]  # not a tensor
         wrong = [pool.get_data_page(0)[:-1], pool.get_data_page(0).double()]
         assert backend.batch_set(keys, wrong) is False
         assert backend.batch_get(keys, wrong) == [None, None]

@@ -115,9 +115,12 @@ class TierCacheStorage(HiCacheStorage):
         store, pages = self.store, self.pages
         if store is None or pages is None or not keys:
             return [False] * len(keys)
-        views = pages.views(host_indices, len(keys))
+        try:
+            views = pages.views(host_indices, len(keys))
+        except Exception:  # SGLang's page metadata refusing the indices
+            views = None
         if views is None:
-            log.error("tiercache: %d host indices do not hold %d pages of this pool", host_indices.numel(), len(keys))
+            log.error("tiercache: the host indices given do not hold %d pages of this pool", len(keys))
             return [False] * len(keys)
         return self._move(store, pages, keys, views, read)
 
