@@ -49,8 +49,9 @@ class UnsupportedModelError(ValueError):
 
 HF_STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "linear_conv_kernel_dim", "layers_block_type")
 """Config fields that only state-space (Mamba) and hybrid models have."""
-HF_FULL_ATTENTION = "full_attention"
-"""The one ``layer_types`` entry whose cache is plain K/V over every position."""
+HF_PLAIN_KV_LAYERS = frozenset({"full_attention", "sliding_attention"})
+"""``layer_types`` entries whose cache is plain K/V: a sliding layer attends to a window of it, which the
+model's attention mask applies, so a pool that keeps every position serves it like a full layer."""
 
 
 class MemoryOrder(enum.Enum):
@@ -99,10 +100,12 @@ class KVLayout:
         Layers, KV heads and head dim come from the (text) config, ``head_dim`` when
         the config sets it explicitly, else ``hidden_size // num_attention_heads``.
         ``dtype`` defaults to the config's dtype, else float32 (what a model built
-        from a config computes in). A model whose cache is not plain per-layer K/V
-        (sliding-window or chunked layers, state-space or hybrid layers, latent or
-        shared KV, encoder-decoder) raises ``UnsupportedModelError``: caching it as
-        plain K/V would serve wrong KV. Duck-typed: transformers is not imported.
+        from a config computes in). Full and sliding-window attention layers keep
+        plain K/V (the mask applies a window). A model whose cache is not plain
+        per-layer K/V (chunked attention, state-space or linear-attention layers,
+        latent or shared KV, encoder-decoder) raises ``UnsupportedModelError``:
+        caching it as plain K/V would serve wrong KV. Duck-typed: transformers is
+        not imported.
         """
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         reasons = _unsupported_cache_reasons(text)
@@ -217,11 +220,9 @@ def _unsupported_cache_reasons(config: Any) -> list[str]:
     reasons = []
     if getattr(config, "is_encoder_decoder", False):
         reasons.append("an encoder-decoder cache")
-    layer_types = set(getattr(config, "layer_types", None) or ()) - {HF_FULL_ATTENTION}
+    layer_types = set(getattr(config, "layer_types", None) or ()) - HF_PLAIN_KV_LAYERS
     if layer_types:
         reasons.append(f"layers of type {', '.join(sorted(layer_types))}")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        reasons.append(f"a sliding window of {config.sliding_window} tokens")
     if getattr(config, "attention_chunk_size", None):
         reasons.append("chunked attention")
     state_fields = [name for name in HF_STATE_SPACE_FIELDS if getattr(config, name, None) is not None]
