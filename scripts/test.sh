@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite (real redis-server processes are started by the fixtures), then each
-# engine integration's tests in the engine's own venv (vLLM 0.33: .venv-vllm, made by setup_vllm.sh).
+# engine integration's tests in the engine's own venv (vLLM 0.33: .venv-vllm, made by setup_vllm.sh;
+# SGLang 0.5.23: .venv-sglang, made by setup_sglang.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,3 +9,5 @@ bash scripts/setup.sh
 .venv/bin/python -m pytest -q -rs "$@"
 bash scripts/setup_vllm.sh
 TC_TEST_ENGINE=vllm .venv-vllm/bin/python -m pytest -q -rs tests/integrations/vllm
+bash scripts/setup_sglang.sh
+TC_TEST_ENGINE=sglang .venv-sglang/bin/python -m pytest -q -rs tests/integrations/sglang

@@ -1,0 +1,61 @@
+"""The backend's options, read from SGLang's ``--hicache-storage-backend-extra-config`` JSON.
+
+SGLang hands a ``dynamic`` backend that JSON as ``HiCacheStorageConfig.extra_config``, together with its own
+keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``), which are left alone. tiercache's:
+
+- ``topology`` (required): the remote-only topology (``tiercache.config.remote``), as the path of a YAML file
+  or inline as a mapping;
+- ``overrides``: dotted field paths set on the topology, e.g. ``{"tiers.redis.options.url": "redis://h:6379"}``;
+- ``force_latest``: reads ask a regional topology's central store for the newest version of every page
+  (refused for a topology without a versioned tier).
+
+Every error names the flag, the field and what was expected, before SGLang starts serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
+from tiercache.config.typed import ConfigError
+from tiercache.tiers import tier_class
+
+SOURCE = "--hicache-storage-backend-extra-config"
+"""Where the options come from, as errors name it."""
+OWN_KEYS = ("topology", "overrides", "force_latest")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What a ``TierCacheStorage`` is configured with."""
+
+    topology: RemoteTopology
+    force_latest: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendOptions:
+        """Validate tiercache's keys of SGLang's extra config (see the module docstring)."""
+        if not isinstance(extra, Mapping):
+            raise ConfigError(SOURCE, "", "a JSON object with tiercache's 'topology'", extra)
+        overrides = extra.get("overrides") or {}
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(SOURCE, "overrides", "a JSON object of dotted field paths to values", overrides)
+        force_latest = extra.get("force_latest", False)
+        if not isinstance(force_latest, bool):
+            raise ConfigError(SOURCE, "force_latest", "true or false", force_latest)
+        topology = _topology(extra.get("topology"), overrides)
+        if force_latest and not any(tier_class(tier.type).capabilities.versioned for tier in topology.tiers):
+            expected = "false, or a topology with a versioned tier (type: regional)"
+            raise ConfigError(SOURCE, "force_latest", expected, True)
+        return cls(topology, force_latest)
+
+
+def _topology(value: Any, overrides: Mapping[str, Any]) -> RemoteTopology:
+    if isinstance(value, str) and value:
+        return load_remote_topology(value, overrides)
+    if isinstance(value, Mapping):
+        return remote_topology_from_dict(value, f"{SOURCE} topology", overrides)
+    expected = "the path of a remote-only tiercache topology (YAML), or that topology as a JSON object"
+    raise ConfigError(SOURCE, "topology", expected, value)
