@@ -116,9 +116,14 @@ class Hierarchy:
                 self.put(lane, [key], [slot], Reason.ADMITTED)
 
     # ---- the GPU pool -----------------------------------------------------------------
-    def allocate(self, count: int) -> list[int]:
-        """``count`` held GPU blocks; victims are demoted to the CPU tier when it admits them."""
-        ids, victims = self.local.gpu.allocate(count)
+    def allocate(self, count: int, chain: Sequence[bytes] | None = None) -> list[int]:
+        """``count`` held GPU blocks; victims are demoted to the CPU tier when it admits them.
+
+        With the request's ``chain`` (its keys, prompt order) the pool's policy sees
+        the request's incoming keys before it picks victims (``SlotTable.allocate_for``).
+        """
+        gpu = self.local.gpu
+        ids, victims = gpu.allocate(count) if chain is None else gpu.allocate_for(count, chain)
         if victims:
             self.metrics.add(self.gpu_name, "evictions", len(victims))
             self.observer.removed(self.gpu_name, [victim.key for victim in victims])
@@ -143,7 +148,8 @@ class Hierarchy:
         """Index a request's chain in its GPU blocks, reporting it to the policy tail first.
 
         Blocks promoted by this request's load were bound untracked; blocks the
-        engine computed are bound now; blocks cached before are hits. Returns the
+        engine computed are bound now; blocks cached before are hits; blocks
+        ``allocate`` admitted for this request were counted then. Returns the
         number of blocks newly indexed; raises ValueError for a block that holds
         another prefix's KV (nothing is changed then). ``tokens`` (the prompt)
         only feeds the observer's events.
@@ -163,10 +169,8 @@ class Hierarchy:
                 self.metrics.add(self.gpu_name, "duplicate_blocks")
                 if gpu.readable(key) is not None:
                     gpu.touch(key)
-            elif gpu.is_untracked(key):
-                gpu.track(key)
             else:
-                gpu.touch(key)
+                gpu.request(key)
         fresh.reverse()
         self.metrics.add(self.gpu_name, "stored_blocks", len(fresh))
         self.observer.accessed(self.gpu_name, keys)
