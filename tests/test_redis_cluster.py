@@ -8,7 +8,10 @@ import time
 import redis
 from redis_servers import empty_dests, random_blocks, remote_context
 
+from tiercache.tiers.base import Presence
 from tiercache.tiers.redis import RedisOptions, RedisTier, key_slot
+
+HELD, ABSENT = Presence.HELD, Presence.ABSENT
 
 BLOCK = 16 * 1024
 FAST = {
@@ -34,9 +37,9 @@ async def test_cluster_round_trip_and_node_down(redis_cluster) -> None:
         out = empty_dests(60, BLOCK)
         assert await tier.get_into(keys, out) == [True] * 60
         assert [bytes(o) for o in out] == [bytes(p) for p in payloads]
-        assert await tier.contains(keys) == [True] * 60
+        assert await tier.contains(keys) == [HELD] * 60
         await tier.delete(keys[:5])
-        assert await tier.contains(keys[:6]) == [False] * 5 + [True]
+        assert await tier.contains(keys[:6]) == [ABSENT] * 5 + [HELD]
 
         down = redis_cluster.nodes[1]
         owned_by_down = redis.Redis(host=down.host, port=down.port)

@@ -10,8 +10,10 @@ import pytest
 from tiercache.codec import Codec
 from tiercache.config import ConfigError
 from tiercache.tiers import tier_class
-from tiercache.tiers.base import RemoteContext
+from tiercache.tiers.base import Presence, RemoteContext
 from tiercache.tiers.simulated import SimulatedOptions, SimulatedStore, SimulatedTier
+
+HELD, ABSENT = Presence.HELD, Presence.ABSENT
 
 BLOCK_BYTES = 256
 FINGERPRINT = bytes(range(16))
@@ -37,7 +39,7 @@ async def test_round_trip_keeps_bytes_and_header() -> None:
     await tier.start()
     keys, payloads = keys_and_payloads(5)
     assert await tier.put(keys, payloads) == [True] * 5
-    assert await tier.contains([*keys, b"\xff" * 16]) == [True] * 5 + [False]
+    assert await tier.contains([*keys, b"\xff" * 16]) == [HELD] * 5 + [ABSENT]
     dests = buffers(5)
     assert await tier.get_into(keys, dests) == [True] * 5
     assert [bytes(d) for d in dests] == [bytes(p) for p in payloads]
@@ -79,8 +81,9 @@ async def test_timeouts_and_down_windows_fail_whole_requests() -> None:
     await down.start()
     assert await down.put(keys, payloads) == [False] * 3
     assert down.stats()["down_rejections"] == 1
-    down.set_down(False)
-    assert await down.contains(keys) == [False] * 3
+    down.set_down(False)  # the down window still holds: a tier that cannot answer says so
+    assert await down.contains(keys) == [Presence.UNKNOWN] * 3
+    assert down.stats()["down_rejections"] == 2
 
 
 def test_options_are_validated_from_yaml() -> None:

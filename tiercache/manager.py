@@ -28,6 +28,7 @@ from tiercache.local_tiers import LookupPins, PinState, Place
 from tiercache.queues import prefetch_deadline_s
 from tiercache.slots import CapacityError
 from tiercache.stack import Stack
+from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import first_holders
 
 __all__ = ["CapacityError", "Lookup", "TierManager", "Transfer"]
@@ -118,7 +119,8 @@ class TierManager:
                 if answers is None:
                     return Lookup(keys, self.block_size, dict.fromkeys(self._stack.names, 0), [], pending=True)
                 for lane, answer in enumerate(answers):
-                    self.hierarchy.forget(lane, [key for key, held in zip(missing, answer, strict=True) if not held])
+                    absent = [key for key, found in zip(missing, answer, strict=True) if found is Presence.ABSENT]
+                    self.hierarchy.forget(lane, absent)
                 remote = iter(first_holders(answers, len(missing)))
                 places = [p if p is not None else Place.remote(next(remote)) for p in places]
             run, lower = self.local.prefix(self._stack.worth_fetching(places))

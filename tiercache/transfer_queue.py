@@ -20,12 +20,15 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.metrics import Metrics
 from tiercache.queues import Priority, PriorityLimiter
 from tiercache.runtime import Runtime
-from tiercache.tiers.base import RemoteTier
+from tiercache.tiers.base import Presence, RemoteTier
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +59,12 @@ class Lane:
         self.breaker = CircuitBreaker(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
 
     async def _call(
-        self, priority: Priority, operation: Callable[[], Awaitable[list[bool]]], count: int, deadline_s: float | None
-    ) -> list[bool]:
-        """Run a tier operation inside the lane's limit and deadline; failures are values."""
+        self, priority: Priority, operation: Callable[[], Awaitable[list[T]]], count: int, deadline_s: float | None
+    ) -> list[T] | None:
+        """Run a tier operation inside the lane's limit and deadline; None when it failed as a whole."""
         if not self.breaker.allow():
             self.metrics.add(self.name, "lane_open_skips")
-            return [False] * count
+            return None
         started = time.perf_counter()
         try:
             if deadline_s is None:
@@ -71,7 +74,7 @@ class Lane:
         except asyncio.TimeoutError:
             self.metrics.add(self.name, "deadline_misses")
             self.breaker.failure()
-            return [False] * count
+            return None
         except asyncio.CancelledError:
             self.breaker.abandon()
             raise
@@ -79,17 +82,21 @@ class Lane:
             log.exception("tier %s raised; counting its keys as failed", self.name)
             self.metrics.add(self.name, "exceptions")
             self.breaker.failure()
-            return [False] * count
+            return None
         if len(result) != count:
             log.error("tier %s returned %d results for %d keys", self.name, len(result), count)
             self.breaker.failure()
-            return [False] * count
+            return None
         self.breaker.success()
         self.metrics.observe(self.name, "call", (time.perf_counter() - started) * MS_PER_SECOND)
-        return [bool(ok) for ok in result]
+        return result
 
-    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return await self._call(Priority.LOAD, lambda: self.tier.contains(keys), len(keys), self.lookup_timeout_s)
+    async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
+        """Per key, whether the tier holds it; ``UNKNOWN`` where the lane or the tier could not tell."""
+        found = await self._call(Priority.LOAD, lambda: self.tier.contains(keys), len(keys), self.lookup_timeout_s)
+        if found is None:
+            return [Presence.UNKNOWN] * len(keys)
+        return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
 
     async def get_into(self, keys: Sequence[bytes], views: Sequence[memoryview], force_latest: bool) -> list[bool]:
         started = time.perf_counter()
@@ -100,13 +107,18 @@ class Lane:
             self.lookup_timeout_s * LOAD_DEADLINE_FACTOR,
         )
         self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
-        return oks
+        return _booleans(oks, len(keys))
 
     async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
         started = time.perf_counter()
         oks = await self._call(Priority.STORE, lambda: self.tier.put(keys, views), len(keys), None)
         self.metrics.observe(self.name, "put", (time.perf_counter() - started) * MS_PER_SECOND)
-        return oks
+        return _booleans(oks, len(keys))
+
+
+def _booleans(results: list[bool] | None, count: int) -> list[bool]:
+    """A tier's per-key results as booleans; every key failed when the call failed as a whole."""
+    return [False] * count if results is None else [bool(ok) for ok in results]
 
 
 class RemoteProbes:
@@ -115,10 +127,10 @@ class RemoteProbes:
     def __init__(self, lanes: list[Lane], runtime: Runtime) -> None:
         self.lanes = lanes
         self.runtime = runtime
-        self._pending: OrderedDict[tuple[bytes, ...], concurrent.futures.Future[list[list[bool]]]] = OrderedDict()
+        self._pending: OrderedDict[tuple[bytes, ...], concurrent.futures.Future[list[list[Presence]]]] = OrderedDict()
 
-    def answer(self, keys: list[bytes]) -> list[list[bool]] | None:
-        """Per lane, whether it holds each key (False when it failed); None while the answer is in flight."""
+    def answer(self, keys: list[bytes]) -> list[list[Presence]] | None:
+        """Per lane, each key's presence (``UNKNOWN`` where the lane failed); None while in flight."""
         probe = tuple(keys)
         future = self._pending.get(probe)
         if future is None:
@@ -130,13 +142,16 @@ class RemoteProbes:
             return None
         del self._pending[probe]
         if future.cancelled() or future.exception() is not None:
-            return [[False] * len(keys) for _ in self.lanes]
+            return [[Presence.UNKNOWN] * len(keys) for _ in self.lanes]
         return future.result()
 
-    async def _ask(self, keys: list[bytes]) -> list[list[bool]]:
+    async def _ask(self, keys: list[bytes]) -> list[list[Presence]]:
         return list(await asyncio.gather(*(lane.contains(keys) for lane in self.lanes)))
 
 
-def first_holders(answers: list[list[bool]], count: int) -> list[int | None]:
+def first_holders(answers: list[list[Presence]], count: int) -> list[int | None]:
     """Per key, the first (fastest) lane that holds it, or None."""
-    return [next((lane for lane, answer in enumerate(answers) if answer[position]), None) for position in range(count)]
+    return [
+        next((lane for lane, answer in enumerate(answers) if answer[position] is Presence.HELD), None)
+        for position in range(count)
+    ]

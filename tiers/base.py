@@ -2,19 +2,35 @@
 
 A remote tier is a key-value store of whole blocks. Its methods are coroutines
 that never block the event loop and never raise on the data path: a failure of
-any kind (refused, timed out, garbage, wrong namespace) is reported as a miss or
-a failed write in the returned list and counted in ``stats()``. Values carry the
+any kind (refused, timed out, garbage, wrong namespace) is reported as a miss, a
+failed write or an unknown presence in the returned list and counted in ``stats()``. Values carry the
 ``tiercache.codec`` header; a read validates it before copying into ``dests``.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tiercache.codec import Codec
+
+
+class Presence(enum.Enum):
+    """Whether a remote tier holds a key: three answers, because "could not tell" is not "not held"."""
+
+    HELD = "held"
+    ABSENT = "absent"
+    """The tier answered, and does not hold the key."""
+    UNKNOWN = "unknown"
+    """No answer (timeout, breaker open, connection error, garbage): neither a hit nor evidence of removal."""
+
+    @staticmethod
+    def of(held: bool) -> Presence:
+        """The answer of a tier that did reply."""
+        return Presence.HELD if held else Presence.ABSENT
 
 
 @dataclass(frozen=True)
@@ -58,8 +74,8 @@ class RemoteTier(ABC):
         """Release connections and background tasks."""
 
     @abstractmethod
-    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is stored (False when unknown because of a failure)."""
+    async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
+        """Whether each key is stored; ``Presence.UNKNOWN`` where a failure kept the tier from telling."""
 
     @abstractmethod
     async def get_into(

@@ -28,6 +28,7 @@ from tiercache.config import ConfigError, TierCacheConfig, default_config_path, 
 from tiercache.keys import BlockHasher
 from tiercache.manager import TierManager
 from tiercache.metrics import StatsServer, fetch_stats, render_prometheus
+from tiercache.tiers.base import Presence
 from tiercache.tools.demo import format_report, run_workload
 from tiercache.tools.simulate import (
     MS_PER_SECOND,
@@ -142,13 +143,10 @@ async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float =
     failed = [p for p in stores if not p.ok]
     if failed:
         return False, "; ".join(f"{p.role} {p.detail}" for p in failed) + store_lines
-    if written == [True] and found == [True]:
+    if written == [True] and found == [Presence.HELD]:
         return True, f"put/contains/delete of a probe block ok in {elapsed_ms:.1f} ms" + store_lines
-    return (
-        False,
-        f"probe write {'ok' if written == [True] else 'failed'}, read back {'ok' if found == [True] else 'failed'}"
-        + store_lines,
-    )
+    read_back = "ok" if found == [Presence.HELD] else "failed"
+    return False, f"probe write {'ok' if written == [True] else 'failed'}, read back {read_back}" + store_lines
 
 
 def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, bool]:

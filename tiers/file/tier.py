@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.file.options import FileOptions
 from tiercache.tiers.file.segments import ReadResult, SegmentStore
 
@@ -66,12 +66,18 @@ class FileTier(RemoteTier):
 
     # -- data path ---------------------------------------------------------
 
-    async def _refresh_if_missing(self, keys: Sequence[bytes]) -> None:
-        """Pick up other writers' records when this process's index lacks a key."""
-        if not all(self.store.contains(key) for key in keys):
-            await self._guarded(self.store.index.refresh)
+    async def _refresh_if_missing(self, keys: Sequence[bytes]) -> bool:
+        """Pick up other writers' records when this process's index lacks a key; False if that failed."""
+        if all(self.store.contains(key) for key in keys):
+            return True
+        return bool(await self._guarded(self._refresh_index))
+
+    def _refresh_index(self) -> bool:
+        self.store.index.refresh()
+        return True
 
     async def _guarded(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """``fn`` in the I/O thread; None (counted, logged) when it raised an OSError."""
         try:
             return await self._in_thread(fn, *args)
         except OSError as error:
@@ -79,13 +85,14 @@ class FileTier(RemoteTier):
             logger.warning("file tier %s: %s", self.name, error)
             return None
 
-    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        await self._refresh_if_missing(keys)
+    async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
+        refreshed = await self._refresh_if_missing(keys)
         found = [self.store.contains(key) for key in keys]
         hits = sum(found)
         self._counts["contains_hit"] += hits
         self._counts["contains_miss"] += len(found) - hits
-        return found
+        unheld = Presence.ABSENT if refreshed else Presence.UNKNOWN
+        return [Presence.HELD if held else unheld for held in found]
 
     async def get_into(
         self, keys: Sequence[bytes], dests: Sequence[memoryview], *, force_latest: bool = False

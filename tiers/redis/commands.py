@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiercache.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
+from tiercache.tiers.base import Presence
 from tiercache.tiers.redis.lane import Job
 from tiercache.tiers.redis.resp import CRLF, Connection, ConnectionFailed, ServerError, command
 
@@ -28,6 +29,8 @@ OK_REPLY = b"+OK\r\n"
 BYTES = "bytes"
 """Outcome counters carry the payload bytes moved under this name."""
 HIT = "hit"
+UNEXPECTED_REPLY = "unexpected_reply"
+"""Outcome of a reply that is neither an error nor one the command can give (the key's answer stays unknown)."""
 MIN_REPLY_BYTES = 4
 """The shortest reply any command of the tier can get (``:0\\r\\n``): how far a read may look ahead."""
 GET_MIN_REPLY_BYTES = 5
@@ -279,10 +282,11 @@ class PutJob(Job):
 
 
 class KeysJob(Job):
-    """One small command per key (EXISTS, UNLINK): ``results[i]`` True where the reply is 1."""
+    """One small command per key (EXISTS, UNLINK): ``results[i]`` is the key's presence where it was answered."""
 
     def __init__(
-        self, verb: bytes, indices: list[int], redis_keys: Sequence[bytes], results: list[bool] | None, missing: str
+        self, verb: bytes, indices: list[int], redis_keys: Sequence[bytes], results: list[Presence] | None,
+        missing: str,
     ) -> None:
         super().__init__(len(indices))
         self.verb = verb
@@ -302,10 +306,13 @@ class KeysJob(Job):
         elif self.results is None:
             self.outcomes["ok"] += 1
         elif reply == 1:
-            self.results[self.indices[index]] = True
+            self.results[self.indices[index]] = Presence.HELD
             self.outcomes[HIT] += 1
-        else:
+        elif reply == 0:
+            self.results[self.indices[index]] = Presence.ABSENT
             self.outcomes[self._missing] += 1
+        else:
+            self.outcomes[UNEXPECTED_REPLY] += 1
 
 
 class ControlJob(Job):

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.redis.cluster import key_slot, slot_map
 from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
 from tiercache.tiers.redis.lane import Job
@@ -207,9 +207,9 @@ class RedisTier(RemoteTier):
         lost block, never a wrong one.
         """
         rkeys = self.redis_keys(keys)
-        removed = [False] * len(keys)
-        await self._run("invalid_delete", keys, lambda chunk: KeysJob(b"UNLINK", chunk, rkeys, removed, "gone"), False)
-        self._counts["invalid_deleted"] += sum(removed)
+        held = [Presence.UNKNOWN] * len(keys)  # UNLINK answers 1 where the key was there (and is now removed)
+        await self._run("invalid_delete", keys, lambda chunk: KeysJob(b"UNLINK", chunk, rkeys, held, "gone"), False)
+        self._counts["invalid_deleted"] += held.count(Presence.HELD)
 
     async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         results = [False] * len(keys)
@@ -225,8 +225,8 @@ class RedisTier(RemoteTier):
             await self._run("put", keys, make, False)
         return results
 
-    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        results = [False] * len(keys)
+    async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
+        results = [Presence.UNKNOWN] * len(keys)
         if keys:
             rkeys = self.redis_keys(keys)
             await self._run("contains", keys, lambda chunk: KeysJob(b"EXISTS", chunk, rkeys, results, "miss"), False)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from tiercache.breaker import CircuitBreaker
 from tiercache.codec import CHECKSUM_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec
+from tiercache.tiers.base import Presence
 from tiercache.tiers.redis.commands import (
     BYTES,
     HIT,
@@ -193,13 +194,11 @@ class Plane:
         assert isinstance(job, ValuesJob)
         return None if job.failure is not None else job.values
 
-    async def exists(self, names: Sequence[bytes]) -> list[bool] | None:
-        """Whether each name exists; None when the server failed."""
-        results = [False] * len(names)
+    async def exists(self, names: Sequence[bytes]) -> list[Presence]:
+        """Whether each name exists (``UNKNOWN`` where the server gave no answer)."""
+        results = [Presence.UNKNOWN] * len(names)
         if names:
-            job = await self._call("contains", KeysJob(b"EXISTS", list(range(len(names))), names, results, "miss"))
-            if job.failure is not None:
-                return None
+            await self._call("contains", KeysJob(b"EXISTS", list(range(len(names))), names, results, "miss"))
         return results
 
     async def set(self, keys: Sequence[bytes], names: Sequence[bytes], values: Sequence[memoryview]) -> list[bool]:

@@ -20,6 +20,7 @@ import binascii
 import hashlib
 from collections.abc import Callable, Sequence
 
+from tiercache.tiers.base import Presence
 from tiercache.tiers.regional.client import GuardedClient, pipelined
 from tiercache.tiers.regional.plane import Plane, Read
 from tiercache.tiers.regional.versions import (
@@ -72,7 +73,7 @@ class _Store:
         """Read the values straight into ``dests`` (``versioned``: keep each hit's version and checksum)."""
         return await self.plane.get_into(keys, self.keys.values(keys), dests, versioned=versioned)
 
-    async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+    async def exists(self, keys: Sequence[bytes]) -> list[Presence]:
         return await self.plane.exists(self.keys.values(keys))
 
     async def delete(self, keys: Sequence[bytes]) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from tiercache.codec import Decoded
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.regional.cleanup import Cleaner
 from tiercache.tiers.regional.client import GuardedClient, connect
 from tiercache.tiers.regional.diagnosis import Diagnosis
@@ -231,16 +231,18 @@ class RegionalTier(RemoteTier):
         self.counters["bytes_read"] += hits * self.block_bytes
         return results
 
-    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
+        """Held where either store holds it; absent only where every store asked answered so."""
         assert self.central is not None
         if self.region is None:
-            return await self.central.exists(keys) or [False] * len(keys)
-        regional = await self.region.exists(keys) or [False] * len(keys)
-        missing = [i for i, found in enumerate(regional) if not found]
+            return await self.central.exists(keys)
+        regional = await self.region.exists(keys)
+        missing = [i for i, found in enumerate(regional) if found is not Presence.HELD]
         if missing:
-            central = await self.central.exists([keys[i] for i in missing]) or [False] * len(missing)
+            central = await self.central.exists([keys[i] for i in missing])
             for i, found in zip(missing, central, strict=True):
-                regional[i] = found
+                if found is Presence.HELD or regional[i] is Presence.ABSENT:
+                    regional[i] = found
         return regional
 
     async def get_into(

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from tiercache.codec import HEADER_SIZE
-from tiercache.tiers.base import Capabilities, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.simulated.options import SimulatedOptions
 from tiercache.tiers.simulated.store import SimulatedStore
 
@@ -156,13 +156,13 @@ class SimulatedTier(RemoteTier):
         return False
 
     # ---- RemoteTier ------------------------------------------------------------------
-    async def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
         self._track(1)
         try:
             if not await self._enter("contains", len(keys)):
-                return [False] * len(keys)
+                return [Presence.UNKNOWN] * len(keys)
             await self._transfer([KEY_BYTES_ON_WIRE] * len(keys))
-            return [key in self.store.data and not self._fails() for key in keys]
+            return [Presence.UNKNOWN if self._fails() else Presence.of(key in self.store.data) for key in keys]
         finally:
             self._track(-1)
 
