@@ -4,10 +4,10 @@ A remote tier is worth reading only while fetching a block is cheaper than the
 engine's prefill of the same tokens. Per remote tier this model predicts a
 fetch's duration as ``round trip + fixed + bytes * per_byte``:
 
-* the round trip is live: a smoothed time of the tier's probes (the lookups'
-  "which of these keys do you hold" calls, made whether or not a fetch
-  follows), so a tier that gets slow or fast again shows at the next lookups,
-  with no request waiting on an experiment;
+* the round trip is live: the median time of the tier's last probes (the
+  lookups' "which of these keys do you hold" calls, made whether or not a
+  fetch follows), so a tier that gets slow or fast again shows at the second
+  lookup after, with no request waiting on an experiment;
 * ``fixed + bytes * per_byte`` is an exponentially forgetting least-squares line
   through what each fetch took beyond the round trip of its time. Its slope
   leans on a prior per-byte cost (``prior_bandwidth_bytes_per_s``) as far as
@@ -23,12 +23,13 @@ would-be bypasses goes through anyway (deterministically, every n-th), and
 those fetches update the fit.
 
 Pure: no threads, no I/O, no clock; the caller times its fetches, probes and
-prefills. Call it from one thread (the manager's lock), except ``observe_probe``,
-which only replaces one number per tier and may run on the transfer loop.
+prefills. Not thread-safe: call it under one lock (the manager's).
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,8 +42,9 @@ DEFAULT_MARGIN = 1.0
 DEFAULT_PRIOR_BANDWIDTH = 1e9
 """Bytes per second assumed for the per-byte part until fetch sizes that spread tell it: a datacenter
 link's order (10 Gb/s is 1.25 GB/s), and the loopback Redis pipeline DESIGN measures (0.5-3 GB/s)."""
-PROBE_SMOOTHING = 0.5
-"""Weight of the newest probe in the live round trip: a change shows within two or three lookups."""
+PROBE_WINDOW = 3
+"""Probes whose median is the live round trip: a change shows at the second probe after it, and one
+probe out of line (a scheduling hiccup) changes nothing."""
 MIN_FIT_WEIGHT = 2.0
 """Observations (decayed) a line needs before its scatter says anything: two points always fit exactly."""
 
@@ -138,13 +140,18 @@ class TierCost:
     """One remote tier's fit, live round trip and counters."""
 
     fit: FetchFit
-    round_trip_s: float | None = None
+    recent_probes: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
     fetches_planned: int = 0
     bypassed_slower_than_recompute: int = 0
     explored: int = 0
     would_bypass: int = 0
     observations: int = 0
     probes: int = 0
+
+    @property
+    def round_trip_s(self) -> float | None:
+        """The median of the recent probes (None before any)."""
+        return statistics.median(self.recent_probes) if self.recent_probes else None
 
 
 @dataclass
@@ -176,8 +183,7 @@ class CostModel:
         if seconds < 0:
             return
         state = self._tier(tier)
-        previous = state.round_trip_s
-        state.round_trip_s = seconds if previous is None else previous + PROBE_SMOOTHING * (seconds - previous)
+        state.recent_probes.append(seconds)
         state.probes += 1
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
