@@ -1,10 +1,14 @@
-"""Eviction policies, one module each, registered by the name YAML uses (``policy: arc``)."""
+"""Eviction policies, one module each, registered by the name YAML uses (``policy: arc``).
+
+A topology may also name a policy outside tiercache by module path (``policy:
+mypkg.policies:Mine``): any subclass of ``tiercache.policies.base.EvictionPolicy``.
+"""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from tiercache.plugins import PluginError, find_class
 from tiercache.policies.base import EvictionPolicy
 
 POLICIES: dict[str, str] = {
@@ -16,14 +20,17 @@ POLICIES: dict[str, str] = {
 
 
 def policy_class(name: str) -> type[EvictionPolicy]:
-    """The policy class registered under ``name`` (KeyError if unknown)."""
-    module_name, class_name = POLICIES[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """The policy registered under ``name``, or the one a module path names.
+
+    ``KeyError`` for an unknown short name; ``PluginError`` (why) for a module
+    path that does not name a concrete ``EvictionPolicy`` subclass.
+    """
+    return find_class(name, POLICIES, EvictionPolicy)
 
 
 def make_policy(name: str, capacity: int, **options: Any) -> EvictionPolicy:
-    """Instantiate the policy ``name`` for ``capacity`` resident keys."""
+    """Instantiate the policy ``name`` (registered or a module path) for ``capacity`` resident keys."""
     return policy_class(name)(capacity, **options)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "make_policy", "policy_class"]
+__all__ = ["POLICIES", "EvictionPolicy", "PluginError", "make_policy", "policy_class"]

@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from redis_servers import RedisClusterNodes, RedisServer
+
+pytest.register_assert_rewrite("tiercache.testing")  # the conformance checks' asserts say what failed
+
+from redis_servers import RedisClusterNodes, RedisServer  # noqa: E402 - after the rewrite hook, like any import
 
 
 @pytest.fixture
@@ -60,3 +63,12 @@ def one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def refused_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of a port that refuses connections (a server started there, then killed)."""
+    server = RedisServer(tmp_path_factory.mktemp("gone"))
+    server.start()
+    server.kill()
+    return server.url

@@ -150,3 +150,26 @@ def test_parse_size(text, expected) -> None:
 def test_config_from_dict_reports_dict_source() -> None:
     with pytest.raises(ConfigError, match=r"^<dict>: layout"):
         config_from_dict(mutated(lambda d: d.pop("layout")), environ={})
+
+
+def test_importing_the_config_imports_neither_torch_nor_the_tier_and_policy_registries() -> None:
+    """Config checks are light: a tool that only validates topologies never pays for torch or the tiers."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, tiercache.config, tiercache.config.validate\n"
+        "heavy = [m for m in ('torch', 'tiercache.tiers', 'tiercache.policies') if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "", f"import tiercache.config imported {result.stdout.strip()}"
+
+
+def test_redis_rules_live_with_the_redis_tier() -> None:
+    """The core's validation helpers know nothing of Redis; the Redis tier's options module holds its rules."""
+    import tiercache.config.validate as core_checks
+    from tiercache.tiers.redis import options as redis_options
+
+    assert not [name for name in vars(core_checks) if "redis" in name.lower()]
+    assert callable(redis_options.redis_url)

@@ -30,67 +30,33 @@ import torch
 from hf_models import (
     ARCHITECTURES,
     BLOCK_SIZE,
+    DECODE_STEPS,
+    GENERATE,
     MEMORY_ORDERS,
+    PREFIX,
+    PREFIX_BLOCKS,
+    SUFFIX,
     Replay,
     assert_bitwise,
+    check,
+    evict_gpu,
+    expected,
     generate,
     random_tokens,
+    reuse,
+    store_prefix,
     tiny_config,
     tiny_model,
     topology,
 )
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MambaConfig, MambaForCausalLM
 
 from tiercache import CapacityError, TierManager, UnsupportedModelError
 from tiercache.integrations.transformers import CachedModel
 
-PREFIX_BLOCKS = 5
-PREFIX = PREFIX_BLOCKS * BLOCK_SIZE
-SUFFIX = 3
-DECODE_STEPS = 6
-RECOMPUTE_TOLERANCE = 1e-5
 HANG_GUARD_S = 300
 """Fail rather than hang if the second process never finishes (not a speed limit: it takes seconds)."""
-GENERATE = {"do_sample": False, "output_logits": True, "return_dict_in_generate": True}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def store_prefix(manager: TierManager, model: Any, prefix: torch.Tensor) -> None:
-    """The first request: prefill ``prefix`` in one pass (one new token) and store its blocks.
-
-    Waiting for the store means its copies down (and the write-through puts they
-    start) are in flight before the engine closes, so ``close`` drains them.
-    """
-    turn = CachedModel(model, manager).generate(prefix, max_new_tokens=1, do_sample=False)
-    assert turn.cached_tokens == 0
-    assert turn.stored is not None and turn.stored.result() == prefix.shape[1]
-
-
-def evict_gpu(manager: TierManager) -> None:
-    """Push every cached block out of the GPU pool (they live on in the CPU tier)."""
-    manager.release(manager.allocate(manager.gpu.num_blocks))
-
-
-def reuse(manager: TierManager, model: Any, prompt: torch.Tensor, source: str, force_latest: bool = False) -> Any:
-    """The second request: it must reuse exactly the prefix, from ``source``, and compute the suffix."""
-    turn = CachedModel(model, manager).generate(prompt, DECODE_STEPS, force_latest=force_latest, **GENERATE)
-    assert turn.reused[source] == PREFIX, turn.reused
-    assert turn.cached_tokens == PREFIX and turn.computed_tokens == SUFFIX
-    return turn.output
-
-
-def expected(model: Any, prompt: torch.Tensor) -> Any:
-    replay = Replay(model)
-    replay.prefill(prompt[:, :PREFIX])
-    return replay.turn(prompt, PREFIX, DECODE_STEPS)
-
-
-def check(model: Any, prompt: torch.Tensor, got: Any) -> None:
-    assert_bitwise(expected(model, prompt), got)
-    recomputed = generate(model, prompt, None, DECODE_STEPS)
-    assert got.sequences.tolist() == recomputed.sequences.tolist()
-    for want, have in zip(recomputed.logits, got.logits, strict=True):
-        torch.testing.assert_close(have, want, rtol=0, atol=RECOMPUTE_TOLERANCE)
 
 
 @pytest.mark.parametrize("memory", MEMORY_ORDERS)
@@ -213,12 +179,10 @@ def test_prompt_cached_to_its_end_recomputes_its_last_block() -> None:
 
 
 def test_models_whose_cache_is_not_plain_kv_are_refused() -> None:
-    sliding = MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
-    )
-    model = MistralForCausalLM(sliding).eval()
+    state_space = MambaConfig(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2)
+    model = MambaForCausalLM(state_space).eval()
     with TierManager(topology(tiny_model("llama"))) as manager:
-        with pytest.raises(UnsupportedModelError, match="sliding window of 4096"):
+        with pytest.raises(UnsupportedModelError, match="state-space layers"):
             CachedModel(model, manager)
         with pytest.raises(ValueError, match=r"set layout.num_layers/num_kv_heads/head_dim in the topology"):
             CachedModel(tiny_model("qwen3"), manager)

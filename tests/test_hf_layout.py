@@ -44,9 +44,9 @@ def test_kv_heads_default_to_attention_heads() -> None:
 @pytest.mark.parametrize(
     ("config", "reason"),
     [
-        (lambda: transformers.MistralConfig(), "sliding window of 4096 tokens"),
-        (lambda: transformers.Gemma2Config(), "layers of type sliding_attention"),
         (lambda: transformers.MambaConfig(), "state-space layers"),
+        (lambda: transformers.Llama4TextConfig(), "layers of type chunked_attention"),
+        (lambda: transformers.Gemma3nTextConfig(), "KV shared between layers"),
         (lambda: transformers.JambaConfig(), "layers of type linear_attention"),
         (lambda: transformers.Qwen3NextConfig(), "linear_attention"),
         (lambda: transformers.DeepseekV3Config(), "latent"),
@@ -57,6 +57,25 @@ def test_caches_that_are_not_plain_kv_are_refused(config: Any, reason: str) -> N
     with pytest.raises(UnsupportedModelError, match=reason) as raised:
         KVLayout.from_hf_config(config())
     assert "not supported" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: transformers.MistralConfig(num_hidden_layers=2),
+        lambda: transformers.Gemma2Config(num_hidden_layers=2),
+        lambda: transformers.Gemma3TextConfig(num_hidden_layers=2),
+        lambda: transformers.Cohere2Config(num_hidden_layers=2),
+        lambda: transformers.GptOssConfig(num_hidden_layers=2),
+        lambda: transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, max_window_layers=1),
+    ],
+    ids=["mistral", "gemma2", "gemma3", "cohere2", "gpt-oss", "qwen2-hybrid"],
+)
+def test_sliding_window_layers_are_plain_kv(config: Any) -> None:
+    """Sliding and full attention layers both keep plain K/V (the model's mask applies the window)."""
+    loaded = config()
+    assert loaded.sliding_window
+    assert KVLayout.from_hf_config(loaded).num_layers == 2
 
 
 def test_a_sliding_window_that_is_switched_off_is_plain_kv() -> None:

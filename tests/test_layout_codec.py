@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 
 import pytest
 import torch
+import xxhash
 
-from tiercache.codec import CHECKSUM_OFFSET, FINGERPRINT_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec, DecodeStatus
-from tiercache.layout import KVLayout, MemoryOrder
+from tiercache.codec import (
+    CHECKSUM_OFFSET,
+    FINGERPRINT_OFFSET,
+    FLAG_MAC,
+    HEADER,
+    HEADER_SIZE,
+    KEY_ID_BYTES,
+    MAGIC,
+    VERSION_OFFSET,
+    Codec,
+    DecodeStatus,
+)
+from tiercache.layout import DTYPES, KVLayout, MemoryOrder
 
 FINGERPRINT = bytes(range(16))
 KEY = b"k" * 16
@@ -120,24 +133,84 @@ def test_keyed_codec_round_trips_and_survives_a_version_patch() -> None:
 
 @pytest.mark.parametrize("compress", [False, True])
 def test_keyed_codec_rejects_values_without_a_valid_mac(compress: bool) -> None:
+    """Every value without this reader's valid MAC is refused; only those it can prove damaged are ``damaged``."""
     codec = Codec(FINGERPRINT, compress=compress, secret=SECRET)
     payload = bytes(2048) + os.urandom(2048)
     value = codec.encode_value(KEY, payload)
     dest = memoryview(bytearray(len(payload)))
-    forged = [
-        Codec(FINGERPRINT, compress=compress).encode_value(KEY, payload),  # no secret: the old format
-        Codec(FINGERPRINT, compress=compress, secret=b"a guessed secret, 32 bytes long!").encode_value(KEY, payload),
-        Codec(bytes(16), compress=compress, secret=SECRET).encode_value(KEY, payload),  # another namespace
-        corrupt(value, HEADER_SIZE + 5),
-        corrupt(value, FINGERPRINT_OFFSET),
-        corrupt(value, CHECKSUM_OFFSET),
+    cases = [
+        (Codec(FINGERPRINT, compress=compress).encode_value(KEY, payload), DecodeStatus.UNKEYED),  # no secret
+        (Codec(FINGERPRINT, compress=compress, secret=OTHER_SECRET).encode_value(KEY, payload), DecodeStatus.OTHER_KEY),
+        (Codec(bytes(16), compress=compress, secret=SECRET).encode_value(KEY, payload), DecodeStatus.OTHER_KEY),
+        (corrupt(value, HEADER_SIZE + 5), DecodeStatus.BAD_MAC),  # the payload under this reader's own key id
+        (corrupt(value, FINGERPRINT_OFFSET + KEY_ID_BYTES), DecodeStatus.BAD_MAC),  # the MAC itself
+        (corrupt(value, CHECKSUM_OFFSET), DecodeStatus.BAD_MAC),
+        (corrupt(value, FINGERPRINT_OFFSET), DecodeStatus.OTHER_KEY),  # the key id: no longer this reader's
     ]
-    for bad in forged:
-        assert codec.decode_into(KEY, bad, dest).status is DecodeStatus.BAD_MAC
-    assert Codec(FINGERPRINT).decode_into(KEY, value, dest).status is DecodeStatus.BAD_FORMAT
-    assert codec.check_in_place(KEY, bytearray(forged[0][:HEADER_SIZE]), memoryview(bytearray(payload))) is (
-        DecodeStatus.BAD_MAC
+    for bad, status in cases:
+        assert codec.decode_into(KEY, bad, dest).status is status
+        assert status.damaged is (status is DecodeStatus.BAD_MAC)
+    assert Codec(FINGERPRINT).decode_into(KEY, value, dest).status is DecodeStatus.OTHER_KEY
+    assert codec.check_in_place(KEY, bytearray(cases[0][0][:HEADER_SIZE]), memoryview(bytearray(payload))) is (
+        DecodeStatus.UNKEYED
     )
+    if not compress:
+        header, stored = value[:HEADER_SIZE], memoryview(bytearray(value[HEADER_SIZE:]))
+        assert codec.check_in_place(KEY, memoryview(bytearray(header)), stored) is DecodeStatus.OK
+        flipped = memoryview(bytearray(corrupt(value, -1)))[HEADER_SIZE:]
+        assert codec.check_in_place(KEY, bytearray(header), flipped) is DecodeStatus.BAD_MAC
+
+
+OTHER_SECRET = b"a guessed secret, 32 bytes long!"
+
+
+def legacy_keyed_value(secret: bytes, key: bytes, payload: bytes, version: int = 0) -> bytes:
+    """A keyed value as releases before key ids wrote it (format 1, the slot all MAC), built independently."""
+    header = bytearray(HEADER.pack(MAGIC, 1, FLAG_MAC, 0, FINGERPRINT, key, 0, len(payload), len(payload), 0))
+    struct.pack_into("<Q", header, CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(payload))
+    mac = hashlib.blake2b(bytes(header), key=secret, digest_size=16)
+    mac.update(payload)
+    header[FINGERPRINT_OFFSET : FINGERPRINT_OFFSET + 16] = mac.digest()
+    struct.pack_into("<Q", header, VERSION_OFFSET, version)
+    return bytes(header) + payload
+
+
+def test_keyed_values_of_the_format_before_key_ids_are_read_as_what_they_are() -> None:
+    """Format-1 keyed values: served to a reader whose secret verifies them, never judged damaged by another."""
+    payload = os.urandom(4096)
+    old = legacy_keyed_value(SECRET, KEY, payload, version=5)
+    dest = memoryview(bytearray(len(payload)))
+    decoded = Codec(FINGERPRINT, secret=SECRET).decode_into(KEY, old, dest)
+    assert decoded.ok and decoded.version == 5 and bytes(dest) == payload
+    for reader in (Codec(FINGERPRINT, secret=OTHER_SECRET), Codec(FINGERPRINT)):
+        status = reader.decode_into(KEY, old, dest).status
+        assert status is DecodeStatus.OTHER_KEY and not status.damaged
+    assert Codec(FINGERPRINT, secret=SECRET).decode_into(KEY, corrupt(old, HEADER_SIZE), dest).status is (
+        DecodeStatus.OTHER_KEY  # no key id: a MAC that fails may be another secret's, so it is left
+    )
+
+
+def test_the_key_id_names_secret_and_namespace_together() -> None:
+    ids = {
+        Codec(FINGERPRINT, secret=SECRET).key_id,
+        Codec(FINGERPRINT, secret=OTHER_SECRET).key_id,
+        Codec(bytes(16), secret=SECRET).key_id,
+    }
+    assert len(ids) == 3 and all(len(key_id) == KEY_ID_BYTES for key_id in ids)
+    assert Codec(FINGERPRINT, secret=SECRET, compress=True).key_id == Codec(FINGERPRINT, secret=SECRET).key_id
+    assert Codec(FINGERPRINT).key_id == b""
+
+
+def test_only_damage_a_reader_can_prove_is_damaged() -> None:
+    unjudged = {DecodeStatus.OK, DecodeStatus.BAD_FORMAT, DecodeStatus.WRONG_NAMESPACE}
+    unjudged |= {DecodeStatus.OTHER_KEY, DecodeStatus.UNKEYED}
+    assert {status for status in DecodeStatus if not status.damaged} == unjudged
+
+
+def test_layout_item_sizes_are_torch_s() -> None:
+    for dtype in DTYPES:
+        layout = KVLayout(1, 1, 1, dtype)
+        assert layout.itemsize == torch.empty((), dtype=layout.torch_dtype).element_size()
 
 
 def test_secret_length_is_checked() -> None:

@@ -17,7 +17,7 @@ import pytest
 import redis
 from redis_servers import OTHER_FINGERPRINT, empty_dests, random_blocks, remote_context
 
-from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 64 * 1024
@@ -81,7 +81,9 @@ async def test_every_edge_case_is_exact_and_the_rest_is_served(redis_server, opt
         for name, count in expected.items():
             assert stats.get(name) == count, (name, stats)
         assert stats["get_hit"] == 2 * (COUNT - len(spoiled))
-        assert stats["invalid_deleted"] == 2 * sum(o not in ("miss", "server_error") for o in spoiled.values())
+        judged = [DecodeStatus(o) for o in spoiled.values() if o not in ("miss", "server_error")]
+        assert stats["invalid_deleted"] == 2 * sum(status.damaged for status in judged)
+        assert stats["invalid_kept"] == 2 * sum(not status.damaged for status in judged) == 2  # the other namespace
         assert stats["breaker_state"] == 0 and stats["connects"] == tier.connections
     finally:
         await writer.close()

@@ -19,7 +19,7 @@ from tiercache.codec import Codec
 from tiercache.manager import TierManager
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode, value_version
-from tiercache.tiers.regional.shutdown import stop_tasks
+from tiercache.tiers.shutdown import stop_tasks
 from tiercache.tools.cli import inspect_topology
 
 BLOCK_BYTES = 256

@@ -12,14 +12,27 @@ xxh3-64 of the stored payload (u64).
 
 Keyed values (``Codec(..., secret=...)``). The checksum is no signature: anyone
 with write access to the store who knows the namespace can forge a value that
-checks. With a per-namespace secret the writer sets the MAC flag and stores, in
-the fingerprint's 16 bytes, a keyed BLAKE2b-128 MAC over the header (with the
-real fingerprint in that slot and the version zeroed: the regional tier patches
-versions in place on the server) followed by the stored payload. A reader with
-the secret accepts only values whose MAC verifies (anything else, including every
-value written without the secret, is ``BAD_MAC``); a reader without a secret sees
-the MAC flag as ``BAD_FORMAT``. The header keeps its size and offsets, so the
-xxh3 field still serves the regional tier's server-side compare-and-set.
+checks. With a per-namespace secret the writer sets the MAC flag, writes format
+2, and stores in the fingerprint's 16 bytes a key id (4 bytes: a keyed BLAKE2b of
+the fingerprint under the secret, so it names secret and namespace together)
+and a keyed BLAKE2b-96 MAC over the header (with the real fingerprint in that
+slot and the version zeroed: the regional tier patches versions in place on the
+server) followed by the stored payload. A reader with the secret accepts only
+values whose MAC verifies. Unkeyed values keep format 1 (their bytes are
+unchanged, so readers of either release share them); a keyed value of format 1
+(written before key ids, its 16 bytes all MAC) is still read by a reader whose
+secret verifies it. The header keeps its size and offsets, so the xxh3 field
+still serves the regional tier's server-side compare-and-set.
+
+Judging a value that fails (``DecodeStatus.damaged``). A reader deletes a value
+only when it can prove it damaged: bytes that are no tiercache value (too short
+for a header, a wrong magic), or a value of its own (its namespace, and its key
+id when keyed) that is stored under another key, has inconsistent lengths, or
+whose checksum, MAC or compression fails. A value it cannot judge is left where
+it is: another namespace (``WRONG_NAMESPACE``), a MAC under a key it does not
+hold (``OTHER_KEY``: another secret, or the reader has none), a value without
+the MAC this reader requires (``UNKEYED``), an unknown format (``BAD_FORMAT``).
+The ownership checks come first, so a reader never judges another's value.
 """
 
 from __future__ import annotations
@@ -35,6 +48,9 @@ import xxhash
 
 MAGIC = b"TCKV"
 FORMAT_VERSION = 1
+"""Unkeyed values (and keyed values written before key ids, see the module docstring)."""
+KEYED_FORMAT_VERSION = 2
+"""Keyed values whose MAC slot starts with the key id."""
 FLAG_LZ4 = 0x01
 FLAG_MAC = 0x02
 """The fingerprint slot holds a keyed MAC (see the module docstring)."""
@@ -42,6 +58,8 @@ KNOWN_FLAGS = FLAG_LZ4 | FLAG_MAC
 HEADER = struct.Struct("<4sBBH16s16sQQQQ")
 HEADER_SIZE = HEADER.size
 FINGERPRINT_BYTES = 16
+FORMAT_OFFSET = 4
+"""Byte offset of the format version."""
 FINGERPRINT_OFFSET = 8
 """Where the fingerprint (or, in keyed values, the MAC) lies in the header."""
 KEY_OFFSET = FINGERPRINT_OFFSET + FINGERPRINT_BYTES
@@ -53,8 +71,14 @@ CHECKSUM_OFFSET = LENGTHS_OFFSET + 16
 """Byte offset of the u64 xxh3-64 of the stored payload."""
 LENGTHS = struct.Struct("<QQ")
 CHECKSUM = struct.Struct("<Q")
-MAC_BYTES = 16
-"""BLAKE2b digest size of the keyed MAC (128 bits)."""
+KEY_ID_BYTES = 4
+"""Bytes of the key id at the start of a keyed value's MAC slot (two secrets share one with odds 2**-32)."""
+MAC_BYTES = FINGERPRINT_BYTES - KEY_ID_BYTES
+"""BLAKE2b digest size of the keyed MAC (96 bits), after the key id in the slot."""
+LEGACY_MAC_BYTES = FINGERPRINT_BYTES
+"""The MAC of a format-1 keyed value fills the whole slot (128 bits)."""
+KEY_ID_PERSON = b"tiercache-keyid"
+"""BLAKE2b personalisation of the key id, so it is never a MAC of anything else."""
 MIN_SECRET_BYTES = 16
 """A shorter secret is refused."""
 MAX_SECRET_BYTES = 64
@@ -74,6 +98,27 @@ class DecodeStatus(enum.Enum):
     BAD_CHECKSUM = "bad_checksum"
     BAD_COMPRESSION = "bad_compression"
     BAD_MAC = "bad_mac"
+    OTHER_KEY = "other_key"
+    """A MAC under a key this reader does not hold (another secret or namespace, or the reader has no secret)."""
+    UNKEYED = "unkeyed"
+    """A value without a MAC, read by a reader that requires one."""
+
+    @property
+    def damaged(self) -> bool:
+        """Whether the reader can prove the value damaged, so that deleting it destroys nothing valid."""
+        return self not in UNJUDGED
+
+
+UNJUDGED = frozenset(
+    {
+        DecodeStatus.OK,
+        DecodeStatus.BAD_FORMAT,
+        DecodeStatus.WRONG_NAMESPACE,
+        DecodeStatus.OTHER_KEY,
+        DecodeStatus.UNKEYED,
+    }
+)
+"""Outcomes that prove nothing wrong with the value: it is valid, or not this reader's to judge."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +162,18 @@ class Codec:
         self.compress = compress
         self.secret = secret
         self._flags = FLAG_MAC if secret is not None else 0
-        fixed = HEADER.pack(MAGIC, FORMAT_VERSION, self._flags, 0, fingerprint, bytes(16), 0, 0, 0, 0)
-        self._fixed_prefix = fixed[: FINGERPRINT_OFFSET if secret is not None else KEY_OFFSET]
+        self._format = FORMAT_VERSION
+        self.key_id = b""
+        """The key id keyed values carry (empty without a secret)."""
+        slot = fingerprint
+        if secret is not None:
+            self._format = KEYED_FORMAT_VERSION
+            self.key_id = hashlib.blake2b(
+                fingerprint, key=secret, digest_size=KEY_ID_BYTES, person=KEY_ID_PERSON
+            ).digest()
+            slot = self.key_id + bytes(MAC_BYTES)
+        fixed = HEADER.pack(MAGIC, self._format, self._flags, 0, slot, bytes(16), 0, 0, 0, 0)
+        self._fixed_prefix = fixed[: FINGERPRINT_OFFSET + KEY_ID_BYTES if secret is not None else KEY_OFFSET]
         """What every valid uncompressed value's header starts with (the MAC differs per value)."""
         self._last_size = -1
         self._last_lengths = b""
@@ -132,12 +187,14 @@ class Codec:
         """The same namespace and secret with another compression setting (for a tier's own option)."""
         return Codec(self.fingerprint, compress=compress, secret=self.secret)
 
-    def _mac(self, header: bytes | bytearray | memoryview, stored: memoryview | bytes) -> bytes:
+    def _mac(
+        self, header: bytes | bytearray | memoryview, stored: memoryview | bytes, size: int = MAC_BYTES
+    ) -> bytes:
         """Keyed BLAKE2b over the header (real fingerprint, version zeroed) and the stored payload."""
         canonical = bytearray(header[:HEADER_SIZE])
         canonical[FINGERPRINT_OFFSET:KEY_OFFSET] = self.fingerprint
         canonical[VERSION_OFFSET:LENGTHS_OFFSET] = bytes(8)
-        mac = hashlib.blake2b(canonical, key=self.secret or b"", digest_size=MAC_BYTES)
+        mac = hashlib.blake2b(canonical, key=self.secret or b"", digest_size=size)
         mac.update(stored)
         return mac.digest()
 
@@ -154,7 +211,7 @@ class Codec:
                 stored, flags = compressed, flags | FLAG_LZ4
         header = HEADER.pack(
             MAGIC,
-            FORMAT_VERSION,
+            self._format,
             flags,
             0,
             self.fingerprint,
@@ -165,7 +222,7 @@ class Codec:
             xxhash.xxh3_64_intdigest(stored),
         )
         if self.secret is not None:
-            header = header[:FINGERPRINT_OFFSET] + self._mac(header, stored) + header[KEY_OFFSET:]
+            header = header[:FINGERPRINT_OFFSET] + self.key_id + self._mac(header, stored) + header[KEY_OFFSET:]
         return header, stored
 
     def encode_value(self, key: bytes, payload: memoryview | bytes, version: int = 0) -> bytes:
@@ -182,21 +239,26 @@ class Codec:
     def check_header(
         self, key: bytes, header: memoryview | bytes | bytearray, value_length: int
     ) -> Header | DecodeStatus:
-        """Validate a header (at least ``HEADER_SIZE`` bytes) of a value of ``value_length`` bytes."""
+        """Validate a header (at least ``HEADER_SIZE`` bytes) of a value of ``value_length`` bytes.
+
+        Whose the value is comes first (see the module docstring): a value this
+        reader cannot judge is reported as such before any field of it is.
+        """
         magic, fmt, flags, _, fingerprint, stored_key, version, stored_len, raw_len, checksum = HEADER.unpack_from(
             header
         )
         if magic != MAGIC:
             return DecodeStatus.BAD_MAGIC
-        if fmt != FORMAT_VERSION or flags & ~KNOWN_FLAGS:
+        keyed = bool(flags & FLAG_MAC)
+        if flags & ~KNOWN_FLAGS or not (fmt == FORMAT_VERSION or (fmt == KEYED_FORMAT_VERSION and keyed)):
             return DecodeStatus.BAD_FORMAT
-        if self.secret is None:
-            if flags & FLAG_MAC:
-                return DecodeStatus.BAD_FORMAT
-            if fingerprint != self.fingerprint:
-                return DecodeStatus.WRONG_NAMESPACE
-        elif not flags & FLAG_MAC:
-            return DecodeStatus.BAD_MAC
+        if keyed:
+            if self.secret is None or (fmt == KEYED_FORMAT_VERSION and fingerprint[:KEY_ID_BYTES] != self.key_id):
+                return DecodeStatus.OTHER_KEY
+        elif fingerprint != self.fingerprint:
+            return DecodeStatus.WRONG_NAMESPACE
+        elif self.secret is not None:
+            return DecodeStatus.UNKEYED
         if stored_key != key:
             return DecodeStatus.WRONG_KEY
         if value_length - HEADER_SIZE < stored_len:
@@ -206,15 +268,22 @@ class Codec:
         return Header(flags, fingerprint, stored_key, version, stored_len, raw_len, checksum)
 
     def verify(self, header: memoryview | bytes | bytearray, stored: memoryview | bytes, expected: int) -> DecodeStatus:
-        """Check the stored payload against a validated header: the MAC if keyed, else the checksum."""
-        if self.secret is not None:
-            mac = self._mac(header, stored)
-            return DecodeStatus.OK if hmac.compare_digest(mac, header[FINGERPRINT_OFFSET:KEY_OFFSET]) else (
-                DecodeStatus.BAD_MAC
-            )
-        return DecodeStatus.OK if xxhash.xxh3_64_intdigest(stored) == expected else DecodeStatus.BAD_CHECKSUM
+        """Check the stored payload against a validated header: the MAC if keyed, else the checksum.
 
-    def check_in_place(self, key: bytes, header: bytearray, payload: memoryview) -> DecodeStatus:
+        A format-1 keyed value carries no key id: a MAC that does not verify may
+        be another secret's, so it is ``OTHER_KEY`` (left), not ``BAD_MAC``.
+        """
+        if self.secret is None:
+            return DecodeStatus.OK if xxhash.xxh3_64_intdigest(stored) == expected else DecodeStatus.BAD_CHECKSUM
+        if header[FORMAT_OFFSET] == KEYED_FORMAT_VERSION:
+            mac = self._mac(header, stored)
+            found = header[FINGERPRINT_OFFSET + KEY_ID_BYTES : KEY_OFFSET]
+            return DecodeStatus.OK if hmac.compare_digest(mac, found) else DecodeStatus.BAD_MAC
+        mac = self._mac(header, stored, LEGACY_MAC_BYTES)
+        found = header[FINGERPRINT_OFFSET:KEY_OFFSET]
+        return DecodeStatus.OK if hmac.compare_digest(mac, found) else DecodeStatus.OTHER_KEY
+
+    def check_in_place(self, key: bytes, header: bytes | bytearray | memoryview, payload: memoryview) -> DecodeStatus:
         """Validate an uncompressed value whose payload was received straight into ``payload``.
 
         The fast path of a reader that received ``header`` and the payload in one
@@ -222,6 +291,8 @@ class Codec:
         parsing, no copies); only a mismatch takes the field-by-field parse, for
         the exact status to count.
         """
+        if isinstance(header, memoryview):
+            header = header.tobytes()
         size = len(payload)
         if size != self._last_size:
             self._last_size, self._last_lengths = size, LENGTHS.pack(size, size)

@@ -9,6 +9,7 @@ crafted prompt cannot alias another tenant's KV.
 
 from __future__ import annotations
 
+import array as array_module
 import hashlib
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 
 KEY_BYTES = 16
 _TOKEN_DTYPE = np.dtype("<i8")
+MAX_TOKEN_ID = 2**63 - 1
+"""Token ids are hashed as little-endian int64: ids run from 0 to this (no vocabulary comes near it)."""
 
 Tokens: TypeAlias = "Sequence[int] | np.ndarray | torch.Tensor"
 """A prompt's token ids: a Python list, a numpy array, or a torch tensor (CPU or CUDA), 1-D or ``[1, T]``."""
@@ -31,26 +34,49 @@ def token_array(tokens: Tokens) -> np.ndarray:
     """``tokens`` as a 1-D little-endian int64 array, so every input type hashes to the same keys.
 
     A ``[1, T]`` batch of one (``input_ids`` as tokenizers return it) is flattened;
-    integer arrays and tensors of any width are widened; a float or bool array is
-    refused rather than truncated. torch is only consulted when it is already
-    imported (a torch tensor cannot exist otherwise), so hashing stays light.
+    arrays and tensors of any integer dtype are widened. Anything that is not an
+    integer id in ``[0, 2**63)`` is refused (``TypeError`` for floats, bools and
+    other non-integers, ``ValueError`` for ids out of range), never truncated or
+    wrapped, since two prompts that alias would share KV. torch is only consulted
+    when it is already imported (a torch tensor cannot exist otherwise), so
+    hashing stays light.
     """
     torch_module = sys.modules.get("torch")
     if torch_module is not None and isinstance(tokens, torch_module.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch_module.bool:
+            raise TypeError(f"tokens must be integer ids (any integer dtype), got a tensor of {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
-        if tokens.dtype != _TOKEN_DTYPE:
-            if tokens.dtype.kind not in "iu":
-                raise TypeError(f"tokens must be integers, got an array of {tokens.dtype}")
-            tokens = tokens.astype(_TOKEN_DTYPE)
-        array = tokens
+        array = _integer_ids(tokens)
     else:
-        array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+        try:
+            # array("q") takes Python and numpy integers only: a float, a str or an id past int64 raises.
+            array = np.frombuffer(array_module.array("q", tokens), dtype=_TOKEN_DTYPE)
+        except (TypeError, OverflowError):
+            array = _integer_ids(np.asarray(tokens))  # [1, T] lists, and the precise error for the rest
     if array.ndim == 2 and array.shape[0] == 1:
         array = array[0]
     if array.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional or [1, T], got shape {array.shape}")
+    if len(array) and (lowest := array.item(array.argmin())) < 0:  # argmin and item: a fifth of min()'s cost
+        raise ValueError(f"token ids must be in [0, 2**63), got {lowest}")
     return array
+
+
+def _integer_ids(array: np.ndarray) -> np.ndarray:
+    """An integer array as int64, refusing other dtypes and unsigned ids past int64 (negatives: the caller)."""
+    if array.dtype == _TOKEN_DTYPE:
+        return array
+    if array.dtype.kind == "u" and array.dtype.itemsize == _TOKEN_DTYPE.itemsize and array.size:
+        if (highest := array.item(array.argmax())) > MAX_TOKEN_ID:
+            raise ValueError(f"token ids must be in [0, 2**63), got {highest}")
+    elif array.dtype.kind == "O" and array.size and all(type(t) is int for t in array.flat):
+        wrong = [t for t in array.flat if not 0 <= t <= MAX_TOKEN_ID]
+        if wrong:
+            raise ValueError(f"token ids must be in [0, 2**63), got {wrong[0]}")
+    elif array.dtype.kind not in "iu" and array.size:
+        raise TypeError(f"tokens must be integer ids (any integer dtype), got {array.dtype} values")
+    return array.astype(_TOKEN_DTYPE)
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,23 @@ import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tiercache.config.validate import FieldError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
+if TYPE_CHECKING:
+    import torch
+
+DTYPES: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
 }
+"""The KV dtypes a layout may name (torch's names), with their bytes per element. torch itself is imported
+only when a tensor is made or checked, so a topology is validated without it."""
 
 
 MAX_LAYOUT_DIM = 1 << 20
@@ -46,8 +49,9 @@ class UnsupportedModelError(ValueError):
 
 HF_STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "linear_conv_kernel_dim", "layers_block_type")
 """Config fields that only state-space (Mamba) and hybrid models have."""
-HF_FULL_ATTENTION = "full_attention"
-"""The one ``layer_types`` entry whose cache is plain K/V over every position."""
+HF_PLAIN_KV_LAYERS = frozenset({"full_attention", "sliding_attention"})
+"""``layer_types`` entries whose cache is plain K/V: a sliding layer attends to a window of it, which the
+model's attention mask applies, so a pool that keeps every position serves it like a full layer."""
 
 
 class MemoryOrder(enum.Enum):
@@ -96,10 +100,12 @@ class KVLayout:
         Layers, KV heads and head dim come from the (text) config, ``head_dim`` when
         the config sets it explicitly, else ``hidden_size // num_attention_heads``.
         ``dtype`` defaults to the config's dtype, else float32 (what a model built
-        from a config computes in). A model whose cache is not plain per-layer K/V
-        (sliding-window or chunked layers, state-space or hybrid layers, latent or
-        shared KV, encoder-decoder) raises ``UnsupportedModelError``: caching it as
-        plain K/V would serve wrong KV. Duck-typed: transformers is not imported.
+        from a config computes in). Full and sliding-window attention layers keep
+        plain K/V (the mask applies a window). A model whose cache is not plain
+        per-layer K/V (chunked attention, state-space or linear-attention layers,
+        latent or shared KV, encoder-decoder) raises ``UnsupportedModelError``:
+        caching it as plain K/V would serve wrong KV. Duck-typed: transformers is
+        not imported.
         """
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         reasons = _unsupported_cache_reasons(text)
@@ -113,7 +119,7 @@ class KVLayout:
         if dtype is None:
             configured = text.dtype if hasattr(text, "dtype") else getattr(text, "torch_dtype", None)
             dtype = str(configured).removeprefix("torch.") if configured is not None else "float32"
-        elif isinstance(dtype, torch.dtype):
+        elif not isinstance(dtype, str):  # a torch.dtype
             dtype = str(dtype).removeprefix("torch.")
         return cls(
             num_layers=_hf_field(text, "num_hidden_layers"),
@@ -126,11 +132,13 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return DTYPES[self.dtype]
 
     @property
     def layer_piece_shape(self) -> tuple[int, ...]:
@@ -173,6 +181,8 @@ class KVLayout:
 
     def allocate_pool(self, num_blocks: int, device: str | torch.device) -> list[torch.Tensor]:
         """Zeroed pool tensors on ``device``."""
+        import torch
+
         return [torch.zeros(shape, dtype=self.torch_dtype, device=device) for shape in self.pool_shapes(num_blocks)]
 
     def validate_pool(self, tensors: Sequence[torch.Tensor]) -> int:
@@ -210,11 +220,9 @@ def _unsupported_cache_reasons(config: Any) -> list[str]:
     reasons = []
     if getattr(config, "is_encoder_decoder", False):
         reasons.append("an encoder-decoder cache")
-    layer_types = set(getattr(config, "layer_types", None) or ()) - {HF_FULL_ATTENTION}
+    layer_types = set(getattr(config, "layer_types", None) or ()) - HF_PLAIN_KV_LAYERS
     if layer_types:
         reasons.append(f"layers of type {', '.join(sorted(layer_types))}")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        reasons.append(f"a sliding window of {config.sliding_window} tokens")
     if getattr(config, "attention_chunk_size", None):
         reasons.append("chunked attention")
     state_fields = [name for name in HF_STATE_SPACE_FIELDS if getattr(config, name, None) is not None]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MEMINFO = Path("/proc/meminfo")
 """Linux's memory report; its ``MemAvailable`` line is the kernel's estimate of allocatable memory."""
@@ -35,5 +37,7 @@ HOST_MEMORY_SOURCE = "MemAvailable in /proc/meminfo"
 
 def cuda_memory_available(device: torch.device) -> int:
     """Free bytes on a CUDA device (``torch.cuda.mem_get_info``)."""
+    import torch
+
     free, _total = torch.cuda.mem_get_info(device)
     return free

@@ -1,8 +1,14 @@
-"""Storage tiers, one module each, registered by the ``type`` a YAML topology uses."""
+"""Storage tiers, one module each, registered by the ``type`` a YAML topology uses.
+
+A topology may also name a remote tier outside tiercache by module path
+(``type: mypkg.tiers:S3Tier``): any subclass of ``tiercache.tiers.base.RemoteTier``
+(see ``tiers/base.py`` for the contract, and ``tiercache.testing.conformance``
+for the suite that checks it). Importing this package imports no tier.
+"""
 
 from __future__ import annotations
 
-import importlib
+from tiercache.plugins import PluginError, class_name, find_class, is_module_path
 
 TIER_TYPES: dict[str, str] = {
     "gpu": "tiercache.tiers.gpu:GpuTier",
@@ -18,9 +24,19 @@ LOCAL_TIER_TYPES = ("gpu", "cpu")
 
 
 def tier_class(type_name: str) -> type:
-    """The class registered under ``type_name`` (KeyError if unknown)."""
-    module_name, class_name = TIER_TYPES[type_name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """The class registered under ``type_name``, or the ``RemoteTier`` a module path names.
+
+    ``KeyError`` for an unknown short name; ``PluginError`` (why) for a module
+    path that does not name a concrete ``RemoteTier`` subclass.
+    """
+    from tiercache.tiers.base import RemoteTier  # only when asked: importing the registry imports no tier
+
+    return find_class(type_name, TIER_TYPES, RemoteTier)
 
 
-__all__ = ["LOCAL_TIER_TYPES", "TIER_TYPES", "tier_class"]
+def default_tier_name(type_name: str) -> str:
+    """A tier's name when the topology gives none: its type, or a plug-in's class name."""
+    return class_name(type_name) if is_module_path(type_name) else type_name
+
+
+__all__ = ["LOCAL_TIER_TYPES", "TIER_TYPES", "PluginError", "default_tier_name", "tier_class"]

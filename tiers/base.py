@@ -1,10 +1,34 @@
-"""The interface of tiers below the pinned-CPU swap space (Redis, files, simulated, regional).
+"""The contract of tiers below the pinned-CPU swap space (Redis, files, simulated, regional, and plug-ins).
 
-A remote tier is a key-value store of whole blocks. Its methods are coroutines
-that never block the event loop and never raise on the data path: a failure of
-any kind (refused, timed out, garbage, wrong namespace) is reported as a miss, a
-failed write or an unknown presence in the returned list and counted in ``stats()``. Values carry the
-``tiercache.codec`` header; a read validates it before copying into ``dests``.
+A remote tier is a key-value store of whole blocks. What every remote must do,
+and what this base does for it:
+
+- **Results are values.** Its methods are coroutines that never block the event
+  loop and never raise on the data path: a failure of any kind (refused, timed
+  out, garbage, wrong namespace) is a miss, a failed write or an unknown
+  presence in the returned list, and is counted in ``stats()``.
+- **Presence is three-valued.** ``contains`` answers ``Presence.UNKNOWN`` where
+  the tier could not tell (timeout, breaker open, error): never ``ABSENT``.
+- **Validation before use.** Values carry the ``tiercache.codec`` header; a read
+  reports True only for a value that passed the codec's checks (header, key,
+  namespace, lengths, checksum or MAC). A False read leaves its buffer
+  unspecified; the caller uses no byte of it, and the other keys of the batch
+  are served as if it were not there.
+- **Removal only of what is provably damaged.** A read reports each value that
+  failed to ``self.invalid_values`` (``invalid_values.InvalidValues``), which
+  removes the damaged ones in the background through ``delete_damaged`` and
+  leaves the rest (another namespace or secret, an unknown format).
+- **Named counters.** ``stats()`` (here) is the tier's own ``tier_stats()``,
+  which must count ``hits``, ``misses``, ``bytes_read`` and ``bytes_written``,
+  plus ``invalid_deleted``, ``invalid_kept``, ``invalid_delete_skipped`` and,
+  once anything failed, ``last_error`` (the latest failure with its cause, set
+  through ``note_error``; ``tiercache inspect`` prints it).
+- **Bounded close.** ``close`` returns within a bound whatever the store does;
+  the base stops the background removals within ``CLEANUP_CLOSE_S``.
+
+A new remote tier is a subclass in its own module (or package); a topology
+names it by registered type or by module path (``type: mypkg.tiers:S3Tier``).
+``tiercache.testing.conformance`` checks all of the above for any tier.
 """
 
 from __future__ import annotations
@@ -16,6 +40,22 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tiercache.codec import Codec
+from tiercache.tiers.invalid_values import InvalidValues
+
+CLEANUP_CLOSE_S = 1.0
+"""How long ``close`` lets background removals of damaged values finish before abandoning them."""
+HITS = "hits"
+"""Stats name: keys read and validated into their buffers."""
+MISSES = "misses"
+"""Stats name: keys read that were not served (absent, invalid, failed)."""
+BYTES_READ = "bytes_read"
+"""Stats name: payload bytes served by reads."""
+BYTES_WRITTEN = "bytes_written"
+"""Stats name: bytes stored by writes."""
+LAST_ERROR = "last_error"
+"""Stats name: the latest failure, with its cause (text; present once anything failed)."""
+COUNTED_BY_THE_TIER = (HITS, MISSES, BYTES_READ, BYTES_WRITTEN)
+"""What every ``tier_stats()`` must hold."""
 
 
 class Presence(enum.Enum):
@@ -55,23 +95,50 @@ class RemoteContext:
 
 
 class RemoteTier(ABC):
-    """A block store addressed by key; async, batched, failures as values."""
+    """A block store addressed by key; async, batched, failures as values (see the module docstring)."""
 
     capabilities: ClassVar[Capabilities] = Capabilities()
-    Options: ClassVar[type]
-    """Dataclass of this tier's YAML ``options``; config validation fills it."""
+    Options: ClassVar[type | None] = None
+    """Dataclass of this tier's YAML ``options`` (config validation builds it); None: the tier takes none."""
 
     def __init__(self, context: RemoteContext, options: Any) -> None:
         self.name = context.name
         self.codec = context.codec
         self.block_bytes = context.block_bytes
         self.options = options
+        self.invalid_values = InvalidValues(context.name, self.delete_damaged)
+        """Judges and removes the values reads found invalid (``report`` them there)."""
+        self._last_error: str | None = None
+
+    @property
+    def last_error(self) -> str | None:
+        """The latest failure with its cause (``connect: [Errno 111] Connection refused``), None until one."""
+        return self._last_error
+
+    def note_error(self, error: str) -> None:
+        """Remember a failure for ``last_error`` (called on the event loop, or from one I/O thread at a time)."""
+        self._last_error = error
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Connect or prepare; an unreachable store is not an error (it reads as misses)."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections and background tasks."""
+    async def close(self) -> None:
+        """Release connections and background tasks, within a bound; an override calls ``super().close()``."""
+        await self.invalid_values.close(CLEANUP_CLOSE_S)
+
+    async def settle(self) -> None:
+        """Wait for the background removals of damaged values started so far."""
+        await self.invalid_values.settle()
+
+    async def delete_damaged(self, items: list[Any]) -> int:
+        """Remove values that reads proved damaged (the items reported); how many were removed.
+
+        The default deletes the reported keys with ``delete`` (and counts each
+        one); a tier that can do better (compare-and-delete, a versioned
+        tombstone) overrides it and reports richer items.
+        """
+        await self.delete(items)
+        return len(items)
 
     @abstractmethod
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
@@ -96,5 +163,13 @@ class RemoteTier(ABC):
         """Remove keys; missing keys and failures are ignored."""
 
     @abstractmethod
-    def stats(self) -> dict[str, float]:
-        """Counters: hits, misses, errors by kind, bytes read/written, breaker state."""
+    def tier_stats(self) -> dict[str, float]:
+        """The tier's counters: ``hits``, ``misses``, ``bytes_read``, ``bytes_written``, and its own."""
+
+    def stats(self) -> dict[str, float | str]:
+        """The tier's counters, the contract's (invalid values) and ``last_error`` once anything failed."""
+        out: dict[str, float | str] = dict(self.tier_stats())
+        out.update(self.invalid_values.stats())
+        if self._last_error is not None:
+            out[LAST_ERROR] = self._last_error
+        return out

@@ -1,49 +1,67 @@
 """Checks of a built topology that span fields or need the machine: capacities, policies, memory.
 
-Called by ``tiercache.config`` once every field has its type: local tiers get
-their block counts, ``policy_options`` are checked by constructing the policy,
-and the GPU pool and CPU tier must fit in the memory this machine has available
-(``tiercache.machine``) before anything is allocated.
+Called by ``tiercache.config`` once every field has its type: tier types and
+policies are looked up (by registered name or module path: the class must be a
+``RemoteTier`` / ``EvictionPolicy``), local tiers get their block counts,
+``policy_options`` are checked by constructing the policy, and the GPU pool and
+CPU tier must fit in the memory this machine has available
+(``tiercache.machine``) before anything is allocated. The registries, the tier
+modules and torch are imported only when a topology is checked, never when
+this module is.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
-
-import torch
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tiercache.config.typed import CONVERSION_ERRORS, ConfigError, build_dataclass
 from tiercache.config.validate import MAX_QUEUE_ITEMS, parse_size
-from tiercache.layout import KVLayout
-from tiercache.machine import HOST_MEMORY_SOURCE, cuda_memory_available, host_memory_available
-from tiercache.policies import POLICIES, policy_class
-from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, tier_class
+from tiercache.machine import HOST_MEMORY_SOURCE, host_memory_available
+from tiercache.plugins import PluginError
 
 if TYPE_CHECKING:
     from tiercache.config.topology import TierCacheConfig, TierConfig
+    from tiercache.layout import KVLayout
 
 MAX_ADMIT_AFTER_HITS = 1 << 20
 """Largest ``admit_after_hits``: more hits than that never happen to one block."""
+MODULE_PATH_HINT = "or a module path package.module:Class"
+"""How a tier type or policy outside the registries is written."""
+
+
+def _class_of(
+    value: str, find: Callable[[str], type], registry: dict[str, str], kind: str, field: str, source: str
+) -> type:
+    """The class a tier's ``type`` or ``policy`` names: registered, or a module path to a subclass of ``kind``."""
+    expected = f"one of {sorted(registry)}, {MODULE_PATH_HINT} of {kind}"
+    try:
+        return find(value)
+    except KeyError:
+        raise ConfigError(source, field, expected, value) from None
+    except PluginError as error:
+        raise ConfigError(source, field, f"{expected} ({error})", value) from None
 
 
 def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) -> None:
     """Check one tier in place: type, name, policy and its options, capacity, and build its ``Options``."""
+    from tiercache.policies import POLICIES, policy_class
+    from tiercache.tiers import TIER_TYPES, default_tier_name, tier_class
+
     path = f"tiers[{index}]"
-    if tier.type not in TIER_TYPES:
-        raise ConfigError(source, f"{path}.type", f"one of {sorted(TIER_TYPES)}", tier.type)
+    cls = _class_of(tier.type, tier_class, TIER_TYPES, "a RemoteTier subclass", f"{path}.type", source)
     if tier.name is not None and not tier.name.strip():
         raise ConfigError(source, f"{path}.name", "a non-empty name (or no name: the type is used)", tier.name)
-    tier.name = tier.name or tier.type
-    if tier.policy not in POLICIES:
-        raise ConfigError(source, f"{path}.policy", f"one of {sorted(POLICIES)}", tier.policy)
+    tier.name = tier.name or default_tier_name(tier.type)
+    policy = _class_of(tier.policy, policy_class, POLICIES, "an EvictionPolicy subclass", f"{path}.policy", source)
     if not 1 <= tier.admit_after_hits <= MAX_ADMIT_AFTER_HITS:
         raise ConfigError(
             source, f"{path}.admit_after_hits", f"an integer in [1, {MAX_ADMIT_AFTER_HITS}]", tier.admit_after_hits
         )
     _validate_capacity(tier, path, source, layout)
-    _validate_policy_options(tier, path, source)
-    options_type = getattr(tier_class(tier.type), "Options", None)
+    _validate_policy_options(tier, policy, path, source)
+    options_type = getattr(cls, "Options", None)
     if options_type is not None:
         tier.options = build_dataclass(options_type, tier.options or {}, source, f"{path}.options")
     elif tier.options:
@@ -65,6 +83,8 @@ def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayou
         raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer", tier.capacity_blocks)
     if tier.capacity_blocks is not None and tier.capacity_bytes is not None:
         raise ConfigError(source, f"{path}", "capacity_blocks or capacity_bytes, not both")
+    from tiercache.tiers import LOCAL_TIER_TYPES
+
     if tier.type not in LOCAL_TIER_TYPES:
         return
     if tier.capacity_blocks is None and tier.capacity_bytes is None:
@@ -80,9 +100,8 @@ def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayou
             )
 
 
-def _validate_policy_options(tier: TierConfig, path: str, source: str) -> None:
+def _validate_policy_options(tier: TierConfig, cls: type, path: str, source: str) -> None:
     """Unknown options are named; values are checked by constructing the policy itself."""
-    cls = policy_class(tier.policy)
     accepted = inspect.signature(cls).parameters
     for option in tier.policy_options:
         if option == "capacity" or option not in accepted:
@@ -100,24 +119,43 @@ def _validate_policy_options(tier: TierConfig, path: str, source: str) -> None:
 
 def _validate_local_memory(config: TierCacheConfig) -> None:
     """The GPU pool and the CPU tier must fit in what this machine can allocate now."""
-    source, gpu = config.source, config.tiers[0]
+    device = _cuda_device(config)
+    host_used = 0
+    if device is not None:
+        from tiercache.machine import cuda_memory_available
+
+        _check_fits(config, 0, 0, cuda_memory_available(device), f"free on {device} (torch.cuda.mem_get_info)")
+    else:
+        host_used = _check_fits(config, 0, 0, host_memory_available(), f"available on this host ({HOST_MEMORY_SOURCE})")
+    _validate_cpu_tier_memory(config, host_used)
+
+
+def _cuda_device(config: TierCacheConfig) -> Any:
+    """The CUDA device the GPU pool will use (a checked ``torch.device``), or None when it stays on the CPU.
+
+    torch is imported only here, and only for a device other than ``cpu``.
+    """
+    source, device_name = config.source, config.tiers[0].options.device
     device_path = "tiers[0].options.device"
-    device_name = gpu.options.device
+    if device_name == "cpu":
+        return None
+    import torch
+
     if device_name == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(device_name)
-    host_used = 0
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(source, device_path, "'auto' or 'cpu': CUDA is not available here", device_name)
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                source, device_path, f"a CUDA device index below {torch.cuda.device_count()}", device_name
-            )
-        _check_fits(config, 0, 0, cuda_memory_available(device), f"free on {device} (torch.cuda.mem_get_info)")
-    else:
-        host_used = _check_fits(config, 0, 0, host_memory_available(), f"available on this host ({HOST_MEMORY_SOURCE})")
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        raise ConfigError(source, device_path, "'auto' or 'cpu': CUDA is not available here", device_name)
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(source, device_path, f"a CUDA device index below {torch.cuda.device_count()}", device_name)
+    return device
+
+
+def _validate_cpu_tier_memory(config: TierCacheConfig, host_used: int) -> None:
+    """The CPU tier must fit in host memory, after ``host_used`` bytes of a GPU pool kept on the CPU."""
     if len(config.tiers) > 1 and config.tiers[1].type == "cpu":
         where = f"available on this host ({HOST_MEMORY_SOURCE})"
         if host_used:

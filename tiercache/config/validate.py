@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import re
 from typing import Any
-from urllib.parse import urlparse
 
 MAX_WORKERS = 1024
 """Most threads, connections or worker tasks one tier (or queue) may start."""
@@ -26,12 +25,6 @@ MAX_TIMEOUT_MS = MAX_TIMEOUT_S * 1000.0
 """``MAX_TIMEOUT_S`` for fields given in milliseconds."""
 MAX_RETRIES = 1000
 """Most retries of one operation."""
-MAX_PORT = 65535
-"""Largest TCP port."""
-MAX_REDIS_DB = 1 << 16
-"""Largest Redis logical database index accepted (servers default to 16)."""
-REDIS_SCHEMES = ("redis", "rediss")
-"""URL schemes of a Redis server: plain and TLS."""
 
 _MISSING = object()
 
@@ -110,26 +103,6 @@ def non_empty_string(field: str, value: Any) -> str:
     """A string with at least one non-blank character."""
     if not isinstance(value, str) or not value.strip():
         raise FieldError(field, "a non-empty string", value)
-    return value
-
-
-def redis_url(field: str, value: Any) -> str:
-    """``redis://[user:password@]host[:port][/db]`` (``rediss://`` for TLS), every part well formed."""
-    expected = "a URL redis://[user:password@]host[:port][/db] (or rediss://) with port 1-65535 and an integer db"
-    if not isinstance(value, str):
-        raise FieldError(field, expected, value)
-    try:
-        parsed = urlparse(value)
-        port = parsed.port
-    except ValueError:
-        raise FieldError(field, expected, value) from None
-    if parsed.scheme not in REDIS_SCHEMES or not parsed.hostname or port == 0:
-        raise FieldError(field, expected, value)
-    db = parsed.path.strip("/")
-    if db and not (db.isdigit() and int(db) <= MAX_REDIS_DB):
-        raise FieldError(field, expected, value)
-    if parsed.query or parsed.fragment or parsed.params:
-        raise FieldError(field, expected + " and no query string", value)
     return value
 
 

@@ -113,10 +113,12 @@ def _capacity_text(blocks: int | None, block_bytes: int) -> str:
 async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
     """Start the tier, write, find and delete a probe block; (reachable, detail). Never raises.
 
-    A tier with servers of its own (the regional tier's central and region) is
-    also probed server by server (``probe_stores``): each gets a line, and a
-    server that fails (e.g. rejects the password) makes the tier UNREACHABLE
-    with the cause.
+    A failed probe names its cause: the tier's ``last_error`` (every remote keeps
+    one, see ``tiercache.tiers.base``), e.g. ``connect: [Errno 111] Connection
+    refused``. A tier with servers of its own (the regional tier's central and
+    region) is also probed server by server (``probe_stores``): each gets a
+    line, and a server that fails (e.g. rejects the password) makes the tier
+    UNREACHABLE with the cause.
     """
     started = time.perf_counter()
     stores: list[Any] = []
@@ -128,7 +130,8 @@ async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float =
         if hasattr(tier, "probe_stores"):
             stores = await asyncio.wait_for(tier.probe_stores(key), timeout)
     except (asyncio.TimeoutError, TimeoutError):
-        return False, f"no answer within {timeout:.1f}s"
+        cause = f" (last error: {tier.last_error})" if getattr(tier, "last_error", None) else ""
+        return False, f"no answer within {timeout:.1f}s{cause}"
     except Exception as error:
         return False, f"{type(error).__name__}: {error}"
     finally:
@@ -146,7 +149,8 @@ async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float =
     if written == [True] and found == [Presence.HELD]:
         return True, f"put/contains/delete of a probe block ok in {elapsed_ms:.1f} ms" + store_lines
     read_back = "ok" if found == [Presence.HELD] else "failed"
-    return False, f"probe write {'ok' if written == [True] else 'failed'}, read back {read_back}" + store_lines
+    cause = f" ({tier.last_error})" if getattr(tier, "last_error", None) else ""
+    return False, f"probe write {'ok' if written == [True] else 'failed'}, read back {read_back}{cause}" + store_lines
 
 
 def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, bool]:

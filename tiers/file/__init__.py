@@ -10,9 +10,10 @@ keeps an index of key -> (segment, offset, length) from its own writes and from
 scanning the new tails of other writers' segments (on a miss and at every GC
 pass), so processes and hosts sharing the directory see each other's commits.
 A torn or unfinished write is a miss, never wrong KV (``records``); a value that
-fails validation on read is tombstoned (deleted for every reader) and counted
-(``invalid_deleted``). ``delete`` appends tombstones. All file I/O runs in
-a thread pool, never on the event loop.
+fails validation on read is a miss, and, when the reader can prove it damaged
+(the ``RemoteTier`` contract), tombstoned in the background (deleted for every
+reader) and counted (``invalid_deleted``). ``delete`` appends tombstones. All
+file I/O runs in a thread pool, never on the event loop.
 
 Capacity (``capacity``): ``max_bytes`` and/or ``max_blocks`` (one is required;
 ``max_blocks`` is counted as that many full-size records' bytes). A batch

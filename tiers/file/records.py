@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tiercache.codec import FORMAT_VERSION, HEADER, MAGIC, Codec, DecodeStatus
-
 RECORD_MAGIC = b"TCSG"
 RECORD = struct.Struct("<4sB3x16sQQ")
 RECORD_CHECK = struct.Struct("<Q")
@@ -93,26 +91,3 @@ def scan(fd: int, start: int, end: int, max_body: int) -> tuple[list[Record], in
         records.append(Record(kind, key, version, offset + RECORD_HEADER_SIZE, length))
         offset += RECORD_HEADER_SIZE + length
     return records, offset
-
-
-def verify_in_place(codec: Codec, key: bytes, header: memoryview, payload: memoryview) -> DecodeStatus:
-    """Validate an uncompressed value read as (codec header, payload already in the destination).
-
-    The checks of ``Codec.decode_into`` without its copy: the destination holds
-    unvalidated bytes until this returns OK, which the ``RemoteTier`` contract
-    allows (a False read leaves its buffer unspecified).
-    """
-    magic, fmt, flags, _, fingerprint, stored_key, _version, stored_len, raw_len, checksum = HEADER.unpack_from(header)
-    if magic != MAGIC:
-        return DecodeStatus.BAD_MAGIC
-    if fmt != FORMAT_VERSION or flags:
-        return DecodeStatus.BAD_FORMAT
-    if fingerprint != codec.fingerprint:
-        return DecodeStatus.WRONG_NAMESPACE
-    if stored_key != key:
-        return DecodeStatus.WRONG_KEY
-    if stored_len != len(payload) or raw_len != len(payload):
-        return DecodeStatus.BAD_LENGTH
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
-        return DecodeStatus.BAD_CHECKSUM
-    return DecodeStatus.OK

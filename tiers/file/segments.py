@@ -24,8 +24,8 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from tiercache.tiers.file.capacity import (
 )
 from tiercache.tiers.file.index import Entry, SegmentIndex
 from tiercache.tiers.file.options import FileOptions
-from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header, verify_in_place
+from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 """Most buffers one ``pwritev`` / ``preadv`` takes."""
@@ -76,8 +76,20 @@ class _Active:
 class SegmentStore:
     """One writer's view of a tier directory: reservations, appends, index, reads, GC."""
 
-    def __init__(self, root: Path, options: FileOptions, codec: Codec, block_bytes: int, counts: Counter) -> None:
+    def __init__(
+        self,
+        root: Path,
+        options: FileOptions,
+        codec: Codec,
+        block_bytes: int,
+        counts: Counter,
+        note_error: Callable[[str], None],
+    ) -> None:
         self.root = root
+        self.note_error = note_error
+        """Told each I/O failure in words (the tier's ``last_error``)."""
+        self.found_invalid: deque[tuple[tuple[bytes, int], DecodeStatus]] = deque()
+        """Values reads found invalid, as ((key, version), status), until the tier takes them."""
         self.options = options
         self.codec = codec
         self.max_body = HEADER_SIZE + block_bytes
@@ -187,7 +199,7 @@ class SegmentStore:
             if count != expected:
                 results[index] = self._read_one(keys[index], entry, views[index])
                 continue
-            status = verify_in_place(self.codec, keys[index], header, views[index])
+            status = self.codec.check_in_place(keys[index], header, views[index])
             results[index] = ReadResult.HIT if status is DecodeStatus.OK else self._invalid(keys[index], entry, status)
 
     def _read_one(self, key: bytes, entry: Entry, dest: memoryview) -> ReadResult | DecodeStatus:
@@ -206,9 +218,8 @@ class SegmentStore:
         return ReadResult.HIT if status is DecodeStatus.OK else self._invalid(key, entry, status)
 
     def _invalid(self, key: bytes, entry: Entry, status: DecodeStatus) -> DecodeStatus:
-        """A value that failed validation: delete it (this version, for every reader) and count it."""
-        self.delete([key], entry.version)
-        self.counts["invalid_deleted"] += 1
+        """A value that failed validation: noted in ``found_invalid`` (the tier judges, and removes the damaged)."""
+        self.found_invalid.append(((key, entry.version), status))
         return status
 
     # -- writes ------------------------------------------------------------
@@ -238,8 +249,9 @@ class SegmentStore:
                 _pwrite_all(active.fd, [header], at)
             if self.options.fsync:
                 os.fdatasync(active.fd)
-        except OSError:
+        except OSError as error:
             self.counts["put_io_error"] += len(keys)
+            self.note_error(f"put: {error}")
             self._retire(active)
             return [False] * len(keys)
         finally:
@@ -311,6 +323,7 @@ class SegmentStore:
                 self.usage = usage + total
         except OSError as error:
             self.counts["put_nospace" if error.errno == errno.ENOSPC else "put_io_error"] += blocks
+            self.note_error(f"put: {error}")
             return None
         finally:
             self._record_freed(freed)

@@ -32,7 +32,7 @@ class FileTier(RemoteTier):
         self.codec = context.codec.variant(compress=options.compress)
         self.root = Path(options.path)
         self._counts: Counter = Counter()
-        self.store = SegmentStore(self.root, options, self.codec, self.block_bytes, self._counts)
+        self.store = SegmentStore(self.root, options, self.codec, self.block_bytes, self._counts, self.note_error)
         self._executor: ThreadPoolExecutor | None = None
         self._gc_task: asyncio.Task | None = None
 
@@ -45,11 +45,13 @@ class FileTier(RemoteTier):
             await self._in_thread(self.root.mkdir, parents=True, exist_ok=True)
         except OSError as error:
             logger.warning("file tier %s: cannot create %s: %s", self.name, self.root, error)
+            self.note_error(f"start: cannot create {self.root}: {error}")
         await self.gc()
         self._gc_task = asyncio.get_running_loop().create_task(self._periodic_gc())
 
     async def close(self) -> None:
-        """Stop the GC, wait for the I/O threads (off the event loop), close the segments."""
+        """Stop the removals of damaged values and the GC, wait for the I/O threads (off the loop), close."""
+        await super().close()
         if self._gc_task is not None:
             self._gc_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -83,6 +85,7 @@ class FileTier(RemoteTier):
         except OSError as error:
             self._counts["io_errors"] += 1
             logger.warning("file tier %s: %s", self.name, error)
+            self.note_error(f"{getattr(fn, '__name__', 'io')}: {error}")
             return None
 
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
@@ -114,6 +117,8 @@ class FileTier(RemoteTier):
         for chunk, chunk_results in zip(chunks, results, strict=True):
             for index, result in zip(chunk, chunk_results or [ReadResult.IO_ERROR] * len(chunk), strict=True):
                 outcomes[index] = result
+        found = self.store.found_invalid
+        self.invalid_values.report(found.popleft() for _ in range(len(found)))
         for outcome in outcomes:
             self._counts[f"get_{outcome.value}"] += 1
         hits = outcomes.count(ReadResult.HIT)
@@ -133,6 +138,14 @@ class FileTier(RemoteTier):
         known = await self._guarded(self.store.delete, keys)
         self._counts["delete_ok"] += known or 0
 
+    async def delete_damaged(self, items: list[tuple[bytes, int]]) -> int:
+        """Tombstone each damaged (key, version): that version goes for every reader, a newer one stays."""
+
+        def tombstone() -> int:
+            return sum(self.store.delete([key], version) for key, version in items)
+
+        return await self._guarded(tombstone) or 0
+
     # -- capacity ------------------------------------------------------------
 
     async def gc(self) -> None:
@@ -146,15 +159,15 @@ class FileTier(RemoteTier):
 
     # -- stats -------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
+    def tier_stats(self) -> dict[str, float]:
         """``<op>_<outcome>`` counts, hits/misses, bytes, usage, GC counters."""
         out = {name: float(count) for name, count in self._counts.items()}
         hits = self._counts["get_hit"]
-        gets = sum(
-            count for name, count in self._counts.items() if name.startswith("get_") and name != "get_invalid_deleted"
-        )
+        gets = sum(count for name, count in self._counts.items() if name.startswith("get_"))
         out["hits"] = float(hits)
         out["misses"] = float(gets - hits)
+        out["bytes_read"] = float(self._counts["bytes_read"])
+        out["bytes_written"] = float(self._counts["bytes_written"])
         out["used_bytes"] = float(self.store.usage)
         out["used_blocks"] = float(self.store.blocks)
         return out

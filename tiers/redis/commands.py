@@ -42,7 +42,7 @@ SET_GROUP_VALUES = 8
 """SETs are checksummed and sent in groups of this many values (at most a third of the window),
 so that the server stores the first group while the next is checksummed."""
 INVALID_OUTCOMES = frozenset(status.value for status in DecodeStatus if status is not DecodeStatus.OK)
-"""A value that failed validation: the tier deletes it so that it can be stored again."""
+"""A value that failed validation: reported to the tier's ``invalid_values``, which removes it if damaged."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ class GetJob(Job):
         self.dests = dests
         self.results = results
         self.hits = 0
-        self.invalid: list[int] = []
-        """Indices whose value failed validation."""
+        self.invalid: list[tuple[int, DecodeStatus]] = []
+        """Indices whose value failed validation, and why."""
 
     def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
         keys = self.redis_keys
@@ -131,7 +131,7 @@ class GetJob(Job):
     def _count(self, position: int, outcome: str) -> None:
         self.outcomes[outcome] += 1
         if outcome in INVALID_OUTCOMES:
-            self.invalid.append(position)
+            self.invalid.append((position, DecodeStatus(outcome)))
 
     def finish(self) -> None:
         if self.hits:

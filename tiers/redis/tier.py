@@ -57,11 +57,8 @@ class RedisTier(RemoteTier):
         self._refresh_task: asyncio.Task | None = None
         self._last_refresh = 0.0
         self._counts: Counter = Counter()
-        self._cleanups: set[asyncio.Task] = set()
         self._next_lane = 0
         """Calls that are not spread over a node's lanes take them in turn."""
-        self.last_error: str | None = None
-        """The most recent failure or error reply, with its cause (``auth_wrongpass: WRONGPASS ...``)."""
 
     # -- routing ---------------------------------------------------------
 
@@ -124,10 +121,6 @@ class RedisTier(RemoteTier):
         self._counts["cluster_refresh_failures"] += 1
         return False
 
-    def note_error(self, error: str) -> None:
-        """Remember the most recent error for ``stats()`` (called on the event loop)."""
-        self.last_error = error
-
     # -- lifecycle -------------------------------------------------------
 
     async def start(self) -> None:
@@ -138,13 +131,8 @@ class RedisTier(RemoteTier):
             return
         await self._node(*self._seed).call(ControlJob(b"PING"))  # a failure is logged with its cause
 
-    async def settle(self) -> None:
-        """Wait for the background deletions of invalid values started so far."""
-        while self._cleanups:
-            await asyncio.gather(*self._cleanups, return_exceptions=True)
-
     async def close(self) -> None:
-        await self.settle()
+        await super().close()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -191,25 +179,23 @@ class RedisTier(RemoteTier):
             jobs = await self._run(
                 "get", keys, lambda chunk: GetJob(self._plan, chunk, keys, rkeys, dests, results), True
             )
-            invalid = [keys[i] for job in jobs if isinstance(job, GetJob) for i in job.invalid]
-            if invalid:
-                task = asyncio.get_running_loop().create_task(self._delete_invalid(invalid))
-                self._cleanups.add(task)
-                task.add_done_callback(self._cleanups.discard)
+            self.invalid_values.report(
+                (keys[i], status) for job in jobs if isinstance(job, GetJob) for i, status in job.invalid
+            )
         return results
 
-    async def _delete_invalid(self, keys: list[bytes]) -> None:
-        """Delete values that failed validation, so that the next store of those blocks rewrites them.
+    async def delete_damaged(self, items: list[bytes]) -> int:
+        """UNLINK values a read proved damaged, so that the next store of those blocks rewrites them.
 
         Off the read's path and best-effort: a failure is counted like any
-        delete's (``invalid_delete_<outcome>``); ``invalid_deleted`` counts the
-        values removed. A value rewritten since it was read is removed too: a
-        lost block, never a wrong one.
+        delete's (``invalid_delete_<outcome>``); returns the values removed. A
+        value rewritten since it was read is removed too: a lost block, never a
+        wrong one.
         """
-        rkeys = self.redis_keys(keys)
-        held = [Presence.UNKNOWN] * len(keys)  # UNLINK answers 1 where the key was there (and is now removed)
-        await self._run("invalid_delete", keys, lambda chunk: KeysJob(b"UNLINK", chunk, rkeys, held, "gone"), False)
-        self._counts["invalid_deleted"] += held.count(Presence.HELD)
+        rkeys = self.redis_keys(items)
+        held = [Presence.UNKNOWN] * len(items)  # UNLINK answers 1 where the key was there (and is now removed)
+        await self._run("invalid_delete", items, lambda chunk: KeysJob(b"UNLINK", chunk, rkeys, held, "gone"), False)
+        return held.count(Presence.HELD)
 
     async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         results = [False] * len(keys)
@@ -239,12 +225,9 @@ class RedisTier(RemoteTier):
 
     # -- stats -------------------------------------------------------------
 
-    def stats(self) -> dict[str, float | str]:
-        """``<op>_<outcome>`` counts per block, hits/misses, bytes, breaker and connection state,
-        and ``last_error`` (text) once anything failed."""
-        out: dict[str, float | str] = {k: float(v) for k, v in self._counts.items()}
-        if self.last_error is not None:
-            out["last_error"] = self.last_error
+    def tier_stats(self) -> dict[str, float]:
+        """``<op>_<outcome>`` counts per block, hits/misses, bytes, breaker and connection state."""
+        out = {k: float(v) for k, v in self._counts.items()}
         hits = self._counts["get_hit"]
         gets = sum(v for k, v in self._counts.items() if k.startswith("get_"))
         out["hits"] = float(hits)

@@ -12,11 +12,9 @@ One concept per module:
 - ``stores``: ``CentralStore`` and ``RegionStore``, block operations on each.
 - ``replicator``: bounded background replication of a region's writes to central.
 - ``invalidation``: drops stale regional copies on central's published updates.
-- ``cleanup``: deletes values that failed validation from their store.
 - ``diagnosis``: names, counts and logs why calls fail (auth, ACL, OOM, unreachable).
 - ``retention``: checks at start that a full central will not stop replication.
 - ``probe``: probes central and region apart (``tiercache inspect``).
-- ``shutdown``: bounded stops of background tasks.
 """
 
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode

@@ -96,8 +96,18 @@ def display_url(url: str) -> str:
 class Diagnosis:
     """Failure causes of one server (``role``: central or region), counted and logged."""
 
-    def __init__(self, tier: str, role: str, url: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tier: str,
+        role: str,
+        url: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_record: Callable[[str], None] | None = None,
+    ) -> None:
         self.tier = tier
+        self.on_record = on_record
+        """Told each failure in words (the tier's ``note_error``, so its ``last_error`` names the cause)."""
         self.role = role
         self.where = display_url(url)
         self.counts = dict.fromkeys(Cause, 0)
@@ -121,6 +131,8 @@ class Diagnosis:
         self.counts[cause] += 1
         self.last = cause
         self.last_error = str(error)
+        if self.on_record is not None:
+            self.on_record(f"{self.role} {self.where}: {what}: {cause.name}: {error}")
         self._unlogged[cause] += 1
         now = self._clock()
         logged_at = self._logged_at.get(cause)

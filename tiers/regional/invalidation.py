@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import RegionStore
 from tiercache.tiers.regional.versions import U64
+from tiercache.tiers.shutdown import stop_tasks
 
 log = logging.getLogger(__name__)
 KEY_BYTES = 16

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.breaker import CircuitBreaker
-from tiercache.codec import CHECKSUM_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec
+from tiercache.codec import CHECKSUM_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec, DecodeStatus
 from tiercache.tiers.base import Presence
 from tiercache.tiers.redis.commands import (
     BYTES,
@@ -107,8 +107,8 @@ class Read:
     """What a read into the destinations found: ``results[i]`` True where ``dests[i]`` holds a valid value."""
 
     results: list[bool]
-    invalid: list[int]
-    """Positions whose value failed validation."""
+    invalid: list[tuple[int, DecodeStatus]]
+    """Positions whose value failed validation, and why."""
     versions: list[int]
     """Each hit's version (versioned reads only)."""
     checksums: list[bytes]

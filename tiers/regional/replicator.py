@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
+from tiercache.tiers.shutdown import stop_tasks
 
 log = logging.getLogger(__name__)
 MS_PER_SECOND = 1000.0

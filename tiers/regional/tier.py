@@ -29,23 +29,24 @@ plane (Lua commits, refreshes and stamps, pub/sub, CONFIG) stays on redis-py.
 
 Failures: garbage (a value shorter than a header, a corrupt value, a version key
 that is not a number) is a miss for its own key only, counted
-(``invalid_values``, ``invalid_versions``), and an invalid value is deleted from
-the store it was read from in the background (``cleanup``); failures of central
-and region are counted by cause (``diagnosis``: NOAUTH, WRONGPASS, NOPERM, OOM,
-unreachable); ``close`` is bounded (``shutdown``).
+(``invalid_values``, ``invalid_versions``), and a value proved damaged is deleted
+from the store it was read from in the background (the ``RemoteTier`` base's
+``invalid_values``; here only while it is still the value that was read);
+failures of central and region are counted by cause (``diagnosis``: NOAUTH,
+WRONGPASS, NOPERM, OOM, unreachable) and the latest is ``last_error``; ``close``
+is bounded (``tiers/shutdown``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import ClassVar
 
-from tiercache.codec import Decoded
+from tiercache.codec import Decoded, DecodeStatus
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
-from tiercache.tiers.regional.cleanup import Cleaner
 from tiercache.tiers.regional.client import GuardedClient, connect
 from tiercache.tiers.regional.diagnosis import Diagnosis
 from tiercache.tiers.regional.invalidation import Invalidator
@@ -54,11 +55,13 @@ from tiercache.tiers.regional.plane import Plane, Read
 from tiercache.tiers.regional.probe import StoreProbe, probe_central, probe_region
 from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
 from tiercache.tiers.regional.retention import Retention, check_retention
-from tiercache.tiers.regional.shutdown import stop_tasks
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
 from tiercache.tiers.regional.versions import value_checksum
+from tiercache.tiers.shutdown import stop_tasks
 
 MS_PER_SECOND = 1000.0
+Damaged = tuple["CentralStore | RegionStore", bytes, "bytes | None"]
+"""A value a read found invalid: the store it came from, its key, and the value when read whole."""
 
 
 class RegionalTier(RemoteTier):
@@ -78,7 +81,6 @@ class RegionalTier(RemoteTier):
         self.invalidator: Invalidator | None = None
         self.retention = Retention.UNKNOWN
         """What central does when full, as read at start (``retention.check_retention``)."""
-        self.cleaner = Cleaner(f"{context.name}-invalid")
         self._own: dict[bytes, bytes] = {}
         """This node's acknowledged writes awaiting a central version: key -> checksum."""
         self.counters: dict[str, float] = {
@@ -131,7 +133,7 @@ class RegionalTier(RemoteTier):
     def _server(self, url: str, role: str) -> tuple[GuardedClient, Plane]:
         """The control-plane client and the data path of one server, sharing its breaker."""
         options = self.options.redis_options(url)
-        diagnosis = Diagnosis(self.name, role, url)
+        diagnosis = Diagnosis(self.name, role, url, on_record=self.note_error)
         plane = Plane(f"{self.name}-{role}", options, self.codec, self.block_bytes, diagnosis)
         return GuardedClient(connect(options), plane.breaker, diagnosis), plane
 
@@ -152,7 +154,7 @@ class RegionalTier(RemoteTier):
             flush = loop.create_task(self.replicator.flush(), name="tiercache-close-flush")
             flush_s = options.close_flush_ms / MS_PER_SECOND
             await stop_tasks([flush], grace_s=flush_s, cancel_s=timeout_s, what=self.name)
-        parts = (self.replicator, self.invalidator, self.cleaner)
+        parts = (self.replicator, self.invalidator, self.invalid_values)
         stopping = [part.close(timeout_s) for part in parts if part is not None]
         abandoned += sum(await asyncio.gather(*stopping))
         clients = [
@@ -179,7 +181,7 @@ class RegionalTier(RemoteTier):
         tasks = list(self.replicator.workers) if self.replicator is not None else []
         if self.invalidator is not None:
             tasks.append(self.invalidator.task)
-        return tasks + self.cleaner.tasks()
+        return tasks + self.invalid_values.tasks()
 
     async def flush(self) -> None:
         """Wait until this node's queued replications have been committed or given up."""
@@ -201,28 +203,48 @@ class RegionalTier(RemoteTier):
 
     # ---- reads -----------------------------------------------------------------------
     def _decode(
-        self, key: bytes, value: bytes | None, dest: memoryview, invalid: list[tuple[bytes, bytes]]
+        self, key: bytes, value: bytes | None, dest: memoryview, invalid: list[tuple[Damaged, DecodeStatus]]
     ) -> Decoded | None:
-        """Validate ``value`` into ``dest``; a value that fails is counted and added to ``invalid``."""
+        """Validate central's ``value`` into ``dest``; a value that fails is counted and added to ``invalid``."""
         if value is None:
             return None
         decoded = self.codec.decode_into(key, value, dest)
         if not decoded.ok:
             self.counters["invalid_values"] += 1
-            invalid.append((key, value))
+            invalid.append(((self.central, key, value), decoded.status))
             return None
         return decoded
 
-    def _fails(self, key: bytes, value: bytes) -> bool:
-        """Whether ``value`` (read again for deletion) still fails validation."""
-        return not self.codec.decode_into(key, value, memoryview(bytearray(self.block_bytes))).ok
+    def _damaged(self, key: bytes, value: bytes) -> bool:
+        """Whether ``value`` (read again for deletion) is still provably damaged."""
+        return self.codec.decode_into(key, value, memoryview(bytearray(self.block_bytes))).status.damaged
 
     def _discard_invalid(self, store: CentralStore | RegionStore, keys: Sequence[bytes], read: Read) -> None:
-        """Count the values ``read`` found invalid and delete them from ``store`` in the background."""
+        """Count the values ``read`` found invalid; report them (the damaged are deleted from ``store``)."""
         if read.invalid:
             self.counters["invalid_values"] += len(read.invalid)
-            discard = functools.partial(store.discard_invalid, invalid=self._fails)
-            self.cleaner.discard(discard, [keys[i] for i in read.invalid])
+            self.invalid_values.report(((store, keys[i], None), status) for i, status in read.invalid)
+
+    async def delete_damaged(self, items: list[Damaged]) -> int:
+        """Delete damaged values from the store they were read from, unless rewritten since.
+
+        A value read whole (from central) is deleted only while it is still that
+        value; one read straight into a buffer is read again and deleted only if
+        still damaged.
+        """
+        read_whole: dict[CentralStore | RegionStore, list[tuple[bytes, bytes]]] = defaultdict(list)
+        read_again: dict[CentralStore | RegionStore, list[bytes]] = defaultdict(list)
+        for store, key, value in items:
+            if value is None:
+                read_again[store].append(key)
+            else:
+                read_whole[store].append((key, value))
+        removed = 0
+        for store, pairs in read_whole.items():
+            removed += await store.discard(pairs)
+        for store, keys in read_again.items():
+            removed += await store.discard_invalid(keys, invalid=self._damaged)
+        return removed
 
     def _count(self, results: list[bool]) -> list[bool]:
         hits = sum(results)
@@ -311,7 +333,7 @@ class RegionalTier(RemoteTier):
         fetched = await self.central.read([keys[i] for i in indices]) or [None] * len(indices)
         self.counters["central_reads"] += len(indices)
         refresh = []
-        invalid: list[tuple[bytes, bytes]] = []
+        invalid: list[tuple[Damaged, DecodeStatus]] = []
         for i, floor, value in zip(indices, floors, fetched, strict=True):
             decoded = self._decode(keys[i], value, dests[i], invalid)
             if decoded is None or decoded.version < floor:
@@ -319,7 +341,7 @@ class RegionalTier(RemoteTier):
             assert value is not None
             results[i] = True
             refresh.append((keys[i], value, decoded.version))
-        self.cleaner.discard(self.central.discard, invalid)
+        self.invalid_values.report(invalid)
         if refresh:
             self.counters["refreshed"] += sum(await self.region.refresh(refresh))
 
@@ -354,13 +376,8 @@ class RegionalTier(RemoteTier):
         elif self.central is not None:
             await self.central.delete(keys)
 
-    def stats(self) -> dict[str, float]:
-        stats = {
-            **self.counters,
-            "own_unreplicated": len(self._own),
-            "invalid_deleted": self.cleaner.deleted,
-            "invalid_delete_skipped": self.cleaner.skipped,
-        }
+    def tier_stats(self) -> dict[str, float]:
+        stats = {**self.counters, "own_unreplicated": len(self._own)}
         if self.central is not None:
             stats.update(self.central.server.stats("central"))
             stats.update(self.central.plane.stats("central"))

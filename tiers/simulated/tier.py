@@ -65,7 +65,6 @@ class SimulatedTier(RemoteTier):
             "errors": 0,
             "timeouts": 0,
             "corrupt": 0,
-            "invalid_deleted": 0,
             "down_rejections": 0,
             "bytes_read": 0,
             "bytes_written": 0,
@@ -79,6 +78,7 @@ class SimulatedTier(RemoteTier):
     async def close(self) -> None:
         for gate in self._gates.values():
             gate.set()
+        await super().close()
 
     def set_down(self, down: bool) -> None:
         """Fail every request (as a refused connection would) until called with False."""
@@ -132,10 +132,12 @@ class SimulatedTier(RemoteTier):
             await asyncio.sleep(delay / MS_PER_SECOND)
         if self._is_down():
             self.counters["down_rejections"] += 1
+            self.note_error(f"{kind}: the simulated store is down (set_down or down_windows_s)")
             return False
         if options.timeout_rate and self._rng.random() < options.timeout_rate:
             await asyncio.sleep(options.timeout_ms / MS_PER_SECOND)
             self.counters["timeouts"] += 1
+            self.note_error(f"{kind}: simulated timeout after {options.timeout_ms:g} ms (timeout_rate)")
             return False
         return True
 
@@ -149,9 +151,10 @@ class SimulatedTier(RemoteTier):
         self.in_flight += delta
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
-    def _fails(self) -> bool:
+    def _fails(self, kind: str) -> bool:
         if self.options.error_rate and self._rng.random() < self.options.error_rate:
             self.counters["errors"] += 1
+            self.note_error(f"{kind}: simulated error (error_rate)")
             return True
         return False
 
@@ -162,7 +165,8 @@ class SimulatedTier(RemoteTier):
             if not await self._enter("contains", len(keys)):
                 return [Presence.UNKNOWN] * len(keys)
             await self._transfer([KEY_BYTES_ON_WIRE] * len(keys))
-            return [Presence.UNKNOWN if self._fails() else Presence.of(key in self.store.data) for key in keys]
+            data = self.store.data
+            return [Presence.UNKNOWN if self._fails("contains") else Presence.of(key in data) for key in keys]
         finally:
             self._track(-1)
 
@@ -179,7 +183,7 @@ class SimulatedTier(RemoteTier):
             results = []
             for key, dest in zip(keys, dests, strict=True):
                 value = data.get(key)
-                if value is None or self._fails():
+                if value is None or self._fails("get"):
                     self.counters["misses"] += 1
                     results.append(False)
                     continue
@@ -190,13 +194,12 @@ class SimulatedTier(RemoteTier):
                 if not decoded.ok:
                     self.counters["corrupt"] += 1
                     self.counters["misses"] += 1
-                    if not garbled:  # the stored value itself is bad: remove it, so a store rewrites it
-                        data.pop(key, None)
-                        self.counters["invalid_deleted"] += 1
+                    if not garbled:  # the stored value itself failed: judged (and removed if damaged)
+                        self.invalid_values.report([((key, value), decoded.status)])
                     results.append(False)
                     continue
                 self.counters["hits"] += 1
-                self.counters["bytes_read"] += len(value)
+                self.counters["bytes_read"] += len(dest)
                 results.append(True)
             return results
         finally:
@@ -211,7 +214,7 @@ class SimulatedTier(RemoteTier):
             await self._transfer([len(value) for value in values])
             results = []
             for key, value in zip(keys, values, strict=True):
-                if self._fails():
+                if self._fails("put"):
                     results.append(False)
                     continue
                 self.store.save(key, value)
@@ -226,7 +229,16 @@ class SimulatedTier(RemoteTier):
             for key in keys:
                 self.store.data.pop(key, None)
 
-    def stats(self) -> dict[str, float]:
+    async def delete_damaged(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Remove each damaged (key, value) still stored as read (not a value rewritten since)."""
+        data, removed = self.store.data, 0
+        for key, value in items:
+            if data.get(key) is value:
+                del data[key]
+                removed += 1
+        return removed
+
+    def tier_stats(self) -> dict[str, float]:
         return {
             **self.counters,
             "entries": len(self.store.data),

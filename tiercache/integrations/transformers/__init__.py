@@ -1,10 +1,13 @@
 """Hugging Face ``transformers`` on tiercache (the ``hf`` extra: ``pip install 'tiercache[hf]'``).
 
 ``PagedCache`` is a ``transformers`` cache whose K/V live in a request's pool
-blocks; ``CachedModel`` serves requests through tiercache the way an engine does.
+blocks; ``CachedModel`` serves requests through tiercache the way an engine does,
+each a ``Turn``, under the model's ``ModelIdentity``.
 """
 
-from tiercache.integrations.transformers.driver import CachedModel, FirstTokenClock, Turn
+from tiercache.integrations.transformers.driver import CachedModel
+from tiercache.integrations.transformers.identity import ModelIdentity
 from tiercache.integrations.transformers.paged_cache import PagedCache, PagedLayer
+from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
 
-__all__ = ["CachedModel", "FirstTokenClock", "PagedCache", "PagedLayer", "Turn"]
+__all__ = ["CachedModel", "FirstTokenClock", "ModelIdentity", "PagedCache", "PagedLayer", "Turn"]

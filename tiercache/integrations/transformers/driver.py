@@ -11,11 +11,18 @@ Two ways to use it:
 
 * ``CachedModel(model, mgr).generate(input_ids, max_new_tokens=...)`` runs
   ``model.generate`` on the request's ``PagedCache`` and returns the finished
-  ``Turn`` (output, tokens reused per tier, time to first token).
+  ``Turn`` (output, tokens reused per tier, time to first token). Beam search
+  and several sequences per prompt run too: the prompt is prefilled on the
+  pool and stored, the beams decode on a ``DynamicCache`` transformers can
+  reorder (see ``generate``).
 * ``with cached.begin(input_ids, max_new_tokens) as turn:`` hands ``turn.cache``
   to the caller's own ``model.generate(...)`` or forward passes;
   ``turn.finish(sequences)`` stores the KV and releases the blocks (leaving the
   block without ``finish`` releases them unstored).
+
+Every key carries the model's identity (``ModelIdentity``: config, name,
+dtype, and the weights where nothing else names them), so a different model
+on the same topology never reuses this one's KV.
 
 It is a synchronous reference driver for one request at a time; an engine's
 scheduler interleaves the same calls across requests (see README).
@@ -23,117 +30,42 @@ scheduler interleaves the same calls across requests (see README).
 
 from __future__ import annotations
 
+import inspect
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from tiercache import CapacityError
+from tiercache.integrations.transformers.identity import ModelIdentity
 from tiercache.integrations.transformers.paged_cache import PagedCache
+from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
 from tiercache.keys import Tokens, token_array
 from tiercache.layout import KVLayout
 from tiercache.paged import PagedKV, blocks_needed
 
 if TYPE_CHECKING:
-    from tiercache import Lookup, TierManager, Transfer
+    from tiercache import Lookup, TierManager
 
-__all__ = ["CachedModel", "FirstTokenClock", "Turn"]
-
-PROMPT_AND_FIRST_TOKEN = 2
-"""``generate`` hands a streamer the prompt first, then each new token: the second call is the first token."""
-
-
-class FirstTokenClock(BaseStreamer):
-    """A ``generate`` streamer that notes when the first new token is out (time to first token)."""
-
-    def __init__(self) -> None:
-        """The clock starts now (create it before the request's lookup to count lookup and load)."""
-        self.started = time.perf_counter()
-        self.first_token_at: float | None = None
-        self._calls = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        """Called by ``generate`` with the prompt, then with each new token."""
-        self._calls += 1
-        if self._calls == PROMPT_AND_FIRST_TOKEN:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        """Nothing to flush."""
-
-    @property
-    def seconds(self) -> float | None:
-        """From the clock's creation to the first new token (None before it)."""
-        return None if self.first_token_at is None else self.first_token_at - self.started
-
-
-@dataclass(eq=False)
-class Turn:
-    """One request served through tiercache: its blocks, its cache, and what was reused for it."""
-
-    manager: TierManager
-    input_ids: torch.Tensor
-    """The prompt, ``[1, T]`` on the model's device (pass it to ``model.generate`` whole)."""
-    block_table: list[int]
-    cache: PagedCache
-    reused: dict[str, int]
-    """Prompt tokens whose KV came from each tier, fastest tier first."""
-    cached_tokens: int
-    prepare_s: float
-    """Seconds for lookup, allocate and load."""
-    extra: bytes | str | None = None
-    stored: Transfer | None = None
-    """``store``'s handle once finished: ``stored.result()`` waits until the blocks are indexed and copied down."""
-    output: Any = None
-    """``model.generate``'s return value (``CachedModel.generate`` only)."""
-    ttft_s: float | None = None
-    """Seconds from the request's start to its first new token (``CachedModel.generate`` only)."""
-    released: bool = field(default=False, repr=False)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """The prompt's length in tokens."""
-        return self.input_ids.shape[1]
-
-    @property
-    def computed_tokens(self) -> int:
-        """Prompt tokens the model prefilled (not reused)."""
-        return self.prompt_tokens - self.cached_tokens
-
-    def finish(self, sequences: Any) -> None:
-        """Store the KV of the tokens the model has processed (prompt and reply) and release the blocks.
-
-        ``sequences``: ``model.generate``'s output (or its ``sequences``), ``[1, T + new]``.
-        """
-        if self.released:
-            raise RuntimeError("Turn.finish: the turn was already finished or closed")
-        tokens = getattr(sequences, "sequences", sequences)
-        processed = token_array(tokens)[: self.cache.get_seq_length()]
-        self.stored = self.manager.store(processed, self.block_table, self.extra)
-        self.close()
-
-    def close(self) -> None:
-        """Release the request's blocks (cached ones stay cached); idempotent."""
-        if not self.released:
-            self.released = True
-            self.manager.release(self.block_table)
-
-    def __enter__(self) -> Turn:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+__all__ = ["CachedModel"]
 
 
 class CachedModel:
     """A ``transformers`` causal LM whose requests reuse and feed tiercache's KV."""
 
-    def __init__(self, model: Any, manager: TierManager, *, lookup_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        manager: TierManager,
+        *,
+        lookup_timeout_s: float | None = None,
+        weights_digest: bool = False,
+    ) -> None:
         """``manager``'s layout must match the model's KV (see ``KVLayout.from_hf_config``); its pool's
         device must be the model's. ``lookup_timeout_s`` bounds the wait for a pending remote lookup
-        (past it the prompt is a miss and is recomputed)."""
+        (past it the prompt is a miss and is recomputed). ``weights_digest``: name the model by a digest
+        of its weights too (a fine-tune that keeps its base's config and ``name_or_path`` must set it;
+        see ``ModelIdentity``)."""
         layout = manager.layout
         wanted = KVLayout.from_hf_config(model.config, dtype=layout.dtype, block_size=layout.block_size)
         mine = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
@@ -150,6 +82,14 @@ class CachedModel:
         self.manager = manager
         self.kv = PagedKV(layout, manager.gpu.tensors)
         self.lookup_timeout_s = lookup_timeout_s
+        self.identity = ModelIdentity.of(model, weights_digest=weights_digest)
+
+    def key_extra(self, extra: bytes | str | None = None) -> bytes:
+        """What this model passes to the manager as a request's ``extra``: its identity, then ``extra``.
+
+        Use it to call ``lookup``/``store`` directly for the keys ``CachedModel`` uses.
+        """
+        return self.identity.salt + (extra.encode() if isinstance(extra, str) else extra or b"")
 
     def begin(
         self, input_ids: Tokens, max_new_tokens: int, extra: bytes | str | None = None, force_latest: bool = False
@@ -163,8 +103,8 @@ class CachedModel:
         tokens = token_array(input_ids)
         if len(tokens) == 0:
             raise ValueError("CachedModel.begin: an empty prompt")
-        mgr, size = self.manager, self.manager.block_size
-        hit = mgr.lookup_wait(tokens, extra, timeout_s=self.lookup_timeout_s)
+        mgr, size, salted = self.manager, self.manager.block_size, self.key_extra(extra)
+        hit = mgr.lookup_wait(tokens, salted, timeout_s=self.lookup_timeout_s)
         usable = min(hit.num_blocks, (len(tokens) - 1) // size)
         on_gpu = min(len(hit.gpu_block_ids), usable)
         try:
@@ -181,10 +121,10 @@ class CachedModel:
             input_ids=torch.as_tensor(tokens, device=self.model.device)[None],
             block_table=table,
             cache=PagedCache(self.kv, table, cached),
-            reused=_reused_per_tier(hit, on_gpu, loaded // size, size),
+            reused=_reused_per_tier(hit, cached // size),
             cached_tokens=cached,
             prepare_s=time.perf_counter() - started,
-            extra=extra,
+            extra=salted,
         )
 
     def generate(
@@ -199,33 +139,80 @@ class CachedModel:
 
         Returns the finished turn: ``turn.output`` is what ``generate`` returned, on the device
         ``input_ids`` came on (a CPU prompt gets a CPU output, whatever device the model runs on).
+        With several sequences per prompt (``num_beams`` or ``num_return_sequences`` above 1) the
+        prompt but its last token is prefilled on the pool, the sequences decode on a ``DynamicCache``
+        holding a copy of it per sequence (transformers reorders beams there), only the prompt's blocks
+        are stored, and ``turn.ttft_s`` is None (transformers streams no beams).
         """
-        clock = FirstTokenClock()
         caller_device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
-        turn = self.begin(input_ids, max_new_tokens, extra, force_latest)
-        with turn:
-            turn.output = self.model.generate(
-                turn.input_ids,
-                past_key_values=turn.cache,
-                max_new_tokens=max_new_tokens,
-                streamer=clock,
-                **generate_kwargs,
-            )
-            turn.ttft_s = clock.seconds
-            turn.finish(turn.output)
+        copies = _sequences_per_prompt(self.model, generate_kwargs)
+        if copies > 1:
+            turn = self._generate_sequences(input_ids, max_new_tokens, copies, extra, force_latest, generate_kwargs)
+        else:
+            clock = FirstTokenClock()
+            turn = self.begin(input_ids, max_new_tokens, extra, force_latest)
+            with turn:
+                turn.output = self.model.generate(
+                    turn.input_ids,
+                    past_key_values=turn.cache,
+                    max_new_tokens=max_new_tokens,
+                    streamer=clock,
+                    **generate_kwargs,
+                )
+                turn.ttft_s = clock.seconds
+                turn.finish(turn.output)
         if isinstance(turn.output, torch.Tensor):
             turn.output = turn.output.to(caller_device)
         return turn
 
+    def _generate_sequences(
+        self,
+        input_ids: Tokens,
+        max_new_tokens: int,
+        copies: int,
+        extra: bytes | str | None,
+        force_latest: bool,
+        generate_kwargs: dict[str, Any],
+    ) -> Turn:
+        """Beam search or several samples: prefill the prompt on the pool, decode ``copies`` rows apart."""
+        turn = self.begin(input_ids, 0, extra, force_latest)
+        with turn:
+            prefilled = turn.prompt_tokens - 1
+            if turn.cached_tokens < prefilled:
+                with torch.no_grad():
+                    self.model(
+                        turn.input_ids[:, turn.cached_tokens : prefilled],
+                        past_key_values=turn.cache,
+                        **_last_logits_only(self.model),
+                    )
+            rows = turn.cache.dense(copies, self.model.dtype)
+            turn.output = self.model.generate(
+                turn.input_ids, past_key_values=rows, max_new_tokens=max_new_tokens, **generate_kwargs
+            )
+            turn.finish(turn.input_ids)
+        return turn
 
-def _reused_per_tier(hit: Lookup, on_gpu: int, loaded_blocks: int, block_size: int) -> dict[str, int]:
-    """Tokens reused per tier: the GPU blocks used, then the loaded ones, fastest lower tier first."""
-    reused = {}
-    for index, (tier, count) in enumerate(hit.tier_blocks.items()):
-        if index == 0:
-            taken = on_gpu
-        else:
-            taken = min(count, loaded_blocks)
-            loaded_blocks -= taken
-        reused[tier] = taken * block_size
+
+def _reused_per_tier(hit: Lookup, reused_blocks: int) -> dict[str, int]:
+    """Tokens reused per tier, position by position over the blocks the request got (used in place or loaded).
+
+    A GPU block past the leading run (a policy other than LRU can leave one there)
+    is copied on the device by ``load`` and counts for the GPU, like the run.
+    """
+    reused = dict.fromkeys(hit.tier_blocks, 0)
+    for tier in hit.tiers[:reused_blocks]:
+        reused[tier] += hit.block_size
     return reused
+
+
+def _sequences_per_prompt(model: Any, generate_kwargs: dict[str, Any]) -> int:
+    """The rows ``generate`` expands a prompt to: ``num_beams`` or ``num_return_sequences``, whichever is more."""
+    config = generate_kwargs.get("generation_config") or model.generation_config
+    beams = generate_kwargs.get("num_beams", config.num_beams) or 1
+    sequences = generate_kwargs.get("num_return_sequences", config.num_return_sequences) or 1
+    return max(beams, sequences)
+
+
+def _last_logits_only(model: Any) -> dict[str, int]:
+    """``logits_to_keep=1`` where the model's forward takes it (a prefill needs no logits but the last)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from tiercache.paged import BlockTable, PagedKV
 
@@ -81,12 +81,12 @@ class PagedLayer(DynamicLayer):
         self.keys = self.values = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search is not supported (one sequence per block table)."""
-        raise NotImplementedError("PagedCache serves one sequence: no beam search")
+        """Beams are not reordered here (one sequence per block table): see ``PagedCache.dense``."""
+        raise NotImplementedError("PagedCache serves one sequence: beam search runs on PagedCache.dense()")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Several sequences per request are not supported."""
-        raise NotImplementedError("PagedCache serves one sequence: no num_return_sequences > 1")
+        """Several sequences per request are not kept here: see ``PagedCache.dense``."""
+        raise NotImplementedError("PagedCache serves one sequence: num_return_sequences > 1 runs on PagedCache.dense()")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Several sequences per request are not supported."""
@@ -103,3 +103,18 @@ class PagedCache(Cache):
             raise ValueError(f"cached_tokens {cached_tokens} outside the {table.numel()}-block table")
         self.block_table = table
         super().__init__(layers=[PagedLayer(kv, table, index, cached_tokens) for index in range(kv.layout.num_layers)])
+
+    def dense(self, copies: int, dtype: torch.dtype) -> DynamicCache:
+        """The K/V so far as a ``DynamicCache`` of ``copies`` identical rows, every position kept as here.
+
+        Beam search and several samples per prompt decode there: transformers
+        reorders and grows its rows, while the pool blocks keep the one prompt.
+        """
+        cache = DynamicCache()
+        for layer in self.layers:
+            if layer.length:
+                keys, values = layer.kv.read(layer.index, layer.table, layer.length, dtype=dtype)
+                rows = [part.transpose(0, 1).unsqueeze(0).expand(copies, -1, -1, -1).contiguous()
+                        for part in (keys, values)]
+                cache.update(rows[0], rows[1], layer.index)
+        return cache

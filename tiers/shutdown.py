@@ -1,4 +1,4 @@
-"""Bounded stops of a regional tier's background tasks: cancel, wait bounded, then abandon with a log line.
+"""Bounded stops of a tier's background tasks: cancel, wait bounded, then abandon with a log line.
 
 A plain ``task.cancel(); await task`` can wait forever: on Python 3.11 a cancel
 that lands as an inner ``asyncio.wait_for`` (redis-py uses it) finishes can be
