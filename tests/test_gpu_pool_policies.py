@@ -93,3 +93,34 @@ def test_a_gpu_only_manager_makes_libcachesims_decisions(
     if name == "arc":
         assert ghost_hits() > 0, "ARC's ghost branch never ran"
     assert abs(ours - theirs) <= EXACT, f"{name} on {trace_name}, {size} blocks: ours {ours} libCacheSim {theirs}"
+
+
+@pytest.mark.parametrize("extra", [None, "conversation-7"])
+def test_the_hf_driver_admits_at_allocation_the_blocks_its_turns_store(extra: str | None) -> None:
+    """The driver allocates with the same keys it looks up and stores: no block the pool admitted for a
+    turn is dropped unstored (which would mean the policy saw keys the turn never had)."""
+    pytest.importorskip("transformers")
+    from hf_models import PREFIX, SUFFIX, random_tokens, tiny_model, topology
+
+    from tiercache.integrations.transformers import CachedModel
+
+    model = tiny_model("llama")
+    prompt = random_tokens(PREFIX + SUFFIX, seed=3)
+    with TierManager(topology(model)) as manager:
+        policy = manager.gpu.table.policy
+        dropped: list[Hashable] = []
+        remove = policy.remove
+
+        def spying_remove(key: Hashable) -> None:
+            dropped.append(key)
+            remove(key)
+
+        policy.remove = spying_remove  # type: ignore[method-assign]
+        cached = CachedModel(model, manager)
+        first = cached.generate(prompt[:, :PREFIX], max_new_tokens=1, extra=extra, do_sample=False)
+        assert first.stored is not None and first.stored.result() == PREFIX
+        second = cached.generate(prompt, max_new_tokens=2, extra=extra, do_sample=False)
+        assert second.cached_tokens == PREFIX and second.stored is not None
+        second.stored.result()
+        manager.gpu.table.check_invariants()
+    assert dropped == []
