@@ -1,6 +1,7 @@
 """A separate process writing (and reading back) batches into a shared file-tier directory.
 
-Run by tests/test_file_tier.py: ``python file_tier_writer.py DIR MAX_BYTES BATCHES BATCH SEED``.
+Run by tests/test_file_tier*.py: ``python file_tier_writer.py DIR MAX_BYTES BATCHES BATCH SEED [SEGMENT_BYTES]``
+(SEGMENT_BYTES 0: the tier's default; absent: four batches).
 It writes ``ready-SEED`` next to DIR, waits for ``go`` (so all writers start
 together), writes its batches, then prints how many blocks were stored.
 """
@@ -20,10 +21,9 @@ GATE_POLL_S = 0.005
 """Pause between looks for the start gate (a gate, not a timing assumption)."""
 
 
-async def main(directory: str, max_bytes: int, batches: int, batch: int, seed: int) -> None:
-    tier = FileTier(
-        remote_context(BLOCK), FileOptions(path=directory, max_bytes=max_bytes, segment_bytes=4 * batch * BLOCK)
-    )
+async def main(directory: str, max_bytes: int, batches: int, batch: int, seed: int, segment_bytes: int = -1) -> None:
+    sizing = {} if segment_bytes == 0 else {"segment_bytes": 4 * batch * BLOCK if segment_bytes < 0 else segment_bytes}
+    tier = FileTier(remote_context(BLOCK), FileOptions(path=directory, max_bytes=max_bytes, **sizing))
     await tier.start()
     gate = Path(directory).parent
     (gate / f"ready-{seed}").touch()
@@ -38,4 +38,4 @@ async def main(directory: str, max_bytes: int, batches: int, batch: int, seed: i
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], *map(int, sys.argv[2:6])))
+    asyncio.run(main(sys.argv[1], *map(int, sys.argv[2:7])))

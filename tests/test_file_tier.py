@@ -3,49 +3,36 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from file_tier_helpers import (
+    BLOCK,
+    RECORD,
+    TESTS,
+    directory_bytes,
+    open_tier,
+    run_writers,
+    watching,
+    with_tests_on_path,
+)
 from redis_servers import OTHER_FINGERPRINT, empty_dests, random_blocks, remote_context
 
 from tiercache.breaker import BreakerState, CircuitBreaker
-from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.codec import Codec
 from tiercache.config import ConfigError, build_dataclass
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import Presence
 from tiercache.tiers.file import FileOptions, FileTier
-from tiercache.tiers.file.capacity import DirectoryLock, list_segments
-from tiercache.tiers.file.records import RECORD_HEADER_SIZE, RecordKind, pack_header
+from tiercache.tiers.file.capacity import list_segments
+from tiercache.tiers.file.records import RecordKind, pack_header
 
 HELD, ABSENT = Presence.HELD, Presence.ABSENT
-
-BLOCK = 32 * 1024
-RECORD = RECORD_HEADER_SIZE + HEADER_SIZE + BLOCK
-TESTS = Path(__file__).resolve().parent
-
-
-def with_tests_on_path() -> dict[str, str]:
-    """This environment with tests/ first on PYTHONPATH (keeping what the caller had there)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-WATCH_PAUSE_S = 0.0005
-"""Pause between a watcher's measurements, so it does not hog the directory lock the writers need."""
-
-
-async def open_tier(path: os.PathLike, **options: object) -> FileTier:
-    tier = FileTier(remote_context(BLOCK), FileOptions(path=str(path), **{"max_blocks": 1000, **options}))
-    await tier.start()
-    return tier
-
-
-def directory_bytes(path: Path) -> int:
-    return sum(segment.size for segment in list_segments(path))
 
 
 async def test_round_trip_segments_and_stats(tmp_path) -> None:
@@ -168,29 +155,6 @@ async def test_torn_writes_are_misses_never_wrong(tmp_path) -> None:
         await reopened.close()
 
 
-@contextlib.contextmanager
-def watching(path: Path) -> Iterator[list[int]]:
-    """A thread measuring the directory under its lock (a consistent snapshot) until the block ends."""
-    peak = [0]
-    stop = threading.Event()
-    lock = DirectoryLock(path)
-
-    def watch() -> None:
-        while not stop.wait(WATCH_PAUSE_S):
-            with lock.held():
-                peak[0] = max(peak[0], directory_bytes(path))
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    try:
-        yield peak
-    finally:
-        stop.set()
-        thread.join()
-        lock.close()
-        peak[0] = max(peak[0], directory_bytes(path))
-
-
 async def test_concurrent_batches_stay_under_the_bound(tmp_path) -> None:
     """Issue 11: 20 concurrent batches of 10 under max_blocks 100 left 200 files."""
     tier = await open_tier(tmp_path, max_blocks=100, segment_bytes=10 * RECORD)
@@ -211,30 +175,10 @@ async def test_concurrent_batches_stay_under_the_bound(tmp_path) -> None:
 
 def test_processes_sharing_a_directory_stay_under_the_bound(tmp_path) -> None:
     """Issue 11: two processes peaked at 1.14x max_bytes, four at 1.20x."""
-    directory = tmp_path / "tier"
-    directory.mkdir()
-    max_bytes, writers, batches, batch = 60 * RECORD, 4, 12, 5
-    command = [sys.executable, str(TESTS / "file_tier_writer.py"), str(directory), str(max_bytes), str(batches)]
-    env = with_tests_on_path()
-    procs = [
-        subprocess.Popen([*command, str(batch), str(seed)], stdout=subprocess.PIPE, text=True, env=env)
-        for seed in range(1, writers + 1)
-    ]
-    try:
-        while len(list(tmp_path.glob("ready-*"))) < writers:
-            assert all(proc.poll() is None for proc in procs), "a writer died before the gate"
-            time.sleep(0.005)
-        with watching(directory) as peak:
-            (tmp_path / "go").touch()
-            outputs = [proc.communicate()[0] for proc in procs]
-        assert all(proc.returncode == 0 for proc in procs)
-        assert sum(int(out) for out in outputs) > max_bytes // RECORD  # the bound was reached and GC'd through
-        assert peak[0] <= max_bytes, f"peak {peak[0] / max_bytes:.2f}x the bound"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    max_bytes = 60 * RECORD
+    stored, peak = run_writers(tmp_path, max_bytes, writers=4, batches=12, batch=5)
+    assert sum(stored) > max_bytes // RECORD  # the bound was reached and GC'd through
+    assert peak <= max_bytes, f"peak {peak / max_bytes:.2f}x the bound"
 
 
 @pytest.fixture

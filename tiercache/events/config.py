@@ -15,6 +15,8 @@ DEFAULT_MAX_QUEUE = 100_000
 """Engine-side events buffered before new ones are dropped (counted); vLLM's queue bound."""
 DEFAULT_REPLAY_BATCHES = 10_000
 """Published batches kept for replay; vLLM's ``buffer_steps``."""
+DEFAULT_REPLAY_BYTES = 64 << 20
+"""Payload bytes kept for replay (the oldest batches go first past it)."""
 DEFAULT_HWM = 100_000
 """ZeroMQ high-water mark of the PUB socket; vLLM's default."""
 DEFAULT_LINEAGE_BLOCKS = 0
@@ -47,6 +49,8 @@ class EventsConfig:
     data_parallel_rank: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     replay_batches: int = DEFAULT_REPLAY_BATCHES
+    replay_bytes: int = DEFAULT_REPLAY_BYTES
+    """Most payload bytes kept for replay, whatever ``replay_batches`` allows."""
     hwm: int = DEFAULT_HWM
     flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
     lineage_blocks: int = DEFAULT_LINEAGE_BLOCKS
@@ -56,7 +60,7 @@ class EventsConfig:
     def __post_init__(self) -> None:
         if self.lineage_blocks < 0:
             raise ValueError(f"lineage_blocks: expected an integer >= 0, got {self.lineage_blocks!r}")
-        for name in ("max_queue", "replay_batches", "hwm"):
+        for name in ("max_queue", "replay_batches", "replay_bytes", "hwm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected an integer > 0, got {getattr(self, name)!r}")
         if not self.flush_interval_s > 0:

@@ -2,44 +2,37 @@
 
 PUB socket: each batch is one multipart message ``(topic, seq, payload)``: the
 configured topic, the batch's sequence number (8 bytes, big-endian, from 0) and
-the msgpack of the ``KVEventBatch`` (in the configured ``EventWire`` form). The last ``replay_batches`` payloads are
-kept; a client that sees a gap in the sequence numbers sends the first missing
-one (8 bytes, big-endian) to the ROUTER replay socket, which answers with
-``(seq, payload)`` for every kept batch from there on, then ``(-1, b"")`` as the
-end marker. A DEALER client receives all of them; a REQ client (as in vLLM's
-example subscriber) receives only the first, so it asks once per missing batch.
+the msgpack of the ``KVEventBatch`` (in the configured ``EventWire`` form). The
+newest payloads are kept for replay, at most ``replay_batches`` of them and
+``replay_bytes`` in all; a client that sees a gap in the sequence numbers sends
+the first missing one (8 bytes, big-endian) to the ROUTER replay socket, which
+answers with ``(seq, payload)`` for every kept batch from there on, then
+``(-1, b"")`` as the end marker. A DEALER client receives all of them; a REQ
+client (as in vLLM's example subscriber) receives only the first, so it asks
+once per missing batch. Replays are served by their own thread, bounded per
+client and in total (``tiercache.events.replay``), so a flood of requests never
+holds up live batches.
 
 The sockets are created by the constructor (so a bad or busy address fails
-there) and afterwards used only by the event sink's background thread
-(``publish`` and ``serve``); ``close`` runs after that thread has stopped.
+there). The PUB socket is afterwards used only by the event sink's background
+thread (``publish``), the ROUTER socket only by the replay thread; ``close``
+runs after the sink's thread has stopped, and stops the replay thread.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import deque
 from itertools import count
 
 import msgspec
 import zmq
 
 from tiercache.events.config import EventsConfig, EventWire
+from tiercache.events.replay import SEQ_BYTES, ReplayBuffer, ReplayServer, bind_replay_socket
 from tiercache.events.wire import KVEventBatch, to_map_wire
-
-logger = logging.getLogger(__name__)
-
-SEQ_BYTES = 8
-"""Sequence numbers are 8-byte big-endian integers, on both sockets."""
-END_OF_REPLAY = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
-"""Sequence number of the empty message that ends a replay."""
-REPLAY_REQUEST_FRAMES = 3
-"""A replay request on the ROUTER: client identity, empty delimiter, start sequence."""
-MAX_REPLAY_REQUESTS_PER_SERVE = 64
-"""Replay requests answered per wake-up, so a flood of them cannot starve publishing."""
 
 
 class ZmqEventPublisher:
-    """PUB socket for batches, ROUTER socket for replays, a bounded buffer of recent payloads."""
+    """PUB socket for batches; a replay buffer bounded in batches and bytes, served by its own thread."""
 
     def __init__(self, config: EventsConfig, context: zmq.Context | None = None) -> None:
         if config.endpoint is None:
@@ -49,23 +42,23 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode()
         self._encoder = msgspec.msgpack.Encoder()
         self._sequence = count()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.replay_batches)
+        self._buffer = ReplayBuffer(config.replay_batches, config.replay_bytes)
         self.published = 0
-        self.replay_requests = 0
-        self.invalid_replay_requests = 0
         self._pub = self._context.socket(zmq.PUB)
-        self._replay: zmq.Socket | None = None
+        self._replay: ReplayServer | None = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.bind(config.endpoint)
+            replay_socket = None
             if config.replay_endpoint is not None:
-                self._replay = self._context.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
+                replay_socket = bind_replay_socket(self._context, config.replay_endpoint)
         except zmq.ZMQError:
-            self.close()
+            self._pub.close()
             raise
+        if replay_socket is not None:
+            self._replay_endpoint = replay_socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._replay = ReplayServer(replay_socket, self._buffer)
 
     @property
     def endpoint(self) -> str:
@@ -75,51 +68,26 @@ class ZmqEventPublisher:
     @property
     def replay_endpoint(self) -> str | None:
         """The address the replay socket is bound to, if there is one."""
-        return None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        return None if self._replay is None else self._replay_endpoint
 
     def publish(self, batch: KVEventBatch) -> None:
         """Send one batch with the next sequence number and keep it for replay (never blocks: PUB drops)."""
         seq = next(self._sequence)
         payload = self._encoder.encode(to_map_wire(batch) if self.config.wire is EventWire.MAP else batch)
         self._pub.send_multipart((self._topic, seq.to_bytes(SEQ_BYTES, "big"), payload), flags=zmq.NOBLOCK)
-        self._buffer.append((seq, payload))
+        self._buffer.append(seq, payload)
         self.published += 1
 
-    def serve(self) -> None:
-        """Answer the replay requests waiting on the ROUTER socket (a bounded number per call)."""
-        if self._replay is None:
-            return
-        for _ in range(MAX_REPLAY_REQUESTS_PER_SERVE):
-            try:
-                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._answer(frames)
-
-    def _answer(self, frames: list[bytes]) -> None:
-        if len(frames) != REPLAY_REQUEST_FRAMES or len(frames[2]) != SEQ_BYTES:
-            self.invalid_replay_requests += 1
-            logger.warning("events: ignoring a malformed replay request of %d frames", len(frames))
-            return
-        client, delimiter, start_bytes = frames
-        start = int.from_bytes(start_bytes, "big")
-        self.replay_requests += 1
-        for seq, payload in self._buffer:
-            if seq >= start:
-                self._replay.send_multipart((client, delimiter, seq.to_bytes(SEQ_BYTES, "big"), payload))
-        self._replay.send_multipart((client, delimiter, END_OF_REPLAY, b""))
-
     def close(self) -> None:
-        """Close both sockets now (LINGER 0: nothing is waited for)."""
-        self._pub.close()
+        """Stop the replay thread and close both sockets (LINGER 0: nothing is waited for)."""
         if self._replay is not None:
             self._replay.close()
+        self._pub.close()
 
     def stats(self) -> dict[str, int]:
-        """Batches published and replay requests served or refused."""
-        return {
-            "published": self.published,
-            "replay_requests": self.replay_requests,
-            "invalid_replay_requests": self.invalid_replay_requests,
-            "replay_buffered": len(self._buffer),
-        }
+        """Batches published and kept for replay; replay requests served, refused and abandoned."""
+        batches, payload_bytes = self._buffer.stats()
+        counters = {"published": self.published, "replay_buffered": batches, "replay_buffered_bytes": payload_bytes}
+        if self._replay is not None:
+            counters.update(self._replay.stats())
+        return counters

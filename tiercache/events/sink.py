@@ -8,8 +8,8 @@ both). When the deque is full the event is dropped and counted. A background thr
 ``flush_interval_s``, turns everything queued into one ``KVEventBatch`` (keys to
 the integers routers expect, token ids to lists), hands it to each in-process
 subscriber (a failing callback is logged and counted, never raised) and to the
-publisher (ZeroMQ, tiercache.events.publisher), which also answers replay
-requests from that thread.
+publisher (ZeroMQ, tiercache.events.publisher), which answers replay requests
+on a thread of its own.
 
 The sequences passed in (keys, token ids) are read later, on that thread: the
 caller must not change them after the call (the manager's key lists are fresh).
@@ -60,8 +60,6 @@ class BatchPublisher(Protocol):
     """Something that sends batches out of the process (tiercache.events.publisher.ZmqEventPublisher)."""
 
     def publish(self, batch: KVEventBatch) -> None: ...
-
-    def serve(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -191,8 +189,6 @@ class EventSink:
             closing = self._closing
             try:
                 self._drain()
-                if self._publisher is not None:
-                    self._publisher.serve()
             except Exception:  # never let the thread die: count, log, go on
                 self.publish_errors += 1
                 logger.exception("events: delivering a batch failed")

@@ -26,8 +26,16 @@ a disk smaller than the bound, the reservation (``posix_fallocate``) fails with
 ENOSPC before anything is written, and GC frees a watermark's worth below what
 the directory holds (``gc_nospace``) before one retry. ``max_age_s`` expires
 segments not used for that long; ``gc_interval_s`` is the period of the
-background pass. ``segment_bytes`` (default 64 MiB): a writer starts a new
-segment past this size.
+background pass. ``segment_bytes`` (default 64 MiB, and at most a sixteenth of
+the bound): a writer starts a new segment past this size. A segment is locked
+against GC only while a batch is being written into it, so however many writers
+share the directory, GC can always free what is not in flight.
+
+Only segments are touched (``entries``): a regular file named
+``<writer>.<seq>.seg`` that starts like one. Anything else in the directory (a
+directory, a FIFO, a symlink, a file the tier may not open, an odd name or
+content) is skipped by reads, capacity and GC alike, never opened in a way that
+can block, counted (``skipped_entries``) and logged once.
 """
 
 from __future__ import annotations

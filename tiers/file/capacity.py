@@ -8,7 +8,10 @@ own segment by the batch's size (``posix_fallocate``, so a full disk says so
 before anything is written) before letting go. A reservation is therefore
 visible to every other writer's measurement at once, and the directory never
 holds more than the bound. A segment some writer is still appending to is held
-with a shared ``flock`` and is never removed; GC takes an exclusive one first.
+while a batch is being written into it (a shared ``flock``, from its reservation until the batch is
+written) is never removed; GC takes an exclusive one first. Between batches, every segment is fair game,
+a writer's newest one too (the writer starts a new one at its next reservation), so writers that went
+quiet never pin the directory full. Only segments count (``entries``): anything else there is skipped.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import errno
 import fcntl
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SEGMENT_SUFFIX = ".seg"
-LOCK_NAME = ".lock"
+from tiercache.tiers.file.entries import LOCK_NAME, SEGMENT_SUFFIX, DirectoryEntries, open_regular
+
+LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""The lock file is opened without following a symlink or waiting on a FIFO (``flock`` itself still waits)."""
 
 
 @dataclass(frozen=True)
@@ -45,18 +51,15 @@ class Freed:
     expired: int = 0
 
 
-def list_segments(root: Path) -> list[SegmentFile]:
-    """The segment files under ``root`` (files vanishing meanwhile are skipped)."""
+def list_segments(root: Path, entries: DirectoryEntries | None = None) -> list[SegmentFile]:
+    """The segment files under ``root`` (files vanishing meanwhile, and whatever is not a segment, are skipped)."""
     found = []
-    with contextlib.suppress(FileNotFoundError), os.scandir(root) as entries:
-        for entry in entries:
-            if not entry.name.endswith(SEGMENT_SUFFIX):
-                continue
-            try:
-                info = entry.stat()
-            except FileNotFoundError:
-                continue
-            found.append(SegmentFile(entry.name, entry.path, info.st_size, info.st_mtime))
+    for entry in (entries or DirectoryEntries(root, Counter())).segments():
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        found.append(SegmentFile(entry.name, entry.path, info.st_size, info.st_mtime))
     return found
 
 
@@ -70,20 +73,17 @@ class SegmentSizes:
     listing plus one ``stat`` per writer (its newest segment), not one per segment.
     """
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, entries: DirectoryEntries) -> None:
+        self.root = entries.root
+        self.entries = entries
         self._final: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def current(self) -> dict[str, int]:
         """Segment name -> size, for every segment present now."""
-        try:
-            with os.scandir(self.root) as entries:
-                names = [entry.name for entry in entries if entry.name.endswith(SEGMENT_SUFFIX)]
-        except FileNotFoundError:
-            return {}
+        names = [entry.name for entry in self.entries.segments()]
         parts = {name: _writer_and_sequence(name) for name in names}
-        newest: dict[str, tuple[int, str]] = {}
+        newest: dict[str, int] = {}
         for writer, sequence in parts.values():
             newest[writer] = max(newest.get(writer, sequence), sequence)
         with self._lock:
@@ -94,7 +94,7 @@ class SegmentSizes:
                 sizes[name] = final[name]
                 continue
             try:
-                sizes[name] = os.stat(os.path.join(self.root, name)).st_size
+                sizes[name] = os.stat(os.path.join(self.root, name), follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue
             if sequence < newest[writer]:
@@ -104,10 +104,10 @@ class SegmentSizes:
         return sizes
 
 
-def _writer_and_sequence(name: str) -> tuple[str, tuple[int, str]]:
-    """``<writer>.<seq>.seg`` -> (writer, sortable sequence); odd names are their own writer."""
+def _writer_and_sequence(name: str) -> tuple[str, int]:
+    """``<writer>.<seq>.seg`` -> (writer, sequence)."""
     writer, _, sequence = name[: -len(SEGMENT_SUFFIX)].rpartition(".")
-    return writer, (int(sequence) if sequence.isdigit() else -1, sequence)
+    return writer, int(sequence)
 
 
 class DirectoryLock:
@@ -123,7 +123,7 @@ class DirectoryLock:
         """Hold the lock (blocking; call from a worker thread)."""
         with self._thread_lock:
             if self._fd is None:
-                self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._fd = os.open(self._path, LOCK_FLAGS, 0o644)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 yield
@@ -139,9 +139,9 @@ class DirectoryLock:
 
 
 def try_remove(path: str) -> bool:
-    """Remove a segment unless a writer holds it (its shared ``flock``); True if removed."""
+    """Remove a segment unless a batch is being written into it (its shared ``flock``); True if removed."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
     except OSError:
         return False
     try:

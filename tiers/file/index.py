@@ -5,7 +5,8 @@ scanning the new tails of every other writer's segments (``refresh``), so it
 sees what other processes and hosts committed. The newest version of a key
 wins; a tombstone hides every value of its key up to its version (also one
 scanned later from an older segment). Read descriptors of segments are cached
-here and dropped when their segment is removed.
+here and dropped when their segment is removed. Only segments are opened
+(``entries``); a file that does not start like one is skipped from then on.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from tiercache.tiers.file.capacity import SegmentSizes
-from tiercache.tiers.file.records import Record, RecordKind, scan
+from tiercache.tiers.file.entries import DirectoryEntries
+from tiercache.tiers.file.records import Record, RecordKind, scan, starts_like_a_segment
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ class Entry:
 class SegmentIndex:
     """Key -> ``Entry`` for one directory, plus cached read descriptors (thread-safe)."""
 
-    def __init__(self, root: Path, max_body: int, counts: Counter) -> None:
-        self.root = root
+    def __init__(self, entries: DirectoryEntries, max_body: int, counts: Counter) -> None:
+        self.root = entries.root
+        self.entries = entries
         self.max_body = max_body
         self.counts = counts
         self._lock = threading.Lock()
@@ -44,7 +46,7 @@ class SegmentIndex:
         self._scanned: dict[str, int] = {}
         self._fds: dict[str, int] = {}
         self._own: set[str] = set()
-        self._sizes = SegmentSizes(root)
+        self._sizes = SegmentSizes(entries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -98,6 +100,10 @@ class SegmentIndex:
                 continue
             try:
                 records, stop = scan(fd, start, size, self.max_body)
+                if stop == 0 and not starts_like_a_segment(fd):
+                    self.entries.skip(name, "does not start with a record header")
+                    self.forget([name])
+                    continue
             except OSError:
                 self.counts["scan_errors"] += 1
                 continue
@@ -137,9 +143,8 @@ class SegmentIndex:
         fd = self._fds.get(name)
         if fd is not None:
             return fd
-        try:
-            fd = os.open(self.root / name, os.O_RDONLY)
-        except FileNotFoundError:
+        fd = self.entries.open(name)
+        if fd is None:
             self.forget([name])
             return None
         with self._lock:

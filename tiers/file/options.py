@@ -41,7 +41,8 @@ class FileOptions:
     their segment's mtime (GC frees the least recently used segments first).
     ``fsync``: make each batch durable before it is acknowledged. ``compress``:
     lz4. ``threads``: parallel file operations. ``segment_bytes``: a writer
-    starts a new segment file past this size.
+    starts a new segment file past this size (or past a sixteenth of the bound,
+    if that is smaller).
     """
 
     path: str

@@ -91,3 +91,9 @@ def scan(fd: int, start: int, end: int, max_body: int) -> tuple[list[Record], in
         records.append(Record(kind, key, version, offset + RECORD_HEADER_SIZE, length))
         offset += RECORD_HEADER_SIZE + length
     return records, offset
+
+
+def starts_like_a_segment(fd: int) -> bool:
+    """Whether a file begins with a record header's magic, or with the zeros of a reservation not yet written."""
+    head = os.pread(fd, len(RECORD_MAGIC), 0)
+    return head in (RECORD_MAGIC, bytes(len(head)))

@@ -2,9 +2,10 @@
 
 Each writer (one per tier instance: host, process id and a random id) appends
 whole batches to its own segment file ``<writer>.<seq>.seg`` and starts a new
-one past ``segment_bytes``. A batch is one reservation under the directory
-lock (``capacity``), one ``pwritev`` of its bodies, then its record headers
-(so a header never names a body that is not yet there). Readers keep an index
+one past ``segment_bytes`` or a sixteenth of the bound (``SEGMENTS_PER_BOUND``),
+so GC always has segments to free. A batch is one reservation under the
+directory lock (``capacity``), one ``pwritev`` of its bodies, then its record
+headers (so a header never names a body that is not yet there). Readers keep an index
 ``key -> (segment, offset, length, version)``: their own writes go straight in,
 and other writers' records are found by scanning the new tails of their
 segments (on a miss, and at every GC pass), so a reader in another process or
@@ -31,7 +32,6 @@ from pathlib import Path
 
 from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.file.capacity import (
-    SEGMENT_SUFFIX,
     DirectoryLock,
     Freed,
     SegmentFile,
@@ -41,16 +41,19 @@ from tiercache.tiers.file.capacity import (
     list_segments,
     reserve_space,
 )
+from tiercache.tiers.file.entries import SEGMENT_SUFFIX, DirectoryEntries
 from tiercache.tiers.file.index import Entry, SegmentIndex
 from tiercache.tiers.file.options import FileOptions
 from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header
+from tiercache.tiers.file.vectored import IOV_MAX, pwrite_all
 
-IOV_MAX = os.sysconf("SC_IOV_MAX")
-"""Most buffers one ``pwritev`` / ``preadv`` takes."""
 RUN_BLOCKS = IOV_MAX // 3
 """Most back-to-back records one read ``preadv`` covers (three buffers each)."""
 WRITER_ID_HEX = 8
 """Random hex digits in a writer's id (host and pid alone repeat across restarts)."""
+SEGMENTS_PER_BOUND = 16
+"""A segment is at most this fraction of the bound: GC frees whole segments, so a pass removes about what it
+needs (a tenth, at the default watermark), and the segments being written hold only a small part of the bound."""
 
 
 class ReadResult(enum.Enum):
@@ -63,13 +66,14 @@ class ReadResult(enum.Enum):
 
 @dataclass
 class _Active:
-    """The segment this writer appends to: open, shared-locked, ``end`` bytes reserved."""
+    """The segment this writer appends to: open, ``end`` bytes reserved."""
 
     name: str
     fd: int
     end: int = 0
     writers: int = 0
-    """Batches reserved here and not yet written: the descriptor stays open until they finish."""
+    """Batches reserved here and not yet written: while there are any, the segment is shared-locked
+    (GC leaves it alone) and its descriptor stays open."""
     retired: bool = False
 
 
@@ -95,6 +99,7 @@ class SegmentStore:
         self.max_body = HEADER_SIZE + block_bytes
         self.record_bytes = RECORD_HEADER_SIZE + self.max_body
         self.bound = options.bound_bytes(self.record_bytes)
+        self.segment_bytes = min(options.segment_bytes, self.bound // SEGMENTS_PER_BOUND)
         host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
         self.writer = f"{host}-{os.getpid()}-{uuid.uuid4().hex[:WRITER_ID_HEX]}"
         self.counts = counts
@@ -102,15 +107,16 @@ class SegmentStore:
         self._seq = 0
         self._active: _Active | None = None
         self._lock = threading.Lock()
-        self.index = SegmentIndex(root, self.max_body, counts)
-        self._sizes = SegmentSizes(root)
+        self.entries = DirectoryEntries(root, counts)
+        self.index = SegmentIndex(self.entries, self.max_body, counts)
+        self._sizes = SegmentSizes(self.entries)
         self._dirlock = DirectoryLock(root)
         self._local = threading.local()
 
     # -- lifecycle ---------------------------------------------------------
 
     def close(self) -> None:
-        """Close every descriptor (the active segment's shared lock goes with it)."""
+        """Close every descriptor (a shared lock goes with it)."""
         self.index.close()
         with self._lock:
             if self._active is not None and self._active.fd >= 0:
@@ -239,14 +245,14 @@ class SegmentStore:
         for header, stored in encoded:
             buffers += [placeholder, header, memoryview(stored).cast("B")]
         try:
-            _pwrite_all(active.fd, buffers, start)
+            pwrite_all(active.fd, buffers, start)
             headers = []
             offset = start
             for key, length in zip(keys, lengths, strict=True):
                 headers.append((pack_header(RecordKind.VALUE, key, version, length), offset))
                 offset += RECORD_HEADER_SIZE + length
             for header, at in headers:
-                _pwrite_all(active.fd, [header], at)
+                pwrite_all(active.fd, [header], at)
             if self.options.fsync:
                 os.fdatasync(active.fd)
         except OSError as error:
@@ -277,7 +283,7 @@ class SegmentStore:
             return known
         active, start = reserved
         try:
-            _pwrite_all(active.fd, [pack_header(RecordKind.TOMBSTONE, key, version, 0) for key in keys], start)
+            pwrite_all(active.fd, [pack_header(RecordKind.TOMBSTONE, key, version, 0) for key in keys], start)
         except OSError:
             self.counts["delete_unlogged"] += len(keys)
             self._retire(active)
@@ -293,7 +299,7 @@ class SegmentStore:
                 usage = sum(self._sizes.current().values())
                 segments: list[SegmentFile] = []
                 if usage + total > self.bound:
-                    segments = list_segments(self.root)
+                    segments = list_segments(self.root, self.entries)
                     usage = sum(segment.size for segment in segments)
                     target = int(self.bound * self.options.gc_low_watermark) - total
                     usage = free_down_to(segments, usage, target, freed)
@@ -309,9 +315,10 @@ class SegmentStore:
                         raise
                     # The disk is smaller than the bound: free a watermark's worth below what is there.
                     self.counts["gc_nospace"] += 1
-                    segments = segments or list_segments(self.root)
+                    segments = segments or list_segments(self.root, self.entries)
                     target = int(usage * self.options.gc_low_watermark) - total
                     usage = free_down_to([s for s in segments if s.name not in freed.segments], usage, target, freed)
+                    active = self._writable(total)  # GC may have taken this writer's own segment
                     try:
                         reserve_space(active.fd, active.end, total)
                     except OSError:
@@ -319,7 +326,7 @@ class SegmentStore:
                         raise
                 start = active.end
                 active.end += total
-                active.writers += 1
+                self._hold(active)
                 self.usage = usage + total
         except OSError as error:
             self.counts["put_nospace" if error.errno == errno.ENOSPC else "put_io_error"] += blocks
@@ -333,15 +340,14 @@ class SegmentStore:
         """This writer's segment with room for ``incoming`` bytes (a new one if full or removed)."""
         active = self._active
         if active is not None and (
-            (active.end and active.end + incoming > self.options.segment_bytes) or os.fstat(active.fd).st_nlink == 0
+            (active.end and active.end + incoming > self.segment_bytes) or os.fstat(active.fd).st_nlink == 0
         ):
             self._retire(active)
             active = None
         if active is None:
             self._seq += 1
             name = f"{self.writer}.{self._seq:06d}{SEGMENT_SUFFIX}"
-            fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             self.index.add_own(name)
             active = self._active = _Active(name, fd)
         return active
@@ -356,13 +362,24 @@ class SegmentStore:
                 os.close(active.fd)
                 active.fd = -1
 
+    def _hold(self, active: _Active) -> None:
+        """A batch is reserved in ``active`` (under the directory lock): GC must leave it until it is written."""
+        with self._lock:
+            if active.writers == 0:
+                fcntl.flock(active.fd, fcntl.LOCK_SH)
+            active.writers += 1
+
     def _release(self, active: _Active) -> None:
-        """A batch reserved in ``active`` is written (or failed)."""
+        """A batch reserved in ``active`` is written (or failed); the last one lets GC have the segment."""
         with self._lock:
             active.writers -= 1
-            if active.retired and active.writers == 0 and active.fd >= 0:
+            if active.writers or active.fd < 0:
+                return
+            if active.retired:
                 os.close(active.fd)
                 active.fd = -1
+            else:
+                fcntl.flock(active.fd, fcntl.LOCK_UN)
 
     # -- GC ----------------------------------------------------------------
 
@@ -370,7 +387,7 @@ class SegmentStore:
         """Re-measure, expire by age, free down to the watermark if over; then refresh the index."""
         freed = Freed()
         with self._dirlock.held():
-            segments = list_segments(self.root)
+            segments = list_segments(self.root, self.entries)
             if self.options.max_age_s is not None:
                 segments = expire(segments, time.time() - self.options.max_age_s, freed)
             usage = sum(segment.size for segment in segments)
@@ -387,18 +404,3 @@ class SegmentStore:
         self.counts["gc_removed_bytes"] += freed.bytes
         self.counts["gc_expired"] += freed.expired
 
-
-def _pwrite_all(fd: int, buffers: Sequence[memoryview | bytes], offset: int) -> None:
-    """``pwritev`` every buffer at ``offset`` onwards, however the kernel splits it."""
-    views = [memoryview(buffer).cast("B") for buffer in buffers]
-    index = 0
-    while index < len(views):
-        count = os.pwritev(fd, views[index : index + IOV_MAX], offset)
-        if count <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += count
-        while index < len(views) and count >= len(views[index]):
-            count -= len(views[index])
-            index += 1
-        if count:
-            views[index] = views[index][count:]
