@@ -79,6 +79,9 @@ class Stack:
             if config.mrc.enabled
         }
         self.cost = CostModel(config.cost) if config.cost.enabled else None
+        if self.cost is not None:
+            for lane in self.lanes:
+                lane.on_probe = self._observe_probe
         lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
         remember = REMEMBER_FACTOR * (self.gpu.num_blocks + (self.cpu.num_slots if self.cpu else 0))
         self.hierarchy = Hierarchy(
@@ -103,6 +106,11 @@ class Stack:
 
         self.names = [self.gpu.name, *([self.cpu.name] if self.cpu else []), *(t.name for t in self.remotes)]
         """Every tier's name, fastest first."""
+
+    def _observe_probe(self, tier: str, seconds: float) -> None:
+        """A remote's probe answered in ``seconds`` (on the transfer loop): the cost model's round trip."""
+        with self.lock:
+            self.cost.observe_probe(tier, seconds)  # type: ignore[union-attr]
 
     def tier_name(self, place: Place) -> str:
         """The tier serving a place of a prefix."""
