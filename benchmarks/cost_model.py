@@ -9,7 +9,10 @@ before the remote's part whenever fetching it would take longer than recomputing
 it. Reported: tokens reused per tier, prefill saved, and the modeled TTFT
 (computed tokens x the engine's prefill cost + loaded blocks x each tier's
 measured transfer cost per block), with the share of remote loads bypassed.
-Prints a table and writes cost_model.json next to this script.
+A third run has the cost model on and the remote recover halfway
+(``RECOVERED_REMOTE``): the loads still bypassed after that are requests
+recomputed while the remote was fast again. Prints a table and writes
+cost_model.json next to this script.
 
     .venv/bin/python benchmarks/cost_model.py
 """
@@ -33,6 +36,10 @@ from tiercache.tools.workload import ChatWorkload
 ENGINE_PREFILL_TOKENS_PER_S = 20_000.0
 """A modeled GPU engine's prefill rate (the TTFT model and the cost model use the same)."""
 SLOW_REMOTE = {"latency_ms": 100.0, "bandwidth_mb_s": 0.0, "seed": 0}
+RECOVERED_REMOTE_MS = 0.3
+"""The remote's round trip once it recovers (a loopback Redis's order)."""
+RECOVERY_AT = 0.5
+"""Share of the requests served before the remote recovers, in the third run."""
 LAYOUT = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 16}
 WORKLOAD = SessionWorkload(
     ChatWorkload(users=24, rounds=4, system_prompts=3, system_tokens=512, document_every=12, seed=0),
@@ -56,30 +63,64 @@ def topology(cost: bool) -> dict[str, Any]:
     }
 
 
+def run(requests: list[Any], name: str, cost: bool, recovers: bool) -> tuple[Any, dict[str, Any]]:
+    """One run through a fresh manager; with ``recovers`` the remote is fast from ``RECOVERY_AT`` on."""
+    config = config_from_dict(copy.deepcopy(topology(cost)), source=name, environ={})
+    switch_at = round(len(requests) * RECOVERY_AT) if recovers else None
+    at_switch: dict[str, int] = {}
+    with TierManager(config) as manager:
+
+        def recover(done: int) -> None:
+            if switch_at is not None and done >= switch_at and not at_switch:
+                manager.remotes[0].options.latency_ms = RECOVERED_REMOTE_MS
+                remote = manager.stats()["tiers"]["remote"]
+                at_switch.update(bypassed=remote.get("bypassed_slower_than_recompute", 0), request=done)
+
+        result = simulate(
+            manager, requests, name=name, prefill_s_per_token=1 / ENGINE_PREFILL_TOKENS_PER_S, progress=recover
+        )
+    remote = result.stats["tiers"].get("remote", {})
+    row = {
+        **result.totals(),
+        "bypassed_slower_than_recompute": remote.get("bypassed_slower_than_recompute", 0),
+        "explored": remote.get("explored", 0),
+        "transfer_ms_per_block": result.transfer_s_per_block,
+    }
+    if at_switch:
+        row["recovered_at_request"] = at_switch["request"]
+        row["bypassed_after_recovery"] = row["bypassed_slower_than_recompute"] - at_switch["bypassed"]
+    return result, row
+
+
 def main() -> None:
     requests = timed_requests(WORKLOAD)
     results, rows = [], {}
-    for cost in (False, True):
-        name = "cost model " + ("on" if cost else "off")
-        config = config_from_dict(copy.deepcopy(topology(cost)), source=name, environ={})
-        with TierManager(config) as manager:
-            result = simulate(manager, requests, name=name, prefill_s_per_token=1 / ENGINE_PREFILL_TOKENS_PER_S)
+    for name, cost, recovers in (
+        ("cost model off", False, False),
+        ("cost model on", True, False),
+        ("on, remote recovers", True, True),
+    ):
+        result, rows[name] = run(requests, name, cost, recovers)
         results.append(result)
-        remote = result.stats["tiers"].get("remote", {})
-        rows[name] = {
-            **result.totals(),
-            "bypassed_slower_than_recompute": remote.get("bypassed_slower_than_recompute", 0),
-            "explored": remote.get("explored", 0),
-            "transfer_ms_per_block": result.transfer_s_per_block,
-        }
     print(summary_table(results))
     for name, row in rows.items():
         print(f"{name}: {row['bypassed_slower_than_recompute']} remote loads bypassed, {row['explored']} explored")
+        if "bypassed_after_recovery" in row:
+            print(
+                f"  the remote recovered after request {row['recovered_at_request']}: "
+                f"{row['bypassed_after_recovery']} loads recomputed after that"
+            )
     load = os.getloadavg()
     print(f"load average {load[0]:.2f}")
     path = write_result(
         __file__,
-        {"engine_prefill_tokens_per_s": ENGINE_PREFILL_TOKENS_PER_S, "remote": SLOW_REMOTE, "runs": rows, "load": load},
+        {
+            "engine_prefill_tokens_per_s": ENGINE_PREFILL_TOKENS_PER_S,
+            "remote": SLOW_REMOTE,
+            "recovered_remote_latency_ms": RECOVERED_REMOTE_MS,
+            "runs": rows,
+            "load": load,
+        },
     )
     print(f"wrote {path}")
 

@@ -13,6 +13,12 @@ block) and throughput (wall clock of the run, and prefill tokens per modeled
 second). Writes ``multiturn.json`` next to this file, and with matplotlib (the
 ``bench`` extra) ``multiturn_hit_ratio.png`` and ``multiturn_ttft.png``.
 
+The oracle table puts each run's prefill saved against Belady's at the run's
+capacity (GPU plus CPU blocks) and against its policy alone: the same policy as one
+cache of that capacity on the same requests, which tells what the policy can do on
+this workload from what the tiers add or lose (an inclusive CPU tier holds copies
+of the GPU's blocks, so the hierarchy holds fewer distinct blocks than its capacity).
+
 Configurations: every policy registered in ``tiercache.policies.POLICIES`` on a
 small GPU pool over a pinned-CPU tier; a GPU-only pool (no lower tier); and the
 GPU+CPU topology over a ``simulated`` remote with a Redis-like link (the latency
@@ -46,7 +52,7 @@ from policy_traces import write_oracle_general
 from tiercache.config import config_from_dict
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.manager import TierManager
-from tiercache.policies import POLICIES
+from tiercache.policies import POLICIES, make_policy
 from tiercache.tools.simulate import (
     Progress,
     SessionWorkload,
@@ -112,7 +118,8 @@ def configurations(redis_url: str | None) -> dict[str, dict[str, Any]]:
 
 
 def oracle(requests: list[Any], configs: dict[str, dict[str, Any]], block_size: int) -> dict[str, Any]:
-    """Belady's prefill saved per topology capacity, checked against libCacheSim's Belady on the same trace."""
+    """Belady's prefill saved per topology capacity, checked against libCacheSim's Belady on the same trace,
+    and each run's policy alone: one cache of the run's capacity on the same requests."""
     ids: dict[bytes, int] = {}
     hasher = BlockHasher(Namespace("oracle", "layout"), block_size)
     blocks = [[ids.setdefault(key, len(ids) + 1) for key in hasher.keys(r.tokens)] for r in requests]
@@ -122,6 +129,11 @@ def oracle(requests: list[Any], configs: dict[str, dict[str, Any]], block_size: 
     for capacity in sorted(set(capacities.values())):
         saved = sum(oracle_module.prefix_saved_blocks(blocks, capacity)) * block_size
         rows[str(capacity)] = {"capacity_blocks": capacity, "prefill_saved_share": saved / prompt_tokens}
+    alone = {
+        name: policy_alone_saved(blocks, raw["tiers"][0]["policy"], capacities[name]) * block_size / prompt_tokens
+        for name, raw in configs.items()
+        if math.isfinite(capacities[name])
+    }
     trace = [block for request in blocks for block in request]
     check_capacity = GPU_BLOCKS
     with tempfile.TemporaryDirectory() as directory:
@@ -132,8 +144,30 @@ def oracle(requests: list[Any], configs: dict[str, dict[str, Any]], block_size: 
     return {
         "by_capacity": rows,
         "capacity_of_run": {name: str(capacity) for name, capacity in capacities.items()},
+        "policy_alone_saved_share": alone,
         "check": {"capacity_blocks": check_capacity, "ours_miss_ratio": ours, "libcachesim_belady_miss_ratio": theirs},
     }
+
+
+def policy_alone_saved(requests: list[list[int]], policy: str, capacity: float) -> int:
+    """Blocks of prefill saved by ``policy`` as one cache of ``capacity`` blocks, served as the pool serves them.
+
+    A request saves its longest cached prefix; then the policy sees its blocks tail first, each
+    access before a victim is picked (libCacheSim's order), and never evicts a block of the
+    request itself (the engine holds them).
+    """
+    cache = make_policy(policy, int(capacity))
+    saved = 0
+    for request in requests:
+        saved += next((i for i, block in enumerate(request) if block not in cache), len(request))
+        in_request = set(request).__contains__
+        for block in reversed(request):
+            if cache.access(block):
+                continue
+            while len(cache) >= cache.capacity:
+                cache.evict(lambda key, held=in_request: not held(key), incoming=block)
+            cache.insert(block)
+    return saved
 
 
 def capacity_of(raw: dict[str, Any]) -> float:
@@ -148,12 +182,15 @@ def capacity_of(raw: dict[str, Any]) -> float:
 
 
 def oracle_table(results: list[SimulationResult], found: dict[str, Any]) -> str:
-    lines = [f"{'run':<28}{'capacity':>10}{'saved':>8}{'oracle':>8}{'of oracle':>10}"]
+    """Prefill saved per run against Belady's at its capacity, and against its policy alone as one cache."""
+    lines = [f"{'run':<28}{'capacity':>10}{'saved':>8}{'oracle':>8}{'of oracle':>10}{'alone':>8}{'of alone':>9}"]
     for result in results:
         key = found["capacity_of_run"][result.name]
         best = found["by_capacity"][key]["prefill_saved_share"]
         saved = result.totals()["prefill_saved_share"]
-        lines.append(f"{result.name:<28}{key:>10}{saved:>8.1%}{best:>8.1%}{saved / best if best else 0:>10.2f}")
+        alone = found["policy_alone_saved_share"].get(result.name)
+        versus = f"{alone:>8.1%}{saved / alone:>9.2f}" if alone else f"{'-':>8}{'-':>9}"
+        lines.append(f"{result.name:<28}{key:>10}{saved:>8.1%}{best:>8.1%}{saved / best if best else 0:>10.2f}{versus}")
     check = found["check"]
     lines.append(
         f"oracle check at {check['capacity_blocks']} blocks: miss ratio {check['ours_miss_ratio']:.6f} "

@@ -147,3 +147,11 @@ TRACES: dict[str, Callable[[int], Trace]] = {
     ),
 }
 """The named traces, each ``n`` requests long."""
+
+
+def oracle_traces(directory: Path, length: int) -> dict[str, tuple[Trace, Path]]:
+    """Each named trace, ``length`` requests long, and its oracleGeneral file in ``directory``."""
+    return {
+        name: (trace, write_oracle_general(trace, directory / f"{name}.oracleGeneral.bin"))
+        for name, trace in ((name, generate(length)) for name, generate in TRACES.items())
+    }

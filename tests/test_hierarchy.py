@@ -83,9 +83,9 @@ def test_write_through_copies_on_store_and_pins_the_gpu_blocks_until_the_copy_la
     hierarchy.copy_done(copy, ok=True)
     assert [hierarchy.local.gpu.ref(b) for b in ids] == [1, 1]
     (put,) = take(hierarchy)
-    assert isinstance(put, RemotePut) and put.lane == 0 and put.keys == (key(1), key(2))
+    assert isinstance(put, RemotePut) and put.lane == 0 and put.keys == (key(2), key(1))  # tail first
     assert all(hierarchy.local.cpu.ref(slot) == 1 for slot in put.cpu_slots), "a put pins its slots"
-    hierarchy.put_done(put, [True, False])
+    hierarchy.put_done(put, [False, True])
     assert hierarchy.written(0, key(1)) and not hierarchy.written(0, key(2))
     assert counters(hierarchy, "remote0")["store_failures"] == 1
 
@@ -218,3 +218,36 @@ def test_an_abandoned_write_forgets_its_key_and_keeps_its_slot_until_the_writer_
     cpu.unpin(late)
     cpu.check_invariants()
     assert cpu.num_free == 1 and hierarchy.begin_cpu_write(key(3)) == late
+
+
+def test_write_through_enters_the_cpu_tier_tail_first() -> None:
+    """A stored chain written through is evicted from the CPU tier tail first, as from the GPU pool."""
+    hierarchy = build(gpu_slots=8, cpu_slots=4)
+    chain = [key(i) for i in range(4)]
+    ids = store_chain(hierarchy, chain)
+    for move in take(hierarchy):
+        hierarchy.copy_done(move, ok=True)
+    hierarchy.local.gpu.unpin(ids[0])
+    store_chain(hierarchy, [key(9)])  # one more block written through: the CPU tier evicts one
+    cpu = hierarchy.local.cpu
+    assert [k in cpu for k in chain] == [True, True, True, False], "the tail must go first"
+
+
+@pytest.mark.parametrize("write_policy", [THROUGH, BACK])
+def test_a_demotion_is_an_access_of_the_cpu_tier_whatever_the_write_policy(write_policy: WritePolicy) -> None:
+    """The block the GPU pool just evicted is the CPU tier's most recent, whether or not the CPU kept a copy.
+
+    Under write-back the demotion inserts it; under write-through the CPU tier holds it since its
+    store, and its hits on the GPU were never seen there: the demotion must count, or the CPU tier
+    would rank a block it kept below one it had dropped and takes back.
+    """
+    hierarchy = build(gpu_slots=3, cpu_slots=4, cpu_policy=write_policy)
+    for i in range(3):
+        for block in store_chain(hierarchy, [key(i)]):
+            hierarchy.local.gpu.unpin(block)
+        for move in take(hierarchy):
+            hierarchy.copy_done(move, ok=True)
+    hierarchy.allocate(1)  # the GPU pool evicts key 0, its least recent
+    for move in take(hierarchy):
+        hierarchy.copy_done(move, ok=True)
+    assert list(hierarchy.local.cpu.policy)[-1] == key(0)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 from mrc_reference import block_key, exact_lru_curve, zipf_keys
-from policy_traces import Trace
+from policy_traces import Trace, zipf, zipf_with_scans
 
-from tiercache.mrc import DEFAULT_MULTIPLES, MissRatioCurve
+from tiercache.mrc import DEFAULT_MAX_SAMPLES, DEFAULT_MULTIPLES, MissRatioCurve
 
 ACCESSES = 1_000_000
 KEY_SPACE = 2_000_000
@@ -71,6 +74,35 @@ def test_fixed_size_variant_within_two_points_of_exact_lru(
     trace: tuple[Trace, list[bytes]], exact: dict[float, float]
 ) -> None:
     check(estimates(trace[1], 1, sample_rate=FIXED_SIZE_START_RATE, max_samples=FIXED_SIZE), exact)
+
+
+SMALL_TIER = 1024
+"""A small tier (a GPU pool of 1024 blocks): the curve is checked at 256 .. 4096 blocks."""
+SMALL_TIER_TRACES: dict[str, Callable[[], Trace]] = {
+    "zipf0.8": lambda: zipf(120_000, n_keys=24_000, alpha=0.8, seed=21),
+    "zipf1.0": lambda: zipf(160_000, n_keys=80_000, alpha=1.0, seed=22),
+    "zipf0.9_scans": lambda: zipf_with_scans(
+        160_000, n_keys=40_000, alpha=0.9, scan_every=4_000, scan_length=1_500, seed=23
+    ),
+}
+"""Zipf 0.8 and 1.0 and a scan-mixed trace, 20K to 77K distinct keys each."""
+
+
+@pytest.mark.parametrize(("seed", "name"), list(enumerate(SMALL_TIER_TRACES)))
+def test_the_default_is_within_two_points_for_a_small_tier(name: str, seed: int, tmp_path: Path) -> None:
+    """The default (a fixed-size sample) against exact LRU: a fixed rate of 0.01 is off by 5-20 points here."""
+    ids = SMALL_TIER_TRACES[name]()
+    key_of = {obj_id: block_key(obj_id) for obj_id in set(ids)}
+    keys = [key_of[obj_id] for obj_id in ids]
+    assert 17_000 <= len(key_of) <= 80_000
+    exact = exact_lru_curve(ids, tmp_path / "trace.oracleGeneral", SMALL_TIER, DEFAULT_MULTIPLES)
+    mrc = MissRatioCurve(seed=seed)
+    for start in range(0, len(keys), REQUEST_KEYS):
+        mrc.access_many(keys[start : start + REQUEST_KEYS])
+    curve = mrc.curve(SMALL_TIER)
+    errors = {m: round(curve[m] - exact[m], 4) for m in DEFAULT_MULTIPLES}
+    assert max(abs(e) for e in errors.values()) <= TOLERANCE, (errors, exact)
+    assert mrc.stats()["tracked_keys"] <= DEFAULT_MAX_SAMPLES
 
 
 def test_exact_at_full_rate_on_a_small_trace() -> None:

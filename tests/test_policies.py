@@ -16,7 +16,7 @@ import libcachesim as lcs
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from policy_traces import TRACES, Trace, write_oracle_general
+from policy_traces import TRACES, Trace, oracle_traces
 
 from tiercache.policies import POLICIES, EvictionPolicy, make_policy, policy_class
 from tiercache.policies.arc import ARCPolicy
@@ -76,12 +76,7 @@ def simulate(policy: EvictionPolicy, trace: Iterable[Key]) -> list[bool]:
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Trace, Path]]:
     """Each named trace and its oracleGeneral file."""
-    directory = tmp_path_factory.mktemp("traces")
-    built = {}
-    for name, generate in TRACES.items():
-        trace = generate(TRACE_LENGTH)
-        built[name] = (trace, write_oracle_general(trace, directory / f"{name}.oracleGeneral.bin"))
-    return built
+    return oracle_traces(tmp_path_factory.mktemp("traces"), TRACE_LENGTH)
 
 
 def cache_size(trace: Trace, fraction: float) -> int:

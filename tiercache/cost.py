@@ -1,39 +1,58 @@
 """Cost-aware tiers: skip a remote fetch that would take longer than recomputing its tokens.
 
 A remote tier is worth reading only while fetching a block is cheaper than the
-engine's prefill of the same tokens. Per remote tier this model keeps a smoothed
-fit of a fetch's duration as ``latency + bytes / throughput`` (an exponentially
-forgetting least-squares line through the observed (bytes, seconds) of each
-batch, so every batch size is predicted from one fit and a change in the tier
-shows within a few fetches), and the engine's prefill rate (from config, then
-from the engine's own measurements). ``plan`` answers fetch or bypass for one
-tier's part of a load. A bypassed tier is not observed, so its estimate would
-never recover: a fixed fraction of would-be bypasses goes through anyway
-(deterministically, every n-th), and those fetches update the fit.
+engine's prefill of the same tokens. Per remote tier this model predicts a
+fetch's duration as ``round trip + fixed + bytes * per_byte``:
+
+* the round trip is live: the median time of the tier's last probes (the
+  lookups' "which of these keys do you hold" calls, made whether or not a
+  fetch follows), so a tier that gets slow or fast again shows at the second
+  lookup after, with no request waiting on an experiment;
+* ``fixed + bytes * per_byte`` is an exponentially forgetting least-squares line
+  through what each fetch took beyond the round trip of its time. Its slope
+  leans on a prior per-byte cost (``prior_bandwidth_bytes_per_s``) as far as
+  the sizes seen cannot tell it: with one fetch size seen, the whole time of a
+  fetch is not taken as per-byte (a 16-block load after 1-block fetches of a
+  10 ms tier is about 10 ms, not 16 x 10); with sizes that spread, the data
+  decide, the more so the less they scatter around their line.
+
+``plan`` answers fetch or bypass for one tier's part of a load. A bypassed
+tier's fetches are not observed, so a change that only fetches show (a slower
+link, not a longer round trip) would never be seen: a fixed fraction of
+would-be bypasses goes through anyway (deterministically, every n-th), and
+those fetches update the fit.
 
 Asking and telling are apart: ``verdict`` and ``cut`` only read (a lookup asks
 them as often as the engine retries), ``count`` records a verdict the request
 went ahead with (once per request, at load), which moves the counters and the
 exploration schedule.
 
-Pure: no threads, no I/O, no clock; the caller times its fetches and prefills.
-Not thread-safe: call it from one thread (the manager's event loop or the engine's).
+Pure: no threads, no I/O, no clock; the caller times its fetches, probes and
+prefills. Not thread-safe: call it under one lock (the manager's).
 """
 
 from __future__ import annotations
 
 import enum
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_SMOOTHING = 0.2
 """Weight of the newest observation: the fit forgets half its past in about three fetches."""
 DEFAULT_EXPLORE_FRACTION = 1 / 32
-"""Share of would-be bypasses issued anyway so a recovered tier is noticed."""
+"""Share of would-be bypasses issued anyway so a tier whose fetches alone got faster is noticed."""
 DEFAULT_MARGIN = 1.0
 """Bypass when expected fetch time exceeds ``margin`` x expected recompute time."""
-FLAT_VARIANCE = 1e-9
-"""Relative variance of observed sizes below which they count as one size (no slope to fit)."""
+DEFAULT_PRIOR_BANDWIDTH = 1e9
+"""Bytes per second assumed for the per-byte part until fetch sizes that spread tell it: a datacenter
+link's order (10 Gb/s is 1.25 GB/s), and the loopback Redis pipeline DESIGN measures (0.5-3 GB/s)."""
+PROBE_WINDOW = 3
+"""Probes whose median is the live round trip: a change shows at the second probe after it, and one
+probe out of line (a scheduling hiccup) changes nothing."""
+MIN_FIT_WEIGHT = 2.0
+"""Observations (decayed) a line needs before its scatter says anything: two points always fit exactly."""
 
 
 class Verdict(enum.Enum):
@@ -57,6 +76,7 @@ class CostConfig:
     smoothing: float = DEFAULT_SMOOTHING
     explore_fraction: float = DEFAULT_EXPLORE_FRACTION
     margin: float = DEFAULT_MARGIN
+    prior_bandwidth_bytes_per_s: float = DEFAULT_PRIOR_BANDWIDTH
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
@@ -67,18 +87,29 @@ class CostConfig:
             raise ValueError(f"explore_fraction: expected a number in (0, 1], got {self.explore_fraction!r}")
         if not self.margin > 0:
             raise ValueError(f"margin: expected a number > 0, got {self.margin!r}")
+        if not self.prior_bandwidth_bytes_per_s > 0:
+            raise ValueError(
+                f"prior_bandwidth_bytes_per_s: expected a number > 0, got {self.prior_bandwidth_bytes_per_s!r}"
+            )
 
 
 @dataclass
 class FetchFit:
-    """Exponentially forgetting least squares of seconds against bytes, and bytes per block."""
+    """Exponentially forgetting least squares of seconds against bytes, and bytes per block.
+
+    The slope is the posterior mean under a prior of ``prior_per_byte`` (give or
+    take its own size): the sizes' spread and the points' scatter around their line
+    decide how far the data move it.
+    """
 
     smoothing: float
+    prior_per_byte: float
     weight: float = 0.0
     sum_x: float = 0.0
     sum_y: float = 0.0
     sum_xx: float = 0.0
     sum_xy: float = 0.0
+    sum_yy: float = 0.0
     blocks: float = 0.0
 
     def add(self, blocks: int, nbytes: int, seconds: float) -> None:
@@ -90,41 +121,54 @@ class FetchFit:
         self.sum_y = self.sum_y * keep + seconds
         self.sum_xx = self.sum_xx * keep + x * x
         self.sum_xy = self.sum_xy * keep + x * seconds
+        self.sum_yy = self.sum_yy * keep + seconds * seconds
         self.blocks = self.blocks * keep + blocks
 
     def line(self) -> tuple[float, float]:
-        """(latency seconds, seconds per byte), both >= 0."""
-        mean_x = self.sum_x / self.weight
-        mean_y = self.sum_y / self.weight
-        variance = self.sum_xx / self.weight - mean_x * mean_x
-        if variance <= FLAT_VARIANCE * mean_x * mean_x:  # one batch size so far: all of it is per-byte
-            return 0.0, (mean_y / mean_x if mean_x else 0.0)
-        slope = (self.sum_xy / self.weight - mean_x * mean_y) / variance
+        """(fixed seconds, seconds per byte), both >= 0."""
+        weight = self.weight
+        mean_x = self.sum_x / weight
+        mean_y = self.sum_y / weight
+        var_x = max(self.sum_xx / weight - mean_x * mean_x, 0.0)
+        cov = self.sum_xy / weight - mean_x * mean_y
+        slope = self.prior_per_byte
+        if var_x > 0 and weight > MIN_FIT_WEIGHT:
+            var_y = max(self.sum_yy / weight - mean_y * mean_y, 0.0)
+            scatter = max(var_y - cov * cov / var_x, 0.0) * weight / (weight - MIN_FIT_WEIGHT)
+            prior_strength = scatter / (self.prior_per_byte * self.prior_per_byte)  # noise / prior variance
+            slope = (weight * cov + prior_strength * self.prior_per_byte) / (weight * var_x + prior_strength)
         intercept = mean_y - slope * mean_x
         if slope < 0:
             return mean_y, 0.0
-        if intercept < 0:
-            return 0.0, self.sum_xy / self.sum_xx
+        if intercept < 0:  # faster than the slope allows for the fixed part: all of it per byte
+            return 0.0, self.sum_xy / self.sum_xx if self.sum_xx else 0.0
         return intercept, slope
 
     def seconds(self, blocks: int, nbytes: int | None = None) -> float:
         """Expected duration of a fetch of ``blocks`` blocks (``nbytes`` if known, else the mean block size)."""
         if nbytes is None:
             nbytes = round(blocks * self.sum_x / self.blocks) if self.blocks else 0
-        latency, per_byte = self.line()
-        return latency + per_byte * nbytes
+        fixed, per_byte = self.line()
+        return fixed + per_byte * nbytes
 
 
 @dataclass
 class TierCost:
-    """One remote tier's fit and counters."""
+    """One remote tier's fit, live round trip and counters."""
 
     fit: FetchFit
+    recent_probes: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
     fetches_planned: int = 0
     bypassed_slower_than_recompute: int = 0
     explored: int = 0
     would_bypass: int = 0
     observations: int = 0
+    probes: int = 0
+
+    @property
+    def round_trip_s(self) -> float | None:
+        """The median of the recent probes (None before any)."""
+        return statistics.median(self.recent_probes) if self.recent_probes else None
 
 
 @dataclass
@@ -139,7 +183,8 @@ class CostModel:
     def _tier(self, tier: str) -> TierCost:
         state = self._tiers.get(tier)
         if state is None:
-            state = self._tiers[tier] = TierCost(FetchFit(self.config.smoothing))
+            fit = FetchFit(self.config.smoothing, 1.0 / self.config.prior_bandwidth_bytes_per_s)
+            state = self._tiers[tier] = TierCost(fit)
         return state
 
     def observe_fetch(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
@@ -147,8 +192,16 @@ class CostModel:
         if blocks <= 0 or seconds < 0:
             return
         state = self._tier(tier)
-        state.fit.add(blocks, nbytes, seconds)
+        state.fit.add(blocks, nbytes, max(seconds - (state.round_trip_s or 0.0), 0.0))
         state.observations += 1
+
+    def observe_probe(self, tier: str, seconds: float) -> None:
+        """A probe of ``tier`` (asking which keys it holds) took ``seconds``: the tier's live round trip."""
+        if seconds < 0:
+            return
+        state = self._tier(tier)
+        state.recent_probes.append(seconds)
+        state.probes += 1
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine prefilled ``tokens`` tokens in ``seconds``; replaces the configured rate from now on."""
@@ -166,11 +219,11 @@ class CostModel:
         return self.config.prefill_tokens_per_s
 
     def expected_fetch_seconds(self, tier: str, blocks: int, nbytes: int | None = None) -> float | None:
-        """Predicted duration of a fetch of ``blocks`` blocks from ``tier`` (None before any observation)."""
+        """Predicted duration of a fetch of ``blocks`` blocks from ``tier`` (None before any fetch is observed)."""
         state = self._tiers.get(tier)
         if state is None or not state.observations:
             return None
-        return state.fit.seconds(blocks, nbytes)
+        return (state.round_trip_s or 0.0) + state.fit.seconds(blocks, nbytes)
 
     def expected_recompute_seconds(self, tokens: int) -> float | None:
         """Predicted prefill time of ``tokens`` tokens (None while the rate is unknown)."""
@@ -207,10 +260,12 @@ class CostModel:
         if verdict is Verdict.EXPLORE:
             state.explored += 1
 
-    def plan(self, tier: str, blocks: int, tokens: int, nbytes: int | None = None) -> bool:
-        """``verdict`` and ``count`` at once: True to fetch (or explore), False to treat the blocks as misses."""
+    def plan(self, tier: str, blocks: int, tokens: int, nbytes: int | None = None, *, record: bool = True) -> bool:
+        """True: fetch these ``blocks`` (``tokens`` tokens) from ``tier`` (or explore it); False: treat them
+        as misses. ``verdict``, then ``count`` when ``record``."""
         verdict = self.verdict(tier, blocks, tokens, nbytes)
-        self.count(tier, verdict)
+        if record:
+            self.count(tier, verdict)
         return verdict is not Verdict.BYPASS
 
     def cut(
@@ -241,22 +296,25 @@ class CostModel:
                 usable = start
         return usable, verdicts
 
-    def usable_prefix(self, runs: Sequence[tuple[str | None, int]], block_size: int) -> int:
-        """``cut``, with each verdict counted (one request that goes ahead)."""
+    def usable_prefix(self, runs: Sequence[tuple[str | None, int]], block_size: int, *, record: bool = True) -> int:
+        """``cut``, with each verdict counted when ``record`` (one request that goes ahead)."""
         usable, verdicts = self.cut(runs, block_size)
-        for tier, verdict in verdicts:
-            self.count(tier, verdict)
+        if record:
+            for tier, verdict in verdicts:
+                self.count(tier, verdict)
         return usable
 
     def _explore_every(self) -> int:
         return max(1, round(1 / self.config.explore_fraction))
 
     def stats(self) -> dict[str, object]:
-        """The prefill rate and, per tier, the fitted latency and throughput and the decision counters."""
+        """The prefill rate and, per tier, the live round trip, the fitted latency beyond it and throughput,
+        and the decision counters."""
         tiers: dict[str, dict[str, float | int | None]] = {}
         for name, state in self._tiers.items():
             latency, per_byte = state.fit.line() if state.observations else (None, None)
             tiers[name] = {
+                "round_trip_s": state.round_trip_s,
                 "latency_s": latency,
                 "throughput_bytes_per_s": (1.0 / per_byte) if per_byte else None,
                 "observations": state.observations,

@@ -122,9 +122,14 @@ class Hierarchy:
                 self.put(lane, [key], [slot], Reason.ADMITTED)
 
     # ---- the GPU pool -----------------------------------------------------------------
-    def allocate(self, count: int) -> list[int]:
-        """``count`` held GPU blocks; victims are demoted to the CPU tier when it admits them."""
-        ids, victims = self.local.gpu.allocate(count)
+    def allocate(self, count: int, chain: Sequence[bytes] | None = None) -> list[int]:
+        """``count`` held GPU blocks; victims are demoted to the CPU tier when it admits them.
+
+        With the request's ``chain`` (its keys, prompt order) the pool's policy sees
+        the request's incoming keys before it picks victims (``SlotTable.allocate_for``).
+        """
+        gpu = self.local.gpu
+        ids, victims = gpu.allocate(count) if chain is None else gpu.allocate_for(count, chain)
         if victims:
             self.metrics.add(self.gpu_name, "evictions", len(victims))
             self.observer.removed(self.gpu_name, [victim.key for victim in victims])
@@ -132,24 +137,36 @@ class Hierarchy:
         return ids
 
     def _demote(self, victims: list[tuple[bytes, int]]) -> None:
+        """GPU victims (in eviction order) go down to the CPU tier, each an access of its policy.
+
+        A victim the CPU tier already holds (written through) is touched there, as a
+        write-back's victim is inserted: the write policy decides when bytes move,
+        not what the CPU tier's policy learns about use.
+        """
         rule, cpu = self.cpu_rule, self.local.cpu
         if rule is None or cpu is None:
             return
-        admitted = []
+        admitted, kept = [], []
         for key, block in victims:
             if key in cpu:
+                if cpu.readable(key) is not None:
+                    cpu.touch(key)
+                    kept.append(key)
                 continue
             if self._admits(rule, key, evicted=True):
                 admitted.append((key, block))
             else:
                 self.metrics.add(rule.name, "not_admitted")
+        if kept:
+            self.observer.accessed(rule.name, kept)
         self._copy_down(admitted, Reason.DEMOTION)
 
     def store(self, keys: Sequence[bytes], ids: Sequence[int], tokens: Sequence[int] | None = None) -> int:
         """Index a request's chain in its GPU blocks, reporting it to the policy tail first.
 
         Blocks promoted by this request's load were bound untracked; blocks the
-        engine computed are bound now; blocks cached before are hits. Returns the
+        engine computed are bound now; blocks cached before are hits; blocks
+        ``allocate`` admitted for this request were counted then. Returns the
         number of blocks newly indexed; raises ValueError for a block that holds
         another prefix's KV (nothing is changed then). ``tokens`` (the prompt)
         only feeds the observer's events.
@@ -159,7 +176,7 @@ class Hierarchy:
             bound = gpu.key_of(block)
             if bound is not None and bound != key:
                 raise ValueError(f"store: GPU block {block} already holds another prefix's KV")
-        fresh: list[tuple[bytes, int]] = []
+        fresh: list[tuple[bytes, int]] = []  # tail first
         for key, block in reversed(list(zip(keys, ids, strict=True))):
             bound = gpu.key_of(block)
             if bound is None and key not in gpu:
@@ -169,11 +186,8 @@ class Hierarchy:
                 self.metrics.add(self.gpu_name, "duplicate_blocks")
                 if gpu.readable(key) is not None:
                     gpu.touch(key)
-            elif gpu.is_untracked(key):
-                gpu.track(key)
             else:
-                gpu.touch(key)
-        fresh.reverse()
+                gpu.request(key)
         self.metrics.add(self.gpu_name, "stored_blocks", len(fresh))
         self.observer.accessed(self.gpu_name, keys)
         self._report_stored(keys, {key for key, _ in fresh}, tokens)
@@ -201,7 +215,10 @@ class Hierarchy:
 
     # ---- the CPU tier -----------------------------------------------------------------
     def _copy_down(self, pairs: list[tuple[bytes, int]], reason: Reason) -> None:
-        """Begin CPU writes for (key, GPU block) pairs and queue their copy; no room is counted."""
+        """Begin CPU writes for (key, GPU block) pairs and queue their copy; no room is counted.
+
+        The CPU tier's policy sees the writes in the order of ``pairs``: a chain's tail first.
+        """
         cpu = self.local.cpu
         assert cpu is not None and self.cpu_rule is not None
         keys, blocks, slots = [], [], []

@@ -127,16 +127,23 @@ class TierManager:
         weakref.finalize(hit, self._abandoned.append, found.pins).atexit = False
         return hit
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(
+        self, count: int, tokens: Sequence[int] | np.ndarray | None = None, extra: bytes | str | None = None
+    ) -> list[int]:
         """``count`` free GPU blocks, held by the caller; evicts (and demotes) by policy.
 
-        Raises ``CapacityError`` and changes nothing when not enough blocks are free
-        or evictable; never evicts what an outstanding Lookup pinned.
+        With the prompt's ``tokens`` (and ``extra``, as for ``lookup``) the pool's
+        policy sees the request's blocks that are not on the GPU before it picks
+        victims, as libCacheSim does (exact ARC, S3-FIFO and 2Q decisions); the
+        first ids returned are for those blocks, in prompt order. Raises
+        ``CapacityError`` and changes nothing when not enough blocks are free or
+        evictable; never evicts what an outstanding Lookup pinned.
         """
         self._require_running()
+        chain = None if tokens is None else self.hasher.keys(tokens, extra)
         with self._lock:
             self._reap_abandoned()
-            ids = self.hierarchy.allocate(count)
+            ids = self.hierarchy.allocate(count, chain)
             self.local.holds.give(ids)
             self._stack.mover.dispatch()
             return ids

@@ -6,25 +6,31 @@ a sampled key is seen and none of an unsampled one), measure each sampled
 access's LRU reuse distance *within the sample* (distinct sampled keys touched
 since that key's previous access), and scale it by 1/R, R = T / 2**64. The
 histogram of scaled distances is the LRU miss-ratio curve of the whole stream.
-Two variants: a fixed sample rate, and a fixed sample size (SHARDS's bounded
-memory: when more than ``max_samples`` keys are tracked, T drops to the largest
-tracked hash and that key leaves the sample). Each sampled access weighs 1/R at
-the rate in force when it was seen, and the difference between the number of
+Two variants: a fixed sample size, the default (SHARDS's bounded memory: the
+rate starts at 1, and when more than ``max_samples`` keys are tracked, T drops
+to the largest tracked hash and that key leaves the sample), and a fixed rate.
+The default is exact while a tier sees fewer than ``max_samples`` distinct keys,
+so small tiers get their curve right, and tracks at most that many, so the
+memory and the cost per access stay bounded (O(log max_samples) for a sampled
+access) however many keys a tier sees. A fixed rate of 0.01 is off by 4-27
+points at 0.25x-4x of a 256- to 4096-block tier seeing 20K-60K keys, where the
+default is within about 3 (benchmarks/mrc.py). Each sampled access weighs 1/R
+at the rate in force when it was seen, and the difference between the number of
 accesses and the sampled weight goes to the distance-0 bucket (SHARDS-adj),
 which corrects the bias a few sampled heavy hitters would otherwise cause.
 
 The spatial hash is the key's first 8 bytes read big-endian, XORed with a mask
 derived from ``seed`` (a bijection, so each seed samples a different, equally
 uniform set of keys). tiercache's keys are BLAKE2b digests (tiercache.keys), so
-those bytes are already uniform and nothing is hashed again. Accesses are buffered and filtered in bulk (one join
-and one vectorised compare per ``flush_keys`` keys), so an unsampled access
-costs tens of nanoseconds in C (mostly touching the key object) instead of a
-Python step, and a sampled one a few microseconds (sortedcontainers' order
-statistics). Feed whole requests (``access_many``): one call per key costs a
-Python call per key. benchmarks/mrc.py measures both against the LRU policy's
-decision: about 9% (filter) to 12-40% (rate 0.01) of it on the 2-core machine,
-above issue 15's 2%; a fixed-size sample keeps the rate, and so the cost, falling
-as the key space grows.
+those bytes are already uniform and nothing is hashed again. Accesses are
+buffered and filtered in bulk (one join and one vectorised compare per flush,
+which comes once about ``FLUSH_SAMPLES`` accesses are expected to be sampled, or
+after ``flush_keys``), so an unsampled access costs tens of nanoseconds in C
+(mostly touching the key object) instead of a Python step, a sampled one a few
+microseconds (sortedcontainers' order statistics), and no flush holds the
+caller for long. Feed whole requests (``access_many``): one call per key costs
+a Python call per key. benchmarks/mrc.py measures the cost against the LRU
+policy's decision.
 
 The curve is LRU's; for another policy it is the usual sizing estimate, not that
 policy's exact curve. Pure: no threads, no I/O; not thread-safe (call it from
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -49,11 +56,16 @@ HASH_BYTES = 8
 """Bytes of the key read as its spatial hash (big-endian), the space SHARDS samples from."""
 HASH_SPACE = 1 << (8 * HASH_BYTES)
 """Number of distinct spatial hashes; the sample rate is threshold / HASH_SPACE."""
-DEFAULT_SAMPLE_RATE = 0.01
-"""SHARDS's usual rate: within about a point of hit ratio on traces of 10**5+ distinct keys."""
+DEFAULT_SAMPLE_RATE = 1.0
+"""The starting rate of the default, fixed-size sample: every key until ``DEFAULT_MAX_SAMPLES`` are tracked."""
+DEFAULT_MAX_SAMPLES = 16_000
+"""Keys tracked at most per tier by default: within about 2 points of exact LRU at 0.25x-4x of 1024-block
+and larger tiers on Zipf 0.8-1.0 and scan-mixed traces (3 at 256 blocks), some megabytes per tier."""
 DEFAULT_FLUSH_KEYS = 4096
-"""Buffered accesses filtered in one bulk pass: large enough that the per-pass overhead
+"""Buffered accesses filtered in one bulk pass at most: large enough that the per-pass overhead
 (a numpy call, a join) is under a nanosecond per key, small enough to stay in cache."""
+FLUSH_SAMPLES = 256
+"""Expected sampled accesses per flush: a flush then takes about a millisecond whatever the rate."""
 DEFAULT_MULTIPLES: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
 """Capacities, as multiples of the tier's, at which ``curve`` answers by default."""
 _BIG_ENDIAN_U64 = np.dtype(">u8")
@@ -65,9 +77,9 @@ class MrcConfig:
 
     enabled: bool = False
     sample_rate: float = DEFAULT_SAMPLE_RATE
-    """SHARDS rate (or, with ``max_samples``, the starting rate)."""
-    max_samples: int | None = None
-    """Keys tracked at most per tier (fixed-size SHARDS); None: a fixed rate."""
+    """The starting rate of the fixed-size sample (or, with ``max_samples: null``, the fixed rate)."""
+    max_samples: int | None = DEFAULT_MAX_SAMPLES
+    """Keys tracked at most per tier (fixed-size SHARDS); None: a fixed rate, memory unbounded."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.sample_rate <= 1.0:
@@ -82,12 +94,13 @@ class MissRatioCurve:
     def __init__(
         self,
         sample_rate: float = DEFAULT_SAMPLE_RATE,
-        max_samples: int | None = None,
+        max_samples: int | None = DEFAULT_MAX_SAMPLES,
         key_bytes: int = KEY_BYTES,
         flush_keys: int = DEFAULT_FLUSH_KEYS,
         seed: int = 0,
     ) -> None:
-        """``sample_rate`` is the fixed rate, or with ``max_samples`` the starting (highest) rate.
+        """``sample_rate`` is the starting (highest) rate of a fixed-size sample, or with ``max_samples=None``
+        the fixed rate.
 
         ``seed`` picks which keys are sampled; two seeds give two independent estimates.
         """
@@ -106,6 +119,7 @@ class MissRatioCurve:
         self._mask = int.from_bytes(hashlib.blake2b(seed.to_bytes(8, "big"), digest_size=HASH_BYTES).digest(), "big")
         self._pending: list[Sequence[bytes]] = []
         self._pending_keys = 0
+        self._flush_at = self._flush_size()
         self._accesses = 0
         self._sampled = 0
         self._clock = 0
@@ -130,8 +144,12 @@ class MissRatioCurve:
             return
         self._pending.append(keys)
         self._pending_keys += len(keys)
-        if self._pending_keys >= self.flush_keys:
+        if self._pending_keys >= self._flush_at:
             self.flush()
+
+    def _flush_size(self) -> int:
+        """Buffered accesses per flush: about ``FLUSH_SAMPLES`` sampled ones, at most ``flush_keys``."""
+        return max(1, min(self.flush_keys, math.ceil(FLUSH_SAMPLES * HASH_SPACE / self._threshold)))
 
     def flush(self) -> None:
         """Filter the buffered accesses and account the sampled ones (``curve`` calls it)."""
@@ -144,6 +162,7 @@ class MissRatioCurve:
         for index, spatial_hash in self._candidates(keys):
             if spatial_hash < self._threshold:  # the threshold may have dropped during this pass
                 self._record(keys[index], spatial_hash)
+        self._flush_at = self._flush_size()
 
     def _candidates(self, keys: Sequence[bytes]) -> Iterable[tuple[int, int]]:
         """(index, hash) of every key whose hash is below the threshold, in order, found in bulk."""

@@ -10,13 +10,16 @@ slot is in one of these states:
   readable, not evictable;
 * cached: bound and readable; evictable at ref == 0, pinned at ref > 0.
 
-The eviction policy tracks cached keys only. ``allocate`` is all-or-nothing: it
-checks that enough slots are free or evictable before touching anything.
+The eviction policy tracks cached keys, and the keys a held slot was allocated
+for (``allocate_for``: the policy saw their request before it chose a victim,
+and admitted them; a reserved key is never a victim). ``allocate`` and
+``allocate_for`` are all-or-nothing: they check that enough slots are free or
+evictable before touching anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from tiercache.policies import EvictionPolicy
@@ -52,6 +55,9 @@ class SlotTable:
         self._slot: dict[bytes, int] = {}
         self._evictable = 0
         self._untracked: set[bytes] = set()
+        self._reserved: dict[int, bytes] = {}  # held unbound slot -> the key the policy admitted for it
+        self._reserved_slot: dict[bytes, int] = {}  # the inverse
+        self._reported: set[bytes] = set()  # bound from a reservation; the holding request's access is counted
         self.evictions = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -111,11 +117,7 @@ class SlotTable:
         """
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
-        if count - len(self._free) > self._evictable:
-            raise CapacityError(
-                f"need {count} slots: {len(self._free)} free and {self._evictable} evictable "
-                f"of {self.num_slots} (the rest are pinned or being written)"
-            )
+        self._check_room(count)
         victims: list[Victim] = []
         while len(self._free) < count:
             if not self._evictable:
@@ -145,21 +147,87 @@ class SlotTable:
         return key, slot
 
     def _is_evictable(self, key: bytes) -> bool:
-        return self._ref[self._slot[key]] == 0
+        slot = self._slot.get(key)  # a reserved key has no slot yet: never a victim
+        return slot is not None and self._ref[slot] == 0
+
+    def allocate_for(self, count: int, chain: Sequence[bytes]) -> tuple[list[int], list[Victim]]:
+        """``count`` held slots for a request whose keys are ``chain`` (prompt order), and the victims.
+
+        The policy sees the request's keys that are not here before any victim is
+        chosen, tail first, each as libCacheSim does (access, evict for it, insert),
+        and admits them at once; each is reserved on one of the returned slots, in
+        prompt order, until a ``bind`` of that key (whose access is then already
+        counted) or the slot's release. Slots past those keys are allocated as by
+        ``allocate``. Raises CapacityError, changing nothing, when free plus
+        evictable slots are fewer than ``count``.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self._check_room(count)
+        incoming = [key for key in dict.fromkeys(chain) if key not in self._slot and key not in self._reserved_slot]
+        incoming = incoming[:count]
+        reserved: dict[bytes, int] = {}
+        victims: list[Victim] = []
+        policy = self.policy
+        for key in reversed(incoming):
+            hit = policy.access(key)
+            assert not hit, "a key neither bound nor reserved here cannot be resident in its policy"
+            if not self._free:
+                victim, slot = self._evict_one(key)
+                self._free.append(slot)
+                victims.append(Victim(victim, slot, False))
+            policy.insert(key)
+            reserved[key] = slot = self._free.pop()
+            self._ref[slot] = 1
+        for key in incoming:
+            self._reserved[reserved[key]] = key
+        self._reserved_slot.update(reserved)
+        rest, more = self.allocate(count - len(incoming))
+        return [reserved[key] for key in incoming] + rest, victims + more
+
+    def _unreserve(self, slot: int) -> bytes | None:
+        key = self._reserved.pop(slot, None)
+        if key is not None:
+            del self._reserved_slot[key]
+        return key
+
+    def _check_room(self, count: int) -> None:
+        if count - len(self._free) > self._evictable:
+            raise CapacityError(
+                f"need {count} slots: {len(self._free)} free and {self._evictable} evictable "
+                f"of {self.num_slots} (the rest are pinned or being written)"
+            )
 
     def bind(self, slot: int, key: bytes, *, track: bool = True) -> None:
         """Bind a held slot to ``key`` and make it readable (the caller keeps its pin).
 
-        With ``track=False`` the policy does not see the key yet: the request that
-        holds the slot reports its whole chain at once later (``track``), tail first.
+        A key reserved by ``allocate_for`` is already admitted: binding it counts
+        nothing (with ``track=False`` the holder's later ``request`` counts nothing
+        either). Otherwise, with ``track=False`` the policy does not see the key yet:
+        the request that holds the slot reports its whole chain at once later
+        (``request``), tail first. A slot reserved for another key gives that
+        reservation up (or hands it to the slot reserved for ``key``).
         """
         if self._ref[slot] < 1 or self._key[slot] is not None:
             raise ValueError(f"slot {slot} is not held unbound (ref {self._ref[slot]})")
         if key in self._slot:
             raise ValueError(f"key already bound to slot {self._slot[key]}")
+        reserved_here = self._unreserve(slot)
+        elsewhere = self._reserved_slot.get(key)
+        if elsewhere is not None:  # the engine put the keys in other slots than they were allocated in
+            self._unreserve(elsewhere)
+            if reserved_here is not None:
+                self._reserved[elsewhere] = reserved_here
+                self._reserved_slot[reserved_here] = elsewhere
+        elif reserved_here is not None and reserved_here != key:
+            self.policy.remove(reserved_here)
+        admitted = elsewhere is not None or reserved_here == key
         self._key[slot] = key
         self._slot[key] = slot
-        if track:
+        if admitted:
+            if not track:
+                self._reported.add(key)
+        elif track:
             self.track(key)
         else:
             self._untracked.add(key)
@@ -170,9 +238,18 @@ class SlotTable:
         if not self.policy.access(key):
             self.policy.insert(key)
 
-    def is_untracked(self, key: bytes) -> bool:
-        """Bound with ``track=False`` and not reported to the policy since."""
-        return key in self._untracked
+    def request(self, key: bytes) -> None:
+        """The holding request's access of a bound key, counted once.
+
+        Nothing when ``allocate_for`` admitted it for this request; an admission
+        when it was bound untracked; a hit otherwise.
+        """
+        if key in self._reported:
+            self._reported.discard(key)
+        elif key in self._untracked:
+            self.track(key)
+        else:
+            self.policy.access(key)
 
     def begin_write(
         self, key: bytes, retain: Callable[[bytes], bool] | None = None
@@ -250,10 +327,14 @@ class SlotTable:
         if ref == 1:
             key = self._key[slot]
             if key is None:
+                reserved = self._unreserve(slot)
+                if reserved is not None:  # allocated for a key the holder never bound
+                    self.policy.remove(reserved)
                 self._free.append(slot)
             else:
                 if key in self._untracked:
                     self.track(key)
+                self._reported.discard(key)
                 self._evictable += 1
 
     def discard(self, key: bytes) -> bool:
@@ -285,4 +366,8 @@ class SlotTable:
             if ref == 0:
                 evictable += 1
         assert evictable == self._evictable, f"evictable count {self._evictable} != {evictable}"
+        for slot, key in self._reserved.items():
+            assert self._key[slot] is None and self._ref[slot] >= 1, f"reserved slot {slot} is not held unbound"
+            assert self._reserved_slot[key] == slot and key in self.policy, f"reservation of slot {slot} is stale"
+        assert len(self._reserved_slot) == len(self._reserved)
         assert len(self._slot) == sum(k is not None for k in self._key)

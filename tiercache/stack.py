@@ -82,6 +82,9 @@ class Stack:
             if config.mrc.enabled
         }
         self.cost = CostModel(config.cost) if config.cost.enabled else None
+        if self.cost is not None:
+            for lane in self.lanes:
+                lane.on_probe = self._observe_probe
         lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
         remember = REMEMBER_FACTOR * (self.gpu.num_blocks + (self.cpu.num_slots if self.cpu else 0))
         self.hierarchy = Hierarchy(
@@ -116,6 +119,11 @@ class Stack:
 
         self.names = self.tier_names.all
         """Every tier's name, fastest first."""
+
+    def _observe_probe(self, tier: str, seconds: float) -> None:
+        """A remote's probe answered in ``seconds`` (on the transfer loop): the cost model's round trip."""
+        with self.lock:
+            self.cost.observe_probe(tier, seconds)  # type: ignore[union-attr]
 
     async def start_remotes(self) -> None:
         if self.events is not None:

@@ -61,6 +61,8 @@ class Lane:
         self.metrics = metrics
         self.lookup_timeout_s = lookup_timeout_s
         self.breaker = CircuitBreaker(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
+        self.on_probe: Callable[[str, float], None] | None = None
+        """Told (tier name, seconds) of every answered ``contains``: the cost model's live round trip."""
 
     async def _call(
         self,
@@ -136,9 +138,12 @@ class Lane:
 
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
         """Per key, whether the tier holds it; ``UNKNOWN`` where the lane or the tier could not tell."""
+        started = time.perf_counter()
         found = await self._call(Priority.LOAD, lambda: self.tier.contains(keys), len(keys), self.lookup_timeout_s)
         if found is None:
             return [Presence.UNKNOWN] * len(keys)
+        if self.on_probe is not None:
+            self.on_probe(self.name, time.perf_counter() - started)
         return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
 
     async def read(

@@ -64,11 +64,11 @@ class Served:
     mismatched_blocks: int
 
 
-def _allocate(manager: TierManager, count: int, attempts: int) -> list[int]:
+def _allocate(manager: TierManager, count: int, tokens: np.ndarray, attempts: int) -> list[int]:
     """A full pool may be waiting for write-through copies to unpin blocks: retry a while."""
     for attempt in range(attempts):
         try:
-            return manager.allocate(count)
+            return manager.allocate(count, tokens)
         except CapacityError:
             if attempt == attempts - 1:
                 raise
@@ -89,7 +89,7 @@ def serve(manager: TierManager, tokens: np.ndarray, allocate_attempts: int = 1) 
         hit = manager.lookup(tokens)
     held = list(hit.gpu_block_ids)
     try:
-        fresh = _allocate(manager, len(hit.keys) - len(held), allocate_attempts)
+        fresh = _allocate(manager, len(hit.keys) - len(held), tokens, allocate_attempts)
     except CapacityError:
         manager.release(hit)
         raise

@@ -108,7 +108,7 @@ class CachedModel:
         usable = min(hit.num_blocks, (len(tokens) - 1) // size)
         on_gpu = min(len(hit.gpu_block_ids), usable)
         try:
-            fresh = mgr.allocate(blocks_needed(len(tokens) + max_new_tokens, size) - on_gpu)
+            fresh = mgr.allocate(blocks_needed(len(tokens) + max_new_tokens, size) - on_gpu, tokens, salted)
         except CapacityError:
             mgr.release(hit)
             raise
