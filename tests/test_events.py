@@ -381,9 +381,12 @@ def test_a_copy_moved_by_key_carries_the_parent_and_tokens_first_stored() -> Non
     sink.start()
     assert sink.flush()
     sink.close()
-    _, demoted, forgotten = batches[0].events
+    _, demoted, remembered, forgotten = batches[0].events
     assert demoted.parent_block_hash == block_hash(chain[1])
     assert demoted.token_ids == tokens[2 * BLOCK_SIZE :]
+    assert remembered.block_hashes == [block_hash(chain[1])] and remembered.parent_block_hash == block_hash(chain[0])
+    assert remembered.token_ids == tokens[BLOCK_SIZE : 2 * BLOCK_SIZE]
+    assert forgotten.block_hashes == [block_hash(chain[0])]
     assert (forgotten.parent_block_hash, forgotten.token_ids) == (None, [])
 
 
@@ -405,3 +408,27 @@ def test_bad_settings_name_the_field(options: dict[str, Any], field: str) -> Non
 def test_a_busy_address_fails_at_construction(sink: EventSink) -> None:
     with pytest.raises(zmq.ZMQError):
         EventSink.from_config(EventsConfig(enabled=True, endpoint=sink._publisher.endpoint))
+
+
+def test_copies_moved_by_key_are_told_one_chain_at_a_time_head_first() -> None:
+    """A demotion hands over blocks tail first and several chains mixed: each chain becomes one event, head first."""
+    sink = EventSink(EventsConfig(enabled=True, lineage_blocks=64))
+    batches: list[Any] = []
+    sink.subscribe(batches.append)
+    first, second = keys(4, salt=30), keys(3, salt=31)
+    first_tokens, second_tokens = list(range(4 * BLOCK_SIZE)), list(range(100, 100 + 3 * BLOCK_SIZE))
+    sink.stored("gpu", first, None, first_tokens, BLOCK_SIZE)
+    sink.stored("gpu", second, first[1], second_tokens, BLOCK_SIZE)  # branches off the first chain's block 1
+    stranger = keys(1, salt=32)  # never computed here: no lineage
+    demotion = [first[3], second[2], first[2], *stranger, second[1], first[1], second[0]]
+    sink.stored("cpu", demotion, None, None, BLOCK_SIZE)
+    sink.start()
+    assert sink.flush()
+    sink.close()
+    demoted = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in batches[0].events if e.medium == "cpu"]
+    hashes = [block_hash(key) for key in first + second]
+    assert demoted == [
+        (hashes[1:4], hashes[0], first_tokens[BLOCK_SIZE:]),
+        (hashes[4:7], hashes[1], second_tokens),
+        ([block_hash(stranger[0])], None, []),
+    ]

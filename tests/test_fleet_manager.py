@@ -126,3 +126,59 @@ def test_the_curve_reaches_prometheus() -> None:
             compute_and_store(manager, np.arange(2 * BLOCK) + (prompt % 5) * 1000)
         text = render_prometheus(manager.stats())
     assert 'tiercache_tier_mrc_hit_ratio{capacity_multiple="1",tier="gpu"}' in text
+
+
+@pytest.mark.parametrize("batch", [np.array, torch.tensor], ids=["numpy", "torch"])
+def test_a_batch_of_one_prompt_stores_with_events_and_curves_on(batch: Any) -> None:
+    """``[1, T]`` input ids (as tokenizers return them): the events carry the prompt's tokens."""
+    config = topology(8, 16, events={"enabled": True}, mrc={"enabled": True, "sample_rate": 1.0})
+    with TierManager(config) as manager:
+        seen: list[Any] = []
+        manager.subscribe(lambda got: seen.extend(got.events))
+        tokens = [list(range(40, 40 + 3 * BLOCK))]
+        ids = manager.allocate(3)
+        assert manager.store(batch(tokens), ids).result(WAIT_S) == 3 * BLOCK
+        manager.release(ids)
+        assert manager._stack.events.flush()
+        (stored,) = [event for event in seen if type(event).__name__ == "BlockStored" and event.medium == "gpu"]
+        assert stored.token_ids == tokens[0]
+        assert stored.block_hashes == [block_hash(key) for key in manager.hasher.keys(tokens[0])]
+        assert manager.stats()["tiers"]["gpu"]["mrc"]["accesses"] == 3
+
+
+def test_a_demotion_is_told_head_first_with_the_parent_of_its_first_block() -> None:
+    events = {"enabled": True, "lineage_blocks": 64}
+    config = topology(4, 8, cpu={"write_policy": "write_back"}, events=events)
+    with TierManager(config) as manager:
+        seen: list[Any] = []
+        manager.subscribe(lambda got: seen.extend(got.events))
+        tokens = np.arange(4 * BLOCK) + 70
+        compute_and_store(manager, tokens)
+        manager.release(manager.allocate(4))  # the whole chain is demoted, tail first
+        deadline = time.monotonic() + WAIT_S
+        while manager.stats()["tiers"]["cpu"]["cached_blocks"] < 4:
+            assert time.monotonic() < deadline, "the demotion never landed"
+            time.sleep(0.002)
+        assert manager._stack.events.flush()
+        (demoted,) = [e for e in seen if type(e).__name__ == "BlockStored" and e.medium == "cpu"]
+        assert demoted.block_hashes == [block_hash(key) for key in manager.hasher.keys(tokens)]
+        assert demoted.parent_block_hash is None and demoted.token_ids == [int(t) for t in tokens]
+
+
+def test_the_map_wire_names_the_models_lora() -> None:
+    from test_events import NewerBlockStored, NewerKVEventBatch
+
+    events = {"enabled": True, "endpoint": "tcp://127.0.0.1:*", "topic": "kv-events", "wire": "map"}
+    config = topology(4, 8, events=events, model={"id": "test-model", "lora": "sql-adapter"})
+    context = zmq.Context()
+    try:
+        with TierManager(config) as manager:
+            sub, _ = joined_subscriber(manager._stack.events, context)
+            compute_and_store(manager, np.arange(2 * BLOCK) + 90)
+            assert manager._stack.events.flush()
+            decoded = Decoder(type=NewerKVEventBatch).decode(receive(sub)[2])
+            stored = [e for e in decoded.events if isinstance(e, NewerBlockStored)]
+            assert stored and all(e.lora_name == "sql-adapter" for e in stored)
+            sub.close(linger=0)
+    finally:
+        context.destroy(linger=0)

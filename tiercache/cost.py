@@ -22,12 +22,18 @@ link, not a longer round trip) would never be seen: a fixed fraction of
 would-be bypasses goes through anyway (deterministically, every n-th), and
 those fetches update the fit.
 
+Asking and telling are apart: ``verdict`` and ``cut`` only read (a lookup asks
+them as often as the engine retries), ``count`` records a verdict the request
+went ahead with (once per request, at load), which moves the counters and the
+exploration schedule.
+
 Pure: no threads, no I/O, no clock; the caller times its fetches, probes and
 prefills. Not thread-safe: call it under one lock (the manager's).
 """
 
 from __future__ import annotations
 
+import enum
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -47,6 +53,17 @@ PROBE_WINDOW = 3
 probe out of line (a scheduling hiccup) changes nothing."""
 MIN_FIT_WEIGHT = 2.0
 """Observations (decayed) a line needs before its scatter says anything: two points always fit exactly."""
+
+
+class Verdict(enum.Enum):
+    """What to do with one remote tier's part of a request."""
+
+    FETCH = "fetch"
+    """Expected cheaper than recomputing (or one side is still unknown)."""
+    EXPLORE = "explore"
+    """Expected dearer, but fetched anyway so the estimate can notice a recovery."""
+    BYPASS = "bypass"
+    """Expected dearer: recompute instead."""
 
 
 @dataclass
@@ -213,37 +230,54 @@ class CostModel:
         rate = self.prefill_tokens_per_s
         return None if rate is None else tokens / rate
 
-    def plan(self, tier: str, blocks: int, tokens: int, nbytes: int | None = None, *, record: bool = True) -> bool:
-        """True: fetch these ``blocks`` (``tokens`` tokens) from ``tier``; False: treat them as misses.
+    def verdict(self, tier: str, blocks: int, tokens: int, nbytes: int | None = None) -> Verdict | None:
+        """Fetch, explore or bypass these ``blocks`` (``tokens`` tokens) from ``tier``; reads only.
 
-        Always True when the model is disabled or either side is still unknown. ``record``:
-        count the decision (once per request, at its load); without it the answer is the same
-        and nothing changes (a lookup asked again gives the same cut).
+        None when there is nothing to weigh (the model is disabled, or no blocks);
+        ``FETCH`` while either side is still unknown.
         """
         if not self.config.enabled or blocks <= 0:
-            return True
+            return None
         fetch = self.expected_fetch_seconds(tier, blocks, nbytes)
         recompute = self.expected_recompute_seconds(tokens)
-        state = self._tier(tier)
         if fetch is None or recompute is None or fetch <= self.config.margin * recompute:
-            state.fetches_planned += record
-            return True
-        explore = (state.would_bypass + 1) % self._explore_every() == 0
-        if record:
-            state.would_bypass += 1
-            state.explored += explore
-            state.fetches_planned += explore
-            state.bypassed_slower_than_recompute += not explore
-        return explore
+            return Verdict.FETCH
+        state = self._tiers.get(tier)
+        would_bypass = state.would_bypass if state is not None else 0
+        return Verdict.EXPLORE if (would_bypass + 1) % self._explore_every() == 0 else Verdict.BYPASS
 
-    def usable_prefix(self, runs: Sequence[tuple[str | None, int]], block_size: int, *, record: bool = True) -> int:
-        """How many blocks of a lookup's prefix to use: it stops before the first tier not worth fetching.
+    def count(self, tier: str, verdict: Verdict | None) -> None:
+        """A request went ahead with ``verdict`` on ``tier``: the counters and the exploration schedule move."""
+        if verdict is None:
+            return
+        state = self._tier(tier)
+        if verdict is not Verdict.FETCH:
+            state.would_bypass += 1
+        if verdict is Verdict.BYPASS:
+            state.bypassed_slower_than_recompute += 1
+            return
+        state.fetches_planned += 1
+        if verdict is Verdict.EXPLORE:
+            state.explored += 1
+
+    def plan(self, tier: str, blocks: int, tokens: int, nbytes: int | None = None, *, record: bool = True) -> bool:
+        """True: fetch these ``blocks`` (``tokens`` tokens) from ``tier`` (or explore it); False: treat them
+        as misses. ``verdict``, then ``count`` when ``record``."""
+        verdict = self.verdict(tier, blocks, tokens, nbytes)
+        if record:
+            self.count(tier, verdict)
+        return verdict is not Verdict.BYPASS
+
+    def cut(
+        self, runs: Sequence[tuple[str | None, int]], block_size: int
+    ) -> tuple[int, list[tuple[str, Verdict | None]]]:
+        """How many blocks of a lookup's prefix to use, and the verdict on each tier weighed; reads only.
 
         ``runs`` is the prefix in order as (tier serving it, blocks), tier None for blocks already
         local (GPU, CPU). Keys chain, so skipping a tier's blocks loses every block after its first
         one: a tier is weighed against recomputing the tokens from there to the end of what is still
         used, with all its blocks in that span as one fetch. Tiers are weighed in the order they first
-        appear; each is one ``plan`` (and counted like one when ``record``).
+        appear; the prefix stops before the first one not worth fetching.
         """
         starts: dict[str, int] = {}
         position = 0
@@ -252,12 +286,22 @@ class CostModel:
                 starts.setdefault(tier, position)
             position += blocks
         usable = position
+        verdicts: list[tuple[str, Verdict | None]] = []
         for tier, start in starts.items():  # insertion order: first appearance
             if start >= usable:
                 break
-            blocks = _blocks_before(runs, tier, usable)
-            if not self.plan(tier, blocks, (usable - start) * block_size, record=record):
+            verdict = self.verdict(tier, _blocks_before(runs, tier, usable), (usable - start) * block_size)
+            verdicts.append((tier, verdict))
+            if verdict is Verdict.BYPASS:
                 usable = start
+        return usable, verdicts
+
+    def usable_prefix(self, runs: Sequence[tuple[str | None, int]], block_size: int, *, record: bool = True) -> int:
+        """``cut``, with each verdict counted when ``record`` (one request that goes ahead)."""
+        usable, verdicts = self.cut(runs, block_size)
+        if record:
+            for tier, verdict in verdicts:
+                self.count(tier, verdict)
         return usable
 
     def _explore_every(self) -> int:

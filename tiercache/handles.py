@@ -32,8 +32,8 @@ class Lookup:
     pending: bool = False
     tiers: list[str] = field(default_factory=list)
     """Per position of the prefix, the name of the tier that serves it."""
-    pins: Any = field(default=None, repr=False, compare=False)
-    """The manager's record of the local pins this Lookup holds (``LookupPins``)."""
+    found: Any = field(default=None, repr=False, compare=False)
+    """The lookup's answer behind this handle (``tiercache.lookup.Found``: its pins and what it learned)."""
 
     @property
     def num_blocks(self) -> int:

@@ -17,6 +17,9 @@ Pure: it changes slot tables and counters under the manager's lock and turns
 * A block read from a slower remote is written into the faster remotes above it.
 * Keys are remembered as written per remote lane, and forgotten when a read of
   them fails, so the next store rewrites a value that was lost or corrupted.
+  Routers hear of a remote's blocks as they land or are served, and of their
+  removal only when the remote says so (an answer of "not held", its own
+  eviction report), never because a read or a probe failed.
 """
 
 from __future__ import annotations
@@ -70,7 +73,10 @@ class Hierarchy:
         self.observer: TierObserver = observer or NullObserver()
         self.outbox: list[Move] = []
         self._hits: OrderedDict[bytes, int] = OrderedDict()
-        self._written: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self.lanes]
+        self._written: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in self.lanes]
+        """Per lane, the keys known written there, with the ``landings`` count when that was last seen."""
+        self.landings = 0
+        """Blocks seen to be in a remote so far (a put landed, a read served): a clock for ``landed_since``."""
 
     # ---- admission ------------------------------------------------------------------
     def hits(self, key: bytes) -> int:
@@ -316,6 +322,10 @@ class Hierarchy:
         """Whether ``key`` is remembered as stored in ``lane``."""
         return key in self._written[lane]
 
+    def landed_since(self, lane: int, key: bytes, clock: int) -> bool:
+        """Whether ``key`` was seen in ``lane`` after ``landings`` read ``clock`` (an older "not held" is stale)."""
+        return self._written[lane].get(key, -1) > clock
+
     def put(self, lane: int, keys: list[bytes], slots: list[int], reason: Reason) -> None:
         """Queue a put of readable CPU slots (pinned until it lands), or drop it when the queue is full."""
         cpu = self.local.cpu
@@ -338,7 +348,8 @@ class Hierarchy:
         written = self._written[move.lane]
         landed = [key for key, ok in zip(move.keys, oks, strict=True) if ok]
         for key in landed:
-            written[key] = None
+            self.landings += 1
+            written[key] = self.landings
         name = self.lanes[move.lane].name
         self.observer.accessed(name, move.keys)
         self.observer.stored(name, landed, None, None)
@@ -352,7 +363,9 @@ class Hierarchy:
         """Blocks read from ``lane`` into CPU slots: known there; written into the faster remotes above it."""
         written = self._written[lane]
         for key in keys:
-            written[key] = None
+            self.landings += 1
+            written[key] = self.landings
+        self.observer.stored(self.lanes[lane].name, keys, None, None)  # served: held, whatever was said before
         for faster in range(lane):
             rule = self.lanes[faster]
             todo = [
@@ -363,11 +376,17 @@ class Hierarchy:
             if todo:
                 self.put(faster, [k for k, _ in todo], [s for _, s in todo], Reason.PROMOTION)
 
-    def forget(self, lane: int, keys: Sequence[bytes]) -> None:
-        """Reads of these keys failed (missing, invalid): the next store writes them again."""
+    def forget(self, lane: int, keys: Sequence[bytes], *, proven: bool = True) -> None:
+        """The remote may have lost these keys: the next store writes them again.
+
+        ``proven``: the remote said so (it answered "not held", or reported dropping
+        them), and they are reported removed; else (a read failed) nothing is reported.
+        """
         written = self._written[lane]
-        gone = [key for key in keys if written.pop(key, False) is None]
-        self.observer.removed(self.lanes[lane].name, gone)
+        for key in keys:
+            written.pop(key, None)
+        if proven:
+            self.observer.removed(self.lanes[lane].name, keys)
 
     def _count_move(self, source: str, destination: str, blocks: int) -> None:
         """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""

@@ -32,6 +32,7 @@ from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, Place, Source
 from tiercache.metrics import Metrics
 from tiercache.swap.queue import SwapQueue
+from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import Lane
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class LoadRunner:
         gpu_name: str,
         bytes_per_block: int,
         cost: CostModel | None = None,
+        dispatch: Callable[[], object] = lambda: None,
     ) -> None:
         self.lock = lock
         self.local = local
@@ -106,6 +108,9 @@ class LoadRunner:
         self.gpu_name = gpu_name
         self.bytes_per_block = bytes_per_block
         self.cost = cost
+        self.dispatch = dispatch
+        """Starts the moves the hierarchy asked for (the mover's ``dispatch``; called under the lock)."""
+        self._checks: set[asyncio.Task[None]] = set()
 
     def plan(
         self, keys: Sequence[bytes], ids: Sequence[int], places: Sequence[Place], force_latest: bool
@@ -165,7 +170,7 @@ class LoadRunner:
         """Load ``plan`` into its GPU blocks; returns the blocks loaded (a prefix of the plan)."""
         loop = asyncio.get_running_loop()
         settle = asyncio.Event()
-        transfer.on_cancel = lambda: loop.call_soon_threadsafe(settle.set)
+        transfer.on_cancel = lambda: _call_soon(loop, settle.set)
         if transfer.settling:
             settle.set()
         timer = loop.call_later(deadline, settle.set) if deadline is not None else None
@@ -246,8 +251,9 @@ class LoadRunner:
             keys = [item.key for item in pending]
             views = [self.views(item.slot) for item in pending]  # type: ignore[arg-type]
             started = time.perf_counter()
-            results = await lane.get_into(keys, views, force_latest, on_late=late.append)
+            answer = await lane.read(keys, views, force_latest, on_late=late.append)
             elapsed = time.perf_counter() - started
+            results = answer if answer is not None else [False] * len(keys)
             got = [item for item, ok in zip(pending, results, strict=True) if ok]
             missed = [item.key for item, ok in zip(pending, results, strict=True) if not ok]
             arrived[lane.index] = got
@@ -257,11 +263,13 @@ class LoadRunner:
             self.metrics.add(lane.name, "load_misses", len(missed))
             with self.lock:
                 if not late:  # a late lane did not say whether it holds them
-                    self.hierarchy.forget(lane.index, missed)
+                    self.hierarchy.forget(lane.index, missed, proven=False)
                 self.hierarchy.observer.accessed(lane.name, keys)
                 if self.cost is not None:
                     self.cost.observe_fetch(lane.name, len(keys), len(keys) * self.bytes_per_block, elapsed)
             pending = [item for item, ok in zip(pending, results, strict=True) if not ok]
+            if missed and answer is not None:
+                self._check_missing(lane, missed)
         held = pending if late else []
         held_ids = {id(item) for item in held}
         landed = {id(item) for group in arrived.values() for item in group}
@@ -279,9 +287,31 @@ class LoadRunner:
             for lane_index, group in arrived.items():
                 if group:
                     self.hierarchy.fetched(lane_index, [i.key for i in group], [i.slot for i in group])  # type: ignore[misc]
+            self.dispatch()  # promotions into faster remotes start now, not at the engine's next call
         if held:
             slots = [item.slot for item in held]
             late[0].add_done_callback(lambda _: self._free_late(slots))  # type: ignore[arg-type]
+
+    def _check_missing(self, lane: Lane, keys: list[bytes]) -> None:
+        """Off the load's path: ask whether the keys a read missed are gone, and report those that are.
+
+        A read can miss a block the remote still holds (one failed key, a value
+        rewritten meanwhile): only the remote's own "not held" is told to routers.
+        """
+        check = asyncio.get_running_loop().create_task(self._report_absent(lane, keys))
+        self._checks.add(check)
+        check.add_done_callback(self._checks.discard)
+
+    async def _report_absent(self, lane: Lane, keys: list[bytes]) -> None:
+        with self.lock:
+            clock = self.hierarchy.landings
+        answers = await lane.contains(keys)
+        absent = [key for key, found in zip(keys, answers, strict=True) if found is Presence.ABSENT]
+        if absent:
+            with self.lock:  # a key written again meanwhile is not reported
+                hierarchy = self.hierarchy
+                gone = [key for key in absent if not hierarchy.landed_since(lane.index, key, clock)]
+                hierarchy.forget(lane.index, gone)
 
     def _free_late(self, slots: list[int]) -> None:
         """A read past its deadline has ended: the slots it could write into are free again."""
@@ -339,3 +369,12 @@ class LoadRunner:
             self.hierarchy.observer.stored(self.gpu_name, promoted, None, None)
             self.hierarchy.observer.removed(self.cpu_name, freed)
         return len(items)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """``callback`` on ``loop`` from any thread; nothing once the loop is closed (the load ended with it)."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise

@@ -4,12 +4,13 @@ Pure: no threads, no I/O, no bytes. The two ``SlotTable``s keep the ref-count
 protocol of DESIGN's "Entry state"; this module answers, position by position,
 which local tier can serve each block of a prompt, and keeps the pins a
 ``Lookup`` holds across both tiers until a load takes them over or the lookup is
-released (or dropped unused).
+released (or dropped unused), and the GPU blocks the engine itself holds.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,12 +67,61 @@ class LookupPins:
 
 
 
+class EngineHolds:
+    """The GPU blocks the engine holds, counted per block: from ``allocate`` and from a Lookup's leading run.
+
+    Each hold is one pin on the block. ``store`` and ``load`` take only blocks the
+    engine holds and ``release`` gives holds back; ``checked`` refuses a list of ids
+    as a whole (duplicated, out of range, not held) before anything changes.
+    """
+
+    def __init__(self, gpu: SlotTable) -> None:
+        self.gpu = gpu
+        self._count = [0] * gpu.num_slots
+
+    def give(self, blocks: Sequence[int]) -> None:
+        """The engine now holds ``blocks`` (each already pinned once for it)."""
+        for block in blocks:
+            self._count[block] += 1
+
+    def count(self, block: int) -> int:
+        """How many holds the engine has on ``block``."""
+        return self._count[block]
+
+    def checked(self, call: str, ids: Sequence[int]) -> list[int]:
+        """``ids`` as ints; ValueError (naming ``call``) if one is duplicated, out of range or not held."""
+        blocks: list[int] = []
+        seen: set[int] = set()
+        size = len(self._count)
+        for raw in ids:
+            try:
+                block = operator.index(raw)
+            except TypeError:
+                raise TypeError(f"{call}: GPU block ids must be integers, got {raw!r}") from None
+            if not 0 <= block < size:
+                raise ValueError(f"{call}: GPU block {block} is out of range (the pool has blocks 0..{size - 1})")
+            if block in seen:
+                raise ValueError(f"{call}: GPU block {block} is listed twice (duplicate ids)")
+            if not self._count[block]:
+                raise ValueError(f"{call}: GPU block {block} is not held by the caller")
+            seen.add(block)
+            blocks.append(block)
+        return blocks
+
+    def take_back(self, blocks: Sequence[int]) -> None:
+        """The engine gives one hold on each of ``blocks`` back (checked first)."""
+        for block in blocks:
+            self._count[block] -= 1
+            self.gpu.unpin(block)
+
+
 class LocalTiers:
-    """The GPU pool's and the CPU tier's slot tables, read and pinned together."""
+    """The GPU pool's and the CPU tier's slot tables, read and pinned together, and the engine's holds."""
 
     def __init__(self, gpu: SlotTable, cpu: SlotTable | None) -> None:
         self.gpu = gpu
         self.cpu = cpu
+        self.holds = EngineHolds(gpu)
 
     def locate(self, keys: Sequence[bytes]) -> list[Place | None]:
         """Per position, the fastest local tier holding the key (None where neither does)."""
@@ -113,9 +163,10 @@ class LocalTiers:
             self.cpu.unpin(place.index)  # type: ignore[union-attr]
 
     def hold(self, run: list[int], lower: list[Place]) -> LookupPins:
-        """Pin a lookup's places and return the record of them."""
+        """Pin a lookup's places and return the record of them; the leading GPU run is the engine's to hold."""
         for block in run:
             self.gpu.pin(block)
+        self.holds.give(run)
         for place in lower:
             self.pin(place)
         return LookupPins(run, lower)
@@ -127,9 +178,8 @@ class LocalTiers:
         pins.state = PinState.RELEASED
         for place in pins.lower:
             self.unpin(place)
-        if with_run:
-            for block in pins.gpu_run:
-                self.gpu.unpin(block)
+        if with_run:  # what the engine already released of the run is not given back twice
+            self.holds.take_back([block for block in pins.gpu_run if self.holds.count(block)])
         return True
 
     def touch_tail_first(self, table: SlotTable, keys: Sequence[bytes]) -> None:

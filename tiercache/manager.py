@@ -1,11 +1,12 @@
 """TierManager: the engine-facing API (DESIGN's contract) over one topology's ``Stack``.
 
 The facade runs the API calls; the parts live in the stack (``tiercache.stack``):
-``LocalTiers`` and ``Hierarchy`` (pure bookkeeping, under one lock), the swap
-queue, the transfer lanes and probes, the load runner, the mover (the one
-completion path) and the background runtime. Bookkeeping changes in short
-critical sections; the moves it asks for are dispatched at the end of each. A
-remote failure is a miss, never an exception in the engine's loop.
+``LocalTiers`` and ``Hierarchy`` (pure bookkeeping, under one lock), the lookup
+(``PrefixLookup``: which tier serves each block), the swap queue, the transfer
+lanes and probes, the load runner, the mover (the one completion path) and the
+background runtime. Bookkeeping changes in short critical sections; the moves it
+asks for are dispatched at the end of each. A remote failure is a miss, never an
+exception in the engine's loop.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ import torch
 
 from tiercache.config import PrefetchPolicy, TierCacheConfig, load_config
 from tiercache.handles import Lookup, Transfer, TransferKind
-from tiercache.local_tiers import LookupPins, PinState, Place
+from tiercache.keys import token_array
+from tiercache.local_tiers import LookupPins, PinState
 from tiercache.queues import prefetch_deadline_s
 from tiercache.slots import CapacityError
 from tiercache.stack import Stack
-from tiercache.tiers.base import Presence
-from tiercache.transfer_queue import first_holders
 
 __all__ = ["CapacityError", "Lookup", "TierManager", "Transfer"]
 
@@ -77,9 +77,14 @@ class TierManager:
         self._begin().result()
 
     def close_blocking(self) -> None:
-        """Finish or drop work in flight (bounded), close the remotes (bounded) and stop the loop."""
+        """Settle best-effort loads, finish or drop other work in flight (bounded), close the remotes, stop.
+
+        Afterwards ``poll``, ``stats`` and ``release`` still work; every other call
+        raises ``RuntimeError("TierManager is closed")``.
+        """
         closing, self._closed = self._started and not self._closed, True
         if closing:
+            self._settle_best_effort()
             self._stack.close()
 
     async def close(self) -> None:
@@ -106,32 +111,20 @@ class TierManager:
     ) -> Lookup:
         """The longest prefix of ``tokens`` cached over all tiers (see ``Lookup``); pins what it counts.
 
-        ``local_only``: GPU and CPU only, never pending (remote tiers count as misses).
+        No other side effect: retry it freely. ``local_only``: GPU and CPU only,
+        never pending (remote tiers count as misses).
         """
         self._require_running()
         keys = self.hasher.keys(tokens, extra)
         with self._lock:
             self._reap_abandoned()
-            places = self.local.locate(keys)
-            missing = [key for key, place in zip(keys, places, strict=True) if place is None]
-            if missing and self.remotes and not local_only:
-                answers = self._stack.probes.answer(missing)
-                if answers is None:
-                    return Lookup(keys, self.block_size, dict.fromkeys(self._stack.names, 0), [], pending=True)
-                for lane, answer in enumerate(answers):
-                    absent = [key for key, found in zip(missing, answer, strict=True) if found is Presence.ABSENT]
-                    self.hierarchy.forget(lane, absent)
-                remote = iter(first_holders(answers, len(missing)))
-                places = [p if p is not None else Place.remote(next(remote)) for p in places]
-            run, lower = self.local.prefix(self._stack.worth_fetching(places))
-            tiers = [self.gpu.name] * len(run) + [self._stack.tier_name(place) for place in lower]
-            pins = self.local.hold(run, lower)
             self.metrics.add("all", "lookups")
-        counts = dict.fromkeys(self._stack.names, 0)
-        for name in tiers:
-            counts[name] += 1
-        hit = Lookup(keys, self.block_size, counts, list(run), tiers=tiers, pins=pins)
-        weakref.finalize(hit, self._abandoned.append, pins).atexit = False
+            found = self._stack.lookup.find(keys, local_only=local_only)
+        if found is None:
+            return Lookup(keys, self.block_size, dict.fromkeys(self._stack.names, 0), [], pending=True)
+        counts = found.tier_blocks(self._stack.names)
+        hit = Lookup(keys, self.block_size, counts, list(found.pins.gpu_run), tiers=found.tiers, found=found)
+        weakref.finalize(hit, self._abandoned.append, found.pins).atexit = False
         return hit
 
     def allocate(
@@ -146,10 +139,12 @@ class TierManager:
         ``CapacityError`` and changes nothing when not enough blocks are free or
         evictable; never evicts what an outstanding Lookup pinned.
         """
+        self._require_running()
         chain = None if tokens is None else self.hasher.keys(tokens, extra)
         with self._lock:
             self._reap_abandoned()
             ids = self.hierarchy.allocate(count, chain)
+            self.local.holds.give(ids)
             self._stack.mover.dispatch()
             return ids
 
@@ -161,14 +156,13 @@ class TierManager:
         in the CPU tier (remote writes go on in the background).
         """
         self._require_running()
-        keys = self.hasher.keys(tokens, extra)[: len(ids)]
-        ids = list(ids[: len(keys)])
-        transfer = Transfer(TransferKind.STORE, len(keys), self.block_size, ids)
+        array = token_array(tokens)
+        keys = self.hasher.keys(array, extra)
         with self._lock:
-            for block in ids:
-                if self.gpu.table.ref(block) < 1:
-                    raise ValueError(f"store: GPU block {block} is not held by the caller")
-            fresh = self.hierarchy.store(keys, ids, tokens)
+            ids = self.local.holds.checked("store", ids)[: len(keys)]
+            keys = keys[: len(ids)]
+            transfer = Transfer(TransferKind.STORE, len(keys), self.block_size, ids)
+            fresh = self.hierarchy.store(keys, ids, array)
             copies = self._stack.mover.dispatch()
         work = [c for c in copies if not c.done()]
         self._finish(transfer, fresh * self.block_size, work)
@@ -183,16 +177,18 @@ class TierManager:
         instead of trusting the local CPU copy.
         """
         self._require_running()
-        pins = hit.pins
-        if hit.pending or pins is None or pins.state is not PinState.HELD:
+        found = hit.found
+        if hit.pending or found is None or found.pins.state is not PinState.HELD:
             raise ValueError("load: needs a Lookup that is not pending and was neither loaded nor released")
+        pins = found.pins
         queues = self.config.queues
         with self._lock:
+            ids = self.local.holds.checked("load", ids)
             for block in ids:
-                if self.gpu.table.ref(block) < 1 or self.gpu.table.key_of(block) is not None:
-                    raise ValueError(f"load: GPU block {block} is not a block returned by allocate()")
+                if self.gpu.table.key_of(block) is not None:
+                    raise ValueError(f"load: GPU block {block} already holds KV (not a block fresh from allocate())")
             pins.state = PinState.LOADED
-            self.hierarchy.count_hits(hit.keys[: hit.num_blocks], hit.tier_blocks, len(hit.keys))
+            self._stack.lookup.commit(found, hit.keys)
             lower_keys = hit.keys[len(pins.gpu_run) : hit.num_blocks]
             plan = self._stack.loads.plan(lower_keys, list(ids), pins.lower, force_latest) if self._stack.loads else []
             self._stack.mover.dispatch()
@@ -214,24 +210,24 @@ class TierManager:
         return transfer
 
     def release(self, ids_or_hit: Sequence[int] | Lookup) -> None:
-        """Hand back GPU blocks (cached ones stay cached), or drop a Lookup that will not be loaded."""
+        """Hand back GPU blocks (cached ones stay cached), or drop a Lookup that will not be loaded.
+
+        Raises ValueError, releasing nothing, when an id is duplicated, out of range
+        or not held by the caller. Works after ``close`` too.
+        """
         with self._lock:
             self._reap_abandoned()
             if isinstance(ids_or_hit, Lookup):
-                if ids_or_hit.pins is not None:
-                    self.local.drop(ids_or_hit.pins, with_run=True)
+                if ids_or_hit.found is not None:
+                    self.local.drop(ids_or_hit.found.pins, with_run=True)
                 return
-            for block in ids_or_hit:
-                self.gpu.table.unpin(block)
+            self.local.holds.take_back(self.local.holds.checked("release", ids_or_hit))
 
     def poll(self) -> list[Transfer]:
         """Transfers finished since the last poll (and best-effort loads settled now)."""
+        self._settle_best_effort()
         with self._lock:
             self._reap_abandoned()
-            settle, self._best_effort = self._best_effort, []
-        for transfer in settle:
-            transfer.cancel()
-        with self._lock:
             finished = list(self._completed)
             self._completed.clear()
         return finished
@@ -260,6 +256,7 @@ class TierManager:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` of prefill in ``seconds``: the cost model's recompute rate."""
+        self._require_running()
         if self._stack.cost is not None:
             with self._lock:
                 self._stack.cost.observe_prefill(tokens, seconds)
@@ -279,6 +276,13 @@ class TierManager:
         if not self._started or self._closed:
             state = "closed" if self._closed else "not started (call start() or start_blocking() first)"
             raise RuntimeError(f"TierManager is {state}")
+
+    def _settle_best_effort(self) -> None:
+        """Best-effort loads end with what has arrived (at a poll, or before the loop stops at close)."""
+        with self._lock:
+            settle, self._best_effort = self._best_effort, []
+        for transfer in settle:
+            transfer.cancel()
 
     def _reap_abandoned(self) -> None:
         """Drop the lower pins of Lookups the engine let go of without loading or releasing them."""

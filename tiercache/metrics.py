@@ -64,27 +64,45 @@ class LatencyHistogram:
 
 
 class Metrics:
-    """``counter[tier][name]`` and ``latency[tier][operation]``."""
+    """``counter[tier][name]`` and ``latency[tier][operation]``, safe to write and read from any thread.
+
+    The engine's thread and the background loop both count; ``stats()`` reads at
+    any time. One lock of its own (never held while calling out) keeps every
+    increment and makes a snapshot consistent.
+    """
 
     def __init__(self) -> None:
         self.counters: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.latency: dict[str, dict[str, LatencyHistogram]] = defaultdict(lambda: defaultdict(LatencyHistogram))
+        self._lock = threading.Lock()
 
     def add(self, tier: str, name: str, amount: int = 1) -> None:
-        self.counters[tier][name] += amount
+        with self._lock:
+            self.counters[tier][name] += amount
 
     def observe(self, tier: str, operation: str, milliseconds: float) -> None:
-        self.latency[tier][operation].record(milliseconds)
+        with self._lock:
+            self.latency[tier][operation].record(milliseconds)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
-        tiers = set(self.counters) | set(self.latency)
-        return {
-            tier: {
-                **dict(self.counters.get(tier, {})),
-                **{f"latency_{op}": h.summary() for op, h in self.latency.get(tier, {}).items()},
+        with self._lock:
+            tiers = set(self.counters) | set(self.latency)
+            return {
+                tier: {
+                    **dict(self.counters.get(tier, {})),
+                    **{f"latency_{op}": h.summary() for op, h in self.latency.get(tier, {}).items()},
+                }
+                for tier in sorted(tiers)
             }
-            for tier in sorted(tiers)
-        }
+
+    def histograms(self) -> list[tuple[str, str, list[int], int, float]]:
+        """(tier, operation, bucket counts, count, total ms) of every histogram, copied under the lock."""
+        with self._lock:
+            return [
+                (tier, operation, list(h.counts), h.count, h.total_ms)
+                for tier, operations in sorted(self.latency.items())
+                for operation, h in sorted(operations.items())
+            ]
 
 
 GAUGE_FIELDS = frozenset(
@@ -182,14 +200,13 @@ class TierCacheCollector:
         if self._metrics is not None:
             name = _metric_name("latency_seconds")
             histogram = HistogramMetricFamily(name, "operation latency per tier", labels=["tier", "operation"])
-            for tier, operations in sorted(self._metrics.latency.items()):
-                for operation, recorded in sorted(operations.items()):
-                    buckets, seen = [], 0
-                    for bound, count in zip(LATENCY_BUCKETS_MS, recorded.counts, strict=False):
-                        seen += count
-                        buckets.append((repr(bound / MS_PER_SECOND), seen))
-                    buckets.append(("+Inf", recorded.count))
-                    histogram.add_metric([tier, operation], buckets, recorded.total_ms / MS_PER_SECOND)
+            for tier, operation, counts, total, total_ms in self._metrics.histograms():
+                buckets, seen = [], 0
+                for bound, count in zip(LATENCY_BUCKETS_MS, counts, strict=False):
+                    seen += count
+                    buckets.append((repr(bound / MS_PER_SECOND), seen))
+                buckets.append(("+Inf", total))
+                histogram.add_metric([tier, operation], buckets, total_ms / MS_PER_SECOND)
             families[name] = histogram
         yield from families.values()
 

@@ -5,14 +5,16 @@ The one completion path. After every critical section the manager calls
 ``RemotePut`` to its transfer lane. A copy's completion (on the copy thread or
 the loop) and a put's (on the loop) take the lock once, tell the hierarchy, wake
 loads waiting for those CPU writes, and dispatch whatever the hierarchy asks for
-next: no hop back and forth between threads.
+next: no hop back and forth between threads. A remote's report of blocks it
+dropped by itself (``evicted``, from any thread) arrives here too; a block
+dropped while its put was still in flight is forgotten once the put has landed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tiercache.hierarchy import Hierarchy
 from tiercache.loads import FillWaiters
@@ -47,6 +49,8 @@ class Mover:
         self.views = views
         self.metrics = metrics
         self.bytes_per_block = bytes_per_block
+        self._putting: list[dict[bytes, bool]] = [{} for _ in lanes]
+        """Per lane, the keys with a put in flight, and whether the remote reported dropping them meanwhile."""
 
     def dispatch(self) -> list[concurrent.futures.Future[bool]]:
         """Start every move in the hierarchy's outbox (call under the lock); returns the copies started."""
@@ -60,6 +64,9 @@ class Mover:
                 copy.add_done_callback(lambda done, move=move: self._copy_done(move, done.result()))
                 copies.append(copy)
             else:
+                putting = self._putting[move.lane]
+                for key in move.keys:
+                    putting[key] = False
                 self.runtime.submit(self._put(move))
         return copies
 
@@ -73,6 +80,22 @@ class Mover:
         lane = self.lanes[move.lane]
         oks = await lane.put(move.keys, [self.views(slot) for slot in move.cpu_slots])
         with self.lock:
+            putting = self._putting[move.lane]
+            dropped = [key for key in move.keys if putting.pop(key, False)]
             self.hierarchy.put_done(move, oks)
+            if dropped:
+                self.hierarchy.forget(move.lane, dropped)
             self.metrics.add(lane.name, "bytes_written", sum(oks) * self.bytes_per_block)
             self.dispatch()
+
+    def evicted(self, lane: int, keys: Sequence[bytes]) -> None:
+        """The remote at ``lane`` dropped ``keys`` by itself (its eviction report, from any thread)."""
+        with self.lock:
+            putting = self._putting[lane]
+            settled = []
+            for key in keys:
+                if key in putting:
+                    putting[key] = True
+                else:
+                    settled.append(key)
+            self.hierarchy.forget(lane, settled)

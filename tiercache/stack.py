@@ -3,12 +3,14 @@
 The facade (``TierManager``) holds one and runs the API calls against it. The
 parts: the GPU pool and CPU tier (``tiers/``), the remote tiers and their
 transfer lanes and probes, the pure bookkeeping (``LocalTiers``, ``Hierarchy``),
-the swap queue, the load runner, the mover, and the background runtime.
+the lookup (``PrefixLookup``), the swap queue, the load runner, the mover, and
+the background runtime.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from typing import Any
 
@@ -20,7 +22,8 @@ from tiercache.cost import CostModel
 from tiercache.hierarchy import FillRule, Hierarchy
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.loads import FillWaiters, LoadRunner
-from tiercache.local_tiers import LocalTiers, Place, Source
+from tiercache.local_tiers import LocalTiers
+from tiercache.lookup import PrefixLookup, TierNames
 from tiercache.metrics import Metrics
 from tiercache.mover import Mover
 from tiercache.mrc import MissRatioCurve
@@ -88,10 +91,17 @@ class Stack:
             self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
             gpu_name=self.gpu.name, block_size=self.block_size, max_pending_stores=queues.max_pending_stores,
             remember_keys=remember,
-            observer=FleetObserver(self.events, self.curves, self.block_size, lora_id)
+            observer=FleetObserver(
+                self.events, self.curves, self.block_size, lora_id, [t.name for t in self.remotes]
+            )
             if self.events is not None or self.curves
             else None,
         )
+        self.tier_names = TierNames(
+            self.gpu.name, self.cpu.name if self.cpu else None, tuple(tier.name for tier in self.remotes)
+        )
+        self.lookup = PrefixLookup(self.local, self.probes, self.hierarchy, self.cost, self.tier_names,
+                                   self.block_size)
         self.waiters = FillWaiters()
         self.swap = None if self.cpu is None else SwapQueue(
             make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
@@ -100,42 +110,20 @@ class Stack:
             self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,
             self.metrics, batch_blocks=queues.batch_blocks, exclusive=config.exclusive, cpu_name=self.cpu.name,
             gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block, cost=self.cost,
+            dispatch=lambda: self.mover.dispatch(),
         )
         self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
                             self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
+        for lane in self.lanes:
+            lane.tier.on_evicted(functools.partial(self.mover.evicted, lane.index))
 
-        self.names = [self.gpu.name, *([self.cpu.name] if self.cpu else []), *(t.name for t in self.remotes)]
+        self.names = self.tier_names.all
         """Every tier's name, fastest first."""
 
     def _observe_probe(self, tier: str, seconds: float) -> None:
         """A remote's probe answered in ``seconds`` (on the transfer loop): the cost model's round trip."""
         with self.lock:
             self.cost.observe_probe(tier, seconds)  # type: ignore[union-attr]
-
-    def tier_name(self, place: Place) -> str:
-        """The tier serving a place of a prefix."""
-        if place.source is Source.GPU:
-            return self.gpu.name
-        if place.source is Source.REMOTE:
-            return self.remotes[place.index].name
-        assert self.cpu is not None
-        return self.cpu.name
-
-    def worth_fetching(self, places: list[Place | None]) -> list[Place | None]:
-        """The prefix cut before the first remote tier slower to fetch from than recomputing (cost model)."""
-        if self.cost is None:
-            return places
-        runs: list[tuple[str | None, int]] = []
-        for place in places:
-            if place is None:
-                break
-            tier = self.remotes[place.index].name if place.source is Source.REMOTE else None
-            if runs and runs[-1][0] == tier:
-                runs[-1] = (tier, runs[-1][1] + 1)
-            else:
-                runs.append((tier, 1))
-        usable = self.cost.usable_prefix(runs, self.block_size)
-        return places[:usable] + [None] * (len(places) - usable)
 
     async def start_remotes(self) -> None:
         if self.events is not None:
@@ -194,7 +182,7 @@ def _event_sink(config: TierCacheConfig) -> Any:
         return None
     from tiercache.events.sink import EventSink  # msgspec (and pyzmq for an endpoint): the 'events' extra
 
-    return EventSink.from_config(config.events)
+    return EventSink.from_config(config.events, lora_name=config.model.lora)
 
 
 def _no_cpu(slot: int) -> memoryview:

@@ -12,7 +12,8 @@ keeps the read's buffers reserved until it is done. After
 until its back-off has passed; then one call probes the tier again.
 
 Remote lookups in flight are remembered per prefix (``RemoteProbes``), keyed on
-every key asked, so two prompts never share an answer.
+every key asked, so two prompts never share an answer; the lookup
+(``tiercache.lookup``) is the one reader of their answers.
 """
 
 from __future__ import annotations
@@ -145,16 +146,18 @@ class Lane:
             self.on_probe(self.name, time.perf_counter() - started)
         return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
 
-    async def get_into(
+    async def read(
         self,
         keys: Sequence[bytes],
         views: Sequence[memoryview],
         force_latest: bool,
         *,
         on_late: Callable[[asyncio.Future[Any]], None],
-    ) -> list[bool]:
-        """Read ``keys`` into ``views``; at the deadline every key fails and ``on_late`` gets the read,
-        which may still write into ``views`` until it is done: keep them reserved till then."""
+    ) -> list[bool] | None:
+        """Read ``keys`` into ``views``: per key, whether its value arrived; None when the call failed as a
+        whole (deadline, open breaker, exception: the tier told nothing about any key). At the deadline
+        ``on_late`` gets the read, which may still write into ``views`` until it is done: keep them
+        reserved till then."""
         started = time.perf_counter()
         oks = await self._call(
             Priority.LOAD,
@@ -164,7 +167,18 @@ class Lane:
             on_late,
         )
         self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
-        return _booleans(oks, len(keys))
+        return None if oks is None else [bool(ok) for ok in oks]
+
+    async def get_into(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        force_latest: bool,
+        *,
+        on_late: Callable[[asyncio.Future[Any]], None],
+    ) -> list[bool]:
+        """``read``, with a failed call as a miss of every key."""
+        return _booleans(await self.read(keys, views, force_latest, on_late=on_late), len(keys))
 
     async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
         started = time.perf_counter()
@@ -204,11 +218,3 @@ class RemoteProbes:
 
     async def _ask(self, keys: list[bytes]) -> list[list[Presence]]:
         return list(await asyncio.gather(*(lane.contains(keys) for lane in self.lanes)))
-
-
-def first_holders(answers: list[list[Presence]], count: int) -> list[int | None]:
-    """Per key, the first (fastest) lane that holds it, or None."""
-    return [
-        next((lane for lane, answer in enumerate(answers) if answer[position] is Presence.HELD), None)
-        for position in range(count)
-    ]

@@ -29,13 +29,19 @@ and what this base does for it:
 A new remote tier is a subclass in its own module (or package); a topology
 names it by registered type or by module path (``type: mypkg.tiers:S3Tier``).
 ``tiercache.testing.conformance`` checks all of the above for any tier.
+
+A store that drops blocks by itself (its own eviction, expiry or clean-up) says
+so through ``report_evicted``, so the manager forgets them and KV-aware routers
+hear of it; ``Capabilities.reports_evictions`` says whether a tier does (where
+it does not, what routers are told about that tier is best effort).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -83,6 +89,15 @@ class Capabilities:
     """Reads honour ``force_latest`` against a central version."""
     persistent: bool = False
     """Entries survive a restart of the store."""
+    reports_evictions: bool = False
+    """The tier calls ``report_evicted`` for blocks its store drops by itself; without it, what routers are
+    told about this tier is best effort (a block the store dropped stays announced until a read misses it)."""
+
+
+EvictionListener = Callable[[Sequence[bytes]], None]
+"""Told the keys a remote store dropped by itself; called from any thread, must not block."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,7 @@ class RemoteTier(ABC):
     capabilities: ClassVar[Capabilities] = Capabilities()
     Options: ClassVar[type | None] = None
     """Dataclass of this tier's YAML ``options`` (config validation builds it); None: the tier takes none."""
+    _eviction_listeners: tuple[EvictionListener, ...] = ()
 
     def __init__(self, context: RemoteContext, options: Any) -> None:
         self.name = context.name
@@ -139,6 +155,24 @@ class RemoteTier(ABC):
         """
         await self.delete(items)
         return len(items)
+
+    def on_evicted(self, listener: EvictionListener) -> None:
+        """Call ``listener(keys)`` whenever the store drops keys by itself (see ``report_evicted``)."""
+        self._eviction_listeners = (*self._eviction_listeners, listener)
+
+    def report_evicted(self, keys: Sequence[bytes]) -> None:
+        """For tiers: the store dropped ``keys`` by itself (eviction, expiry, clean-up); tells every listener.
+
+        Call it from any thread, never for a delete the manager asked for. A failing
+        listener is logged, never raised into the tier.
+        """
+        if not keys:
+            return
+        for listener in self._eviction_listeners:
+            try:
+                listener(keys)
+            except Exception:
+                log.exception("tier %s: an eviction listener failed", getattr(self, "name", "?"))
 
     @abstractmethod
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:

@@ -26,9 +26,9 @@ from itertools import count
 import msgspec
 import zmq
 
-from tiercache.events.config import EventsConfig, EventWire
+from tiercache.events.config import EventsConfig
 from tiercache.events.replay import SEQ_BYTES, ReplayBuffer, ReplayServer, bind_replay_socket
-from tiercache.events.wire import KVEventBatch, to_map_wire
+from tiercache.events.wire import KVEventBatch, MapKVEventBatch
 
 
 class ZmqEventPublisher:
@@ -70,10 +70,11 @@ class ZmqEventPublisher:
         """The address the replay socket is bound to, if there is one."""
         return None if self._replay is None else self._replay_endpoint
 
-    def publish(self, batch: KVEventBatch) -> None:
-        """Send one batch with the next sequence number and keep it for replay (never blocks: PUB drops)."""
+    def publish(self, batch: KVEventBatch | MapKVEventBatch) -> None:
+        """Send one batch (in its wire form: the sink converts) with the next sequence number and keep it for
+        replay (never blocks: PUB drops)."""
         seq = next(self._sequence)
-        payload = self._encoder.encode(to_map_wire(batch) if self.config.wire is EventWire.MAP else batch)
+        payload = self._encoder.encode(batch)
         self._pub.send_multipart((self._topic, seq.to_bytes(SEQ_BYTES, "big"), payload), flags=zmq.NOBLOCK)
         self._buffer.append(seq, payload)
         self.published += 1

@@ -25,16 +25,18 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from tiercache.events.config import EventsConfig
-from tiercache.events.lineage import BlockLineage
+from tiercache.events.config import EventsConfig, EventWire
+from tiercache.events.lineage import BlockLineage, Chain
 from tiercache.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
+    MapKVEventBatch,
     block_hash,
     block_hashes,
+    to_map_wire,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ class _Kind(enum.Enum):
 class BatchPublisher(Protocol):
     """Something that sends batches out of the process (tiercache.events.publisher.ZmqEventPublisher)."""
 
-    def publish(self, batch: KVEventBatch) -> None: ...
+    def publish(self, batch: KVEventBatch | MapKVEventBatch) -> None: ...
 
     def close(self) -> None: ...
 
@@ -69,9 +71,13 @@ class BatchPublisher(Protocol):
 class EventSink:
     """Collects KV events from the engine's thread and delivers them in batches from its own."""
 
-    def __init__(self, config: EventsConfig | None = None, publisher: BatchPublisher | None = None) -> None:
+    def __init__(
+        self, config: EventsConfig | None = None, publisher: BatchPublisher | None = None, lora_name: str | None = None
+    ) -> None:
         self.config = config or EventsConfig(enabled=True)
         self._publisher = publisher
+        self.lora_name = lora_name
+        """The model's LoRA adapter, named in the map wire's ``BlockStored.lora_name``."""
         self._queue: deque[tuple[Any, ...]] = deque()
         self._subscribers: list[Subscriber] = []
         self._wake = threading.Event()
@@ -85,14 +91,14 @@ class EventSink:
         self.publish_errors = 0
 
     @classmethod
-    def from_config(cls, config: EventsConfig) -> EventSink:
+    def from_config(cls, config: EventsConfig, lora_name: str | None = None) -> EventSink:
         """A sink with the ZeroMQ publisher when ``config.endpoint`` is set (needs pyzmq), else in-process only."""
         publisher = None
         if config.endpoint is not None:
             from tiercache.events.publisher import ZmqEventPublisher  # pyzmq is the optional 'events' extra
 
             publisher = ZmqEventPublisher(config)
-        return cls(config, publisher)
+        return cls(config, publisher, lora_name)
 
     # --- the engine's thread -------------------------------------------------------------
 
@@ -107,8 +113,9 @@ class EventSink:
     ) -> None:
         """``tier`` now holds ``keys``, consecutive blocks of one chain after ``parent_key``, of ``token_ids``.
 
-        A copy moved by key alone (a demotion, a promotion) passes ``token_ids=None``: the event then
-        carries what the blocks' first ``stored`` said (``EventsConfig.lineage_blocks``), else no tokens.
+        A copy moved by key alone (a demotion, a promotion) passes ``token_ids=None``, in any order: the
+        blocks whose first ``stored`` is remembered (``EventsConfig.lineage_blocks``) become one event per
+        chain, head first, with that parent and those tokens; the others one event without tokens.
         """
         self._push((_Kind.STORED, tier, keys, parent_key, token_ids, block_size, lora_id))
 
@@ -205,17 +212,17 @@ class EventSink:
             kind = item[0]
             if kind is _Kind.STORED:
                 _, tier, keys, parent, tokens, block_size, lora_id = item
-                parent, token_ids = self._lineage_of(keys, parent, tokens, block_size)
-                events.append(
-                    BlockStored(
-                        block_hashes=block_hashes(keys),
-                        parent_block_hash=None if parent is None else block_hash(parent),
-                        token_ids=token_ids,
-                        block_size=block_size,
-                        lora_id=lora_id,
-                        medium=tier,
+                for chain in self._chains_of(keys, parent, tokens, block_size):
+                    events.append(
+                        BlockStored(
+                            block_hashes=block_hashes(chain.keys),
+                            parent_block_hash=None if chain.parent is None else block_hash(chain.parent),
+                            token_ids=chain.tokens,
+                            block_size=block_size,
+                            lora_id=lora_id,
+                            medium=tier,
+                        )
                     )
-                )
             elif kind is _Kind.REMOVED:
                 events.append(BlockRemoved(block_hashes=block_hashes(item[2]), medium=item[1]))
             elif kind is _Kind.CLEARED:
@@ -228,18 +235,16 @@ class EventSink:
         for done in flushed:
             done.set()
 
-    def _lineage_of(
+    def _chains_of(
         self, keys: Sequence[bytes], parent: bytes | None, tokens: Sequence[int] | None, block_size: int
-    ) -> tuple[bytes | None, list[int]]:
-        """The parent and token ids a stored event carries: as given (and remembered), or as remembered."""
+    ) -> list[Chain]:
+        """What the stored events say: the chain as given (and remembered), or the chains remembered."""
         if tokens is not None:
             token_ids = _int_list(tokens)
             self._lineage.remember(keys, parent, token_ids, block_size)
-            return parent, token_ids
-        known = self._lineage.recall(keys)
-        if known is None:
-            return parent, []
-        return (parent if parent is not None else known[0]), known[1]
+            return [Chain(list(keys), parent, token_ids)]
+        chains, unknown = self._lineage.chains(keys)
+        return [*chains, Chain(unknown, parent, [])] if unknown else chains
 
     def _deliver(self, batch: KVEventBatch) -> None:
         self.batches += 1
@@ -252,7 +257,8 @@ class EventSink:
                 logger.exception("events: subscriber %r failed", callback)
         if self._publisher is not None:
             try:
-                self._publisher.publish(batch)
+                wire = self.config.wire is EventWire.MAP
+                self._publisher.publish(to_map_wire(batch, self.lora_name) if wire else batch)
             except Exception:
                 self.publish_errors += 1
                 logger.exception("events: publishing a batch failed")

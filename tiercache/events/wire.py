@@ -139,8 +139,8 @@ class MapKVEventBatch(MapEventBatch):
     events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
 
 
-def to_map_wire(batch: KVEventBatch) -> MapKVEventBatch:
-    """The same batch in the map form (``EventWire.MAP``)."""
+def to_map_wire(batch: KVEventBatch, lora_name: str | None = None) -> MapKVEventBatch:
+    """The same batch in the map form (``EventWire.MAP``); ``lora_name`` names the model's LoRA adapter."""
     events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared] = []
     for event in batch.events:
         if isinstance(event, BlockStored):
@@ -152,7 +152,7 @@ def to_map_wire(batch: KVEventBatch) -> MapKVEventBatch:
                     event.block_size,
                     event.lora_id,
                     event.medium,
-                    lora_name=None,
+                    lora_name=lora_name,
                 )
             )
         elif isinstance(event, BlockRemoved):

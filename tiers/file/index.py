@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tiercache.tiers.file.capacity import SegmentSizes
@@ -47,6 +47,8 @@ class SegmentIndex:
         self._fds: dict[str, int] = {}
         self._own: set[str] = set()
         self._sizes = SegmentSizes(entries)
+        self.on_dropped: Callable[[list[bytes]], None] | None = None
+        """Told the keys whose records went with a removed segment (this writer's clean-up or another's)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,7 +131,8 @@ class SegmentIndex:
             return
         gone = set(names)
         with self._lock:
-            for key in [key for key, entry in self._entries.items() if entry.segment in gone]:
+            dropped = [key for key, entry in self._entries.items() if entry.segment in gone]
+            for key in dropped:
                 del self._entries[key]
             for name in gone:
                 fd = self._fds.pop(name, None)
@@ -137,6 +140,8 @@ class SegmentIndex:
                     os.close(fd)
                 self._scanned.pop(name, None)
                 self._own.discard(name)
+        if dropped and self.on_dropped is not None:
+            self.on_dropped(dropped)
 
     def fd(self, name: str) -> int | None:
         """A cached read descriptor of a segment (None if it is gone)."""

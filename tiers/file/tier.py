@@ -24,7 +24,7 @@ MIN_BYTES_PER_THREAD = 2 << 20
 class FileTier(RemoteTier):
     """Blocks in append-only segment files under one directory, shared by processes and hosts."""
 
-    capabilities = Capabilities(shared=True, versioned=False, persistent=True)
+    capabilities = Capabilities(shared=True, versioned=False, persistent=True, reports_evictions=True)
     Options = FileOptions
 
     def __init__(self, context: RemoteContext, options: FileOptions) -> None:
@@ -33,6 +33,7 @@ class FileTier(RemoteTier):
         self.root = Path(options.path)
         self._counts: Counter = Counter()
         self.store = SegmentStore(self.root, options, self.codec, self.block_bytes, self._counts, self.note_error)
+        self.store.index.on_dropped = self.report_evicted  # segments removed by any writer's clean-up
         self._executor: ThreadPoolExecutor | None = None
         self._gc_task: asyncio.Task | None = None
 

@@ -133,12 +133,16 @@ class RedisOptions(RedisServerOptions):
 
     ``url``: ``redis://[user:password@]host:port[/db]`` (``rediss://`` = TLS); for a
     cluster, any one node. ``cluster``: route keys by the cluster's slot map.
-    ``ttl_s``: expire entries (null: never).
+    ``ttl_s``: expire entries (null: never). ``notify_evictions``: hear the
+    server's own evictions and expiries through keyspace notifications (adds
+    ``Exe`` to its ``notify-keyspace-events`` with ``CONFIG SET``), so routers
+    are told of them (``evictions.py``).
     """
 
     url: str = f"redis://127.0.0.1:{DEFAULT_PORT}"
     cluster: bool = False
     ttl_s: float | None = None
+    notify_evictions: bool = True
 
     def __post_init__(self) -> None:
         redis_url("url", self.url)

@@ -14,6 +14,7 @@ from typing import Any
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.redis.cluster import key_slot, slot_map
 from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
+from tiercache.tiers.redis.evictions import EvictionWatcher
 from tiercache.tiers.redis.lane import Job
 from tiercache.tiers.redis.node import Endpoint, Node
 from tiercache.tiers.redis.options import RedisOptions
@@ -33,7 +34,7 @@ MILLISECONDS = 1000
 class RedisTier(RemoteTier):
     """A Redis server or Redis Cluster as a block store (see the package docstring)."""
 
-    capabilities = Capabilities(shared=True, versioned=False, persistent=True)
+    capabilities = Capabilities(shared=True, versioned=False, persistent=True, reports_evictions=True)
     Options = RedisOptions
 
     def __init__(self, context: RemoteContext, options: RedisOptions) -> None:
@@ -59,6 +60,7 @@ class RedisTier(RemoteTier):
         self._counts: Counter = Counter()
         self._next_lane = 0
         """Calls that are not spread over a node's lanes take them in turn."""
+        self._watcher: EvictionWatcher | None = None
 
     # -- routing ---------------------------------------------------------
 
@@ -128,10 +130,21 @@ class RedisTier(RemoteTier):
         if self.options.cluster:
             if not await self._refresh_slots():
                 logger.warning("redis tier %s: no cluster node answered at start", self.name)
+        else:
+            await self._node(*self._seed).call(ControlJob(b"PING"))  # a failure is logged with its cause
+        await self._watch_evictions()
+
+    async def _watch_evictions(self) -> None:
+        """Hear the server's own evictions and expiries (``evictions.py``) when someone listens for them."""
+        if not self.options.notify_evictions or not self._eviction_listeners:
             return
-        await self._node(*self._seed).call(ControlJob(b"PING"))  # a failure is logged with its cause
+        nodes = [(node.host, node.port) for node in self._nodes.values()] or [self._seed]
+        self._watcher = EvictionWatcher(self.name, self.options, nodes, self._prefix, self.report_evicted, self._counts)
+        await self._watcher.start(self.options.connect_timeout_s)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.close()
         await super().close()
         if self._refresh_task is not None:
             self._refresh_task.cancel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from tiercache.tiers.simulated.link import _Link
@@ -26,6 +27,7 @@ class SimulatedStore:
         self.data: dict[bytes, bytes] = {}
         self._links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Link] = weakref.WeakKeyDictionary()
         self._clients = 0
+        self._watchers: dict[int, Callable[[Sequence[bytes]], None]] = {}
 
     @classmethod
     def named(cls, name: str, options: SimulatedOptions) -> SimulatedStore:
@@ -46,6 +48,13 @@ class SimulatedStore:
         self._clients += 1
         return self._clients
 
+    def watch(self, client: int, report: Callable[[Sequence[bytes]], None]) -> None:
+        """Tell ``report`` the keys this store drops by itself (its bound), until ``unwatch(client)``."""
+        self._watchers[client] = report
+
+    def unwatch(self, client: int) -> None:
+        self._watchers.pop(client, None)
+
     def link(self) -> _Link:
         loop = asyncio.get_running_loop()
         link = self._links.get(loop)
@@ -57,8 +66,14 @@ class SimulatedStore:
         self.data.pop(key, None)
         self.data[key] = value
         capacity = self.options.capacity_blocks
+        dropped = []
         while capacity and len(self.data) > capacity:
-            self.data.pop(next(iter(self.data)))
+            oldest = next(iter(self.data))
+            del self.data[oldest]
+            dropped.append(oldest)
+        if dropped:
+            for report in list(self._watchers.values()):
+                report(dropped)
 
     def close(self) -> None:
         for link in list(self._links.values()):

@@ -7,7 +7,9 @@ so a garbage value really fails header or checksum validation on the way back.
 All randomness comes from one seeded ``random.Random``: a run is reproducible.
 
 Clients of one shared store (``SimulatedStore``) share its link of
-``bandwidth_mb_s``, served fairly (``tiercache.tiers.simulated.link``).
+``bandwidth_mb_s``, served fairly (``tiercache.tiers.simulated.link``). A
+bounded store (``capacity_blocks``) drops its oldest entries and every client
+tier reports them (``report_evicted``), as a store that tells its evictions does.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ class SimulatedTier(RemoteTier):
     without wall-clock sleeps. ``set_down`` switches the store off and on.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities(shared=True, versioned=False, persistent=False)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        shared=True, versioned=False, persistent=False, reports_evictions=True
+    )
     Options: ClassVar[type] = SimulatedOptions
 
     def __init__(self, context: RemoteContext, options: SimulatedOptions, *, store: SimulatedStore | None = None):
@@ -47,6 +51,7 @@ class SimulatedTier(RemoteTier):
             store = SimulatedStore.named(options.store, options) if options.store else SimulatedStore(options)
         self.store = store
         self.client = store.new_client()
+        store.watch(self.client, self.report_evicted)
         self._rng = random.Random(options.seed)
         self._started_at = time.monotonic()
         self._down = False
@@ -76,6 +81,7 @@ class SimulatedTier(RemoteTier):
         self._started_at = time.monotonic()
 
     async def close(self) -> None:
+        self.store.unwatch(self.client)
         for gate in self._gates.values():
             gate.set()
         await super().close()

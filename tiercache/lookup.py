@@ -1,0 +1,160 @@
+"""The lookup: which tier serves each block of a prompt, position by position, and the pins that keep it so.
+
+The one part that reads where a prompt's blocks are: the local tiers' slot
+tables, the remote probes' answers and the cost model's predictions. For a
+prompt's keys it answers, per position of the longest prefix held by all tiers
+together, the fastest tier holding the block (a block resident on the GPU is
+never fetched from below), cut before the first remote tier slower to fetch
+from than recomputing (the cost cut), and pins every local block it counts.
+
+The pins are its only side effect, so a scheduler may look up as often as it
+likes. What a lookup finds out rides on its answer (``Learned``) and is told
+once per request, by ``commit`` at load: the remote tiers' "not held" answers
+(the hierarchy forgets those keys, so a store rewrites them) and the cost
+model's verdicts (its counters and exploration schedule). A remote that could
+not tell (timeout, open breaker, error: ``Presence.UNKNOWN``) serves nothing in
+this answer and is never taken as "not held".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tiercache.cost import CostModel, Verdict
+from tiercache.hierarchy import Hierarchy
+from tiercache.local_tiers import LocalTiers, LookupPins, Place, Source
+from tiercache.tiers.base import Presence
+from tiercache.transfer_queue import RemoteProbes
+
+
+@dataclass(frozen=True)
+class TierNames:
+    """The names the answer counts blocks under, fastest first."""
+
+    gpu: str
+    cpu: str | None
+    remotes: tuple[str, ...]
+
+    @property
+    def all(self) -> list[str]:
+        return [self.gpu, *([self.cpu] if self.cpu else []), *self.remotes]
+
+    def of(self, place: Place) -> str:
+        """The tier serving a place of a prefix."""
+        if place.source is Source.GPU:
+            return self.gpu
+        if place.source is Source.REMOTE:
+            return self.remotes[place.index]
+        assert self.cpu is not None
+        return self.cpu
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What one lookup found out, told once per request at load (``PrefixLookup.commit``)."""
+
+    absent: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    """Per remote lane, the keys it answered it does not hold."""
+    clock: int = 0
+    """``Hierarchy.landings`` when the lookup was answered: a key seen in a remote since is not forgotten."""
+    verdicts: tuple[tuple[str, Verdict | None], ...] = ()
+    """The cost model's verdict on each remote tier it weighed."""
+
+
+@dataclass
+class Found:
+    """A lookup's answer: per position of the prefix, the serving tier; the pins; what it learned."""
+
+    tiers: list[str]
+    pins: LookupPins
+    learned: Learned = field(default_factory=Learned)
+
+    def tier_blocks(self, names: Sequence[str]) -> dict[str, int]:
+        """Blocks served per tier (every tier named, zeros included)."""
+        counts = dict.fromkeys(names, 0)
+        for name in self.tiers:
+            counts[name] += 1
+        return counts
+
+
+class PrefixLookup:
+    """Answers, position by position, which tier serves each block of a prompt (see the module docstring).
+
+    Call under the manager's lock.
+    """
+
+    def __init__(
+        self,
+        local: LocalTiers,
+        probes: RemoteProbes | None,
+        hierarchy: Hierarchy,
+        cost: CostModel | None,
+        names: TierNames,
+        block_size: int,
+    ) -> None:
+        self.local = local
+        self.probes = probes
+        self.hierarchy = hierarchy
+        self.cost = cost
+        self.names = names
+        self.block_size = block_size
+
+    def find(self, keys: Sequence[bytes], *, local_only: bool = False) -> Found | None:
+        """The prefix of ``keys`` the tiers can serve, pinned; None while a remote's answer is in flight.
+
+        ``local_only``: GPU and CPU only (remote tiers count as misses), never None.
+        """
+        places = self.local.locate(keys)
+        absent: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+        missing = [key for key, place in zip(keys, places, strict=True) if place is None]
+        if missing and self.probes is not None and self.probes.lanes and not local_only:
+            answers = self.probes.answer(missing)
+            if answers is None:
+                return None
+            holders = iter(_first_holders(answers, len(missing)))
+            places = [place if place is not None else Place.remote(next(holders)) for place in places]
+            absent = tuple(
+                (lane, tuple(key for key, found in zip(missing, answer, strict=True) if found is Presence.ABSENT))
+                for lane, answer in enumerate(answers)
+            )
+        places, verdicts = self._cost_cut(places)
+        run, lower = self.local.prefix(places)
+        pins = self.local.hold(run, lower)
+        tiers = [self.names.gpu] * len(run) + [self.names.of(place) for place in lower]
+        absent = tuple((lane, keys) for lane, keys in absent if keys)
+        return Found(tiers, pins, Learned(absent, self.hierarchy.landings, tuple(verdicts)))
+
+    def commit(self, found: Found, keys: Sequence[bytes]) -> None:
+        """The request goes ahead with ``found`` (its load): count its hits, tell what it learned, once."""
+        self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks(self.names.all), len(keys))
+        learned, hierarchy = found.learned, self.hierarchy
+        for lane, absent in learned.absent:  # another request may have stored them since
+            hierarchy.forget(lane, [key for key in absent if not hierarchy.landed_since(lane, key, learned.clock)])
+        if self.cost is not None:
+            for tier, verdict in found.learned.verdicts:
+                self.cost.count(tier, verdict)
+
+    def _cost_cut(self, places: list[Place | None]) -> tuple[list[Place | None], list[tuple[str, Verdict | None]]]:
+        """The places cut before the first remote tier slower to fetch from than recomputing."""
+        if self.cost is None:
+            return places, []
+        runs: list[tuple[str | None, int]] = []
+        for place in places:
+            if place is None:
+                break
+            tier = self.names.remotes[place.index] if place.source is Source.REMOTE else None
+            if runs and runs[-1][0] == tier:
+                runs[-1] = (tier, runs[-1][1] + 1)
+            else:
+                runs.append((tier, 1))
+        usable, verdicts = self.cost.cut(runs, self.block_size)
+        return places[:usable] + [None] * (len(places) - usable), verdicts
+
+
+def _first_holders(answers: list[list[Presence]], count: int) -> list[int | None]:
+    """Per key, the first (fastest) lane that answered it holds the key, or None."""
+    return [
+        next((lane for lane, answer in enumerate(answers) if answer[position] is Presence.HELD), None)
+        for position in range(count)
+    ]
