@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 
-from tiercache.remote_store import Found, RemoteStore
+from tiercache.remote_answers import Found
+from tiercache.remote_store import RemoteStore
 from tiercache.tiers.base import Presence
 
 GIVE_UP_FACTOR = 5.0

@@ -57,7 +57,8 @@ from tiercache.integrations.vllm.jobs import Job, JobBook
 from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
 from tiercache.integrations.vllm.namespace import vllm_namespace
 from tiercache.integrations.vllm.probes import GIVE_UP_FACTOR, ProbeBook
-from tiercache.remote_store import RemoteStore, resolved
+from tiercache.remote_answers import resolved
+from tiercache.remote_store import RemoteStore
 from tiercache.remote_tiers import MS_PER_SECOND
 
 if TYPE_CHECKING:
