@@ -345,26 +345,18 @@ class Hierarchy:
         for slot in move.cpu_slots:
             cpu.unpin(slot)
         self.pending_stores -= len(move.keys)
-        written = self._written[move.lane]
         landed = [key for key, ok in zip(move.keys, oks, strict=True) if ok]
-        for key in landed:
-            self.landings += 1
-            written[key] = self.landings
+        self._landed(move.lane, landed)
         name = self.lanes[move.lane].name
         self.observer.accessed(name, move.keys)
         self.observer.stored(name, landed, None, None)
-        while len(written) > self.remember_keys:
-            written.popitem(last=False)
         stored = len(landed)
         self._count_move(self.cpu_rule.name if self.cpu_rule else "cpu", name, stored)
         self.metrics.add(name, "store_failures", len(move.keys) - stored)
 
     def fetched(self, lane: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Blocks read from ``lane`` into CPU slots: known there; written into the faster remotes above it."""
-        written = self._written[lane]
-        for key in keys:
-            self.landings += 1
-            written[key] = self.landings
+        self._landed(lane, keys)
         self.observer.stored(self.lanes[lane].name, keys, None, None)  # served: held, whatever was said before
         for faster in range(lane):
             rule = self.lanes[faster]
@@ -375,6 +367,15 @@ class Hierarchy:
             ]
             if todo:
                 self.put(faster, [k for k, _ in todo], [s for _, s in todo], Reason.PROMOTION)
+
+    def _landed(self, lane: int, keys: Sequence[bytes]) -> None:
+        """``keys`` were just seen in ``lane`` (a put landed, a read served them); the oldest past the bound go."""
+        written = self._written[lane]
+        for key in keys:
+            self.landings += 1
+            written[key] = self.landings
+        while len(written) > self.remember_keys:
+            written.popitem(last=False)
 
     def forget(self, lane: int, keys: Sequence[bytes], *, proven: bool = True) -> None:
         """The remote may have lost these keys: the next store writes them again.
