@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from tiercache.admission import FillRule
 from tiercache.config import WritePolicy
-from tiercache.hierarchy import FillRule, Hierarchy
+from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, PinState, Place, Source
 from tiercache.metrics import Metrics
 from tiercache.moves import HostCopy, Reason, RemotePut

@@ -57,7 +57,7 @@ class Learned:
     absent: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
     """Per remote lane, the keys it answered it does not hold."""
     clock: int = 0
-    """``Hierarchy.landings`` when the lookup was answered: a key seen in a remote since is not forgotten."""
+    """``WrittenKeys.landings`` when the lookup was answered: a key seen in a remote since is not forgotten."""
     verdicts: tuple[tuple[str, Verdict | None], ...] = ()
     """The cost model's verdict on each remote tier it weighed."""
 
@@ -123,14 +123,14 @@ class PrefixLookup:
         pins = self.local.hold(run, lower)
         tiers = [self.names.gpu] * len(run) + [self.names.of(place) for place in lower]
         absent = tuple((lane, keys) for lane, keys in absent if keys)
-        return Found(tiers, pins, Learned(absent, self.hierarchy.landings, tuple(verdicts)))
+        return Found(tiers, pins, Learned(absent, self.hierarchy.written_keys.landings, tuple(verdicts)))
 
     def commit(self, found: Found, keys: Sequence[bytes]) -> None:
         """The request goes ahead with ``found`` (its load): count its hits, tell what it learned, once."""
         self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks(self.names.all), len(keys))
-        learned, hierarchy = found.learned, self.hierarchy
+        learned, hierarchy, written = found.learned, self.hierarchy, self.hierarchy.written_keys
         for lane, absent in learned.absent:  # another request may have stored them since
-            hierarchy.forget(lane, [key for key in absent if not hierarchy.landed_since(lane, key, learned.clock)])
+            hierarchy.forget(lane, [key for key in absent if not written.landed_since(lane, key, learned.clock)])
         if self.cost is not None:
             for tier, verdict in found.learned.verdicts:
                 self.cost.count(tier, verdict)

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from tiercache.admission import FillRule
 from tiercache.codec import Codec
 from tiercache.config import TierCacheConfig, TierConfig
 from tiercache.cost import CostModel
-from tiercache.hierarchy import FillRule, Hierarchy
+from tiercache.hierarchy import Hierarchy
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.loads import FillWaiters, LoadRunner
 from tiercache.local_tiers import LocalTiers
