@@ -32,7 +32,7 @@ from tiercache.local_tiers import LocalTiers
 from tiercache.metrics import Metrics
 from tiercache.moves import HostCopy, Move, Reason, RemotePut
 from tiercache.observer import NullObserver, TierObserver
-from tiercache.slots import CapacityError, SlotTable
+from tiercache.slots import CapacityError
 from tiercache.written_keys import WrittenKeys
 
 
@@ -357,13 +357,3 @@ class Hierarchy:
         """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""
         self.metrics.add(source, "blocks_out", blocks)
         self.metrics.add(destination, "blocks_in", blocks)
-
-    @staticmethod
-    def table_stats(table: SlotTable) -> dict[str, int]:
-        """Occupancy of a local tier."""
-        return {
-            "capacity_blocks": table.num_slots,
-            "cached_blocks": table.num_cached,
-            "free_blocks": table.num_free,
-            "evictable_blocks": table.num_evictable,
-        }

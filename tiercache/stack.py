@@ -147,7 +147,7 @@ class Stack:
         tiers: dict[str, Any] = {}
         for local in (self.gpu, self.cpu):
             if local is not None:
-                tiers[local.name] = Hierarchy.table_stats(local.table)
+                tiers[local.name] = local.table.occupancy()
         for lane in self.lanes:
             tiers[lane.name] = lane_stats(lane)
         for name, values in self.metrics.snapshot().items():
