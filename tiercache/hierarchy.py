@@ -353,6 +353,11 @@ class Hierarchy:
         if proven:
             self.observer.removed(self.lanes[lane].name, keys)
 
+    def forget_absent(self, lane: int, keys: Sequence[bytes], clock: int) -> None:
+        """``lane`` answered, when ``written_keys.landings`` read ``clock``, that it does not hold ``keys``:
+        forget them and report them removed, but for those seen there since (stored again meanwhile)."""
+        self.forget(lane, [key for key in keys if not self.written_keys.landed_since(lane, key, clock)])
+
     def _count_move(self, source: str, destination: str, blocks: int) -> None:
         """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""
         self.metrics.add(source, "blocks_out", blocks)

@@ -128,9 +128,9 @@ class PrefixLookup:
     def commit(self, found: Found, keys: Sequence[bytes]) -> None:
         """The request goes ahead with ``found`` (its load): count its hits, tell what it learned, once."""
         self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks(self.names.all), len(keys))
-        learned, hierarchy, written = found.learned, self.hierarchy, self.hierarchy.written_keys
-        for lane, absent in learned.absent:  # another request may have stored them since
-            hierarchy.forget(lane, [key for key in absent if not written.landed_since(lane, key, learned.clock)])
+        learned = found.learned
+        for lane, absent in learned.absent:
+            self.hierarchy.forget_absent(lane, absent, learned.clock)
         if self.cost is not None:
             for tier, verdict in found.learned.verdicts:
                 self.cost.count(tier, verdict)
