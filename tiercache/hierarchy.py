@@ -287,14 +287,8 @@ class Hierarchy:
                 self.local.gpu.unpin(block)
         if not ok:
             return
-        for lane, rule in enumerate(self.lanes):
-            todo = [
-                (key, slot)
-                for key, slot in zip(move.keys, move.cpu_slots, strict=True)
-                if not self.written(lane, key) and self._admits(rule, key, evicted=False)
-            ]
-            if todo:
-                self.put(lane, [k for k, _ in todo], [s for _, s in todo], Reason.WRITE_THROUGH)
+        for lane in range(len(self.lanes)):
+            self._write_through(lane, move.keys, move.cpu_slots, Reason.WRITE_THROUGH)
 
     # ---- remote lanes -----------------------------------------------------------------
     def written(self, lane: int, key: bytes) -> bool:
@@ -334,14 +328,18 @@ class Hierarchy:
         self.written_keys.landed(lane, keys)
         self.observer.stored(self.lanes[lane].name, keys, None, None)  # served: held, whatever was said before
         for faster in range(lane):
-            rule = self.lanes[faster]
-            todo = [
-                (key, slot)
-                for key, slot in zip(keys, slots, strict=True)
-                if not self.written(faster, key) and self._admits(rule, key, evicted=False)
-            ]
-            if todo:
-                self.put(faster, [k for k, _ in todo], [s for _, s in todo], Reason.PROMOTION)
+            self._write_through(faster, keys, slots, Reason.PROMOTION)
+
+    def _write_through(self, lane: int, keys: Sequence[bytes], slots: Sequence[int], reason: Reason) -> None:
+        """Put the CPU slots of the keys ``lane`` does not hold yet and admits now (not from an eviction)."""
+        rule = self.lanes[lane]
+        todo = [
+            (key, slot)
+            for key, slot in zip(keys, slots, strict=True)
+            if not self.written(lane, key) and self._admits(rule, key, evicted=False)
+        ]
+        if todo:
+            self.put(lane, [key for key, _ in todo], [slot for _, slot in todo], reason)
 
     def forget(self, lane: int, keys: Sequence[bytes], *, proven: bool = True) -> None:
         """The remote may have lost these keys: the next store writes them again.
