@@ -48,7 +48,8 @@ from typing import ClassVar
 
 from tiercache.codec import Decoded, DecodeStatus
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
-from tiercache.tiers.regional.client import GuardedClient, connect
+from tiercache.tiers.redis.control import connect
+from tiercache.tiers.regional.client import GuardedClient
 from tiercache.tiers.regional.diagnosis import Diagnosis
 from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
