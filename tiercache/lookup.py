@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from tiercache.cost import CostModel, Verdict
 from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, LookupPins, Place, Source
+from tiercache.remote_answers import first_holder
 from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import RemoteProbes
 
@@ -112,7 +113,7 @@ class PrefixLookup:
             answers = self.probes.answer(missing)
             if answers is None:
                 return None
-            holders = iter(_first_holders(answers, len(missing)))
+            holders = (first_holder(answers, position) for position in range(len(missing)))
             places = [place if place is not None else Place.remote(next(holders)) for place in places]
             absent = tuple(
                 (lane, tuple(key for key, found in zip(missing, answer, strict=True) if found is Presence.ABSENT))
@@ -150,11 +151,3 @@ class PrefixLookup:
                 runs.append((tier, 1))
         usable, verdicts = self.cost.cut(runs, self.block_size)
         return places[:usable] + [None] * (len(places) - usable), verdicts
-
-
-def _first_holders(answers: list[list[Presence]], count: int) -> list[int | None]:
-    """Per key, the first (fastest) lane that answered it holds the key, or None."""
-    return [
-        next((lane for lane, answer in enumerate(answers) if answer[position] is Presence.HELD), None)
-        for position in range(count)
-    ]

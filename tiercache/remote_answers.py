@@ -36,15 +36,20 @@ class StoreEvent:
     keys: tuple[bytes, ...]
 
 
+def first_holder(answers: Sequence[Sequence[Presence]], position: int) -> int | None:
+    """The first (fastest) tier whose answer says it holds the key at ``position``, or None."""
+    for tier, answer in enumerate(answers):
+        if answer[position] is Presence.HELD:
+            return tier
+    return None
+
+
 def first_found(answers: Sequence[Sequence[Presence]], position: int) -> Found:
     """A key's ``Found`` from every tier's answer: the first holder, else ABSENT only if every tier said so."""
-    unknown = False
-    for tier, answer in enumerate(answers):
-        presence = answer[position]
-        if presence is Presence.HELD:
-            return Found(Presence.HELD, tier)
-        unknown = unknown or presence is not Presence.ABSENT
-    return UNKNOWN if unknown else ABSENT
+    tier = first_holder(answers, position)
+    if tier is not None:
+        return Found(Presence.HELD, tier)
+    return ABSENT if all(answer[position] is Presence.ABSENT for answer in answers) else UNKNOWN
 
 
 def resolved(value: Any) -> concurrent.futures.Future[Any]:
