@@ -69,14 +69,9 @@ class Found:
 
     tiers: list[str]
     pins: LookupPins
+    tier_blocks: dict[str, int]
+    """Blocks served per tier (every tier named, zeros included)."""
     learned: Learned = field(default_factory=Learned)
-
-    def tier_blocks(self, names: Sequence[str]) -> dict[str, int]:
-        """Blocks served per tier (every tier named, zeros included)."""
-        counts = dict.fromkeys(names, 0)
-        for name in self.tiers:
-            counts[name] += 1
-        return counts
 
 
 class PrefixLookup:
@@ -123,12 +118,16 @@ class PrefixLookup:
         run, lower = self.local.prefix(places)
         pins = self.local.hold(run, lower)
         tiers = [self.names.gpu] * len(run) + [self.names.of(place) for place in lower]
+        tier_blocks = dict.fromkeys(self.names.all, 0)
+        for name in tiers:
+            tier_blocks[name] += 1
         absent = tuple((lane, keys) for lane, keys in absent if keys)
-        return Found(tiers, pins, Learned(absent, self.hierarchy.written_keys.landings, tuple(verdicts)))
+        learned = Learned(absent, self.hierarchy.written_keys.landings, tuple(verdicts))
+        return Found(tiers, pins, tier_blocks, learned)
 
     def commit(self, found: Found, keys: Sequence[bytes]) -> None:
         """The request goes ahead with ``found`` (its load): count its hits, tell what it learned, once."""
-        self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks(self.names.all), len(keys))
+        self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks, len(keys))
         learned = found.learned
         for lane, absent in learned.absent:
             self.hierarchy.forget_absent(lane, absent, learned.clock)
