@@ -21,9 +21,9 @@ testing a guessed secret against it, against a block key of a known prompt, or
 against a value's MAC costs a full scrypt per guess: every oracle an observer
 has sits behind the stretch. The raw secret is used once per namespace, here,
 and kept in no object this module returns (only as its cache's key, in this
-process, whose environment holds it anyway). A random secret of 16 or more bytes (what the
-README asks for) cannot be guessed at all; the stretch is what protects a weak
-one.
+process, whose environment holds it anyway). A random secret of 16 or more
+bytes (what the README asks for) cannot be guessed at all; the stretch is what
+protects a weak one.
 """
 
 from __future__ import annotations
