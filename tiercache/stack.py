@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from tiercache.admission import FillRule
 from tiercache.codec import Codec
 from tiercache.config import TierCacheConfig, TierConfig
 from tiercache.cost import CostModel
 from tiercache.explorer import Explorer
-from tiercache.hierarchy import FillRule, Hierarchy
+from tiercache.hierarchy import Hierarchy
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.loads import FillWaiters, LoadRunner
 from tiercache.local_tiers import LocalTiers
@@ -30,7 +31,7 @@ from tiercache.mover import Mover
 from tiercache.mrc import MissRatioCurve
 from tiercache.observer import FleetObserver
 from tiercache.policies import make_policy
-from tiercache.remote_tiers import build_remotes, close_remotes, keyed_codec, lane_stats
+from tiercache.remote_tiers import build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.runtime import Runtime
 from tiercache.swap import make_swapper
 from tiercache.swap.queue import SwapQueue
@@ -59,7 +60,7 @@ class Stack:
         self.config, self.layout = config, config.layout
         self.block_size = config.layout.block_size
         model = config.model
-        self.namespace = Namespace(model.id, self.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+        self.namespace, codec = model_namespace(config)
         self.hasher = BlockHasher(self.namespace, self.block_size)
         self.metrics = Metrics()
         self.lock = threading.RLock()
@@ -70,7 +71,6 @@ class Stack:
         self.cpu = None if cpu_config is None else CpuTier(
             cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options
         )
-        codec = namespace_codec(config, self.namespace)
         queues = config.queues
         self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
         self.runtime = Runtime()
@@ -155,7 +155,7 @@ class Stack:
         tiers: dict[str, Any] = {}
         for local in (self.gpu, self.cpu):
             if local is not None:
-                tiers[local.name] = Hierarchy.table_stats(local.table)
+                tiers[local.name] = local.table.occupancy()
         for lane in self.lanes:
             tiers[lane.name] = lane_stats(lane)
         for name, values in self.metrics.snapshot().items():
@@ -180,9 +180,12 @@ class Stack:
         }
 
 
-def namespace_codec(config: TierCacheConfig, namespace: Namespace) -> Codec:
-    """The value codec of a topology's namespace, keyed with ``model.secret_env``'s secret when set."""
-    return keyed_codec(namespace.root(), config.model.secret_env, config.source)
+def model_namespace(config: TierCacheConfig) -> tuple[Namespace, Codec]:
+    """A topology's namespace (model, layout, rank, tenant, LoRA; keyed with ``model.secret_env``'s secret
+    when set, so its keys depend on it) and the codec of its values."""
+    model = config.model
+    namespace = Namespace(model.id, config.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+    return topology_namespace(namespace, model.secret_env, config.source)
 
 
 def _event_sink(config: TierCacheConfig) -> Any:
