@@ -60,9 +60,10 @@ PROBE_WINDOW = 3
 probe out of line (a scheduling hiccup) changes nothing."""
 MIN_FIT_WEIGHT = 2.0
 """Observations (decayed) a line needs before its scatter says anything: two points always fit exactly."""
-STALE_FLOOR_WEIGHT = 0.5
-"""The least weight (in fetches) staleness leaves a fit: a long-bypassed past still counts as half a fresh
-fetch, so one exploration alone moves the estimate by two thirds of the way, not all of it."""
+STALE_FLOOR_WEIGHT = 0.1
+"""The least weight (in fetches) staleness leaves a fit: a long-bypassed past still counts as a tenth of a
+fresh fetch, so one exploration moves the estimate about 93% of the way (a link ten times slower than
+recomputing is forgotten in one, a hundred times in two), and its zeros never underflow."""
 
 
 class Verdict(enum.Enum):
