@@ -74,16 +74,16 @@ def _simulate(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     requests = timed_requests(workload)
     print(f"tiercache simulate: {config_path}, workload {args.workload}: {len(requests)} requests")
-    prefill = measure_prefill_cost(config.layout)
     name = Path(str(config_path)).stem
     with TierManager(config) as manager:
         server = (
             StatsServer(manager.stats, manager.metrics, port=args.stats_port) if args.stats_port is not None else None
         )
-        if server is not None:
+        if server is not None:  # from the start, so `tiercache stats` answers during the prefill measurement too
             server.start()
-            print(f"serving stats at {server.url}/stats and {server.url}/metrics")
+            print(f"serving stats at {server.url}/stats and {server.url}/metrics", flush=True)
         try:
+            prefill = measure_prefill_cost(config.layout)
             progress = Progress(len(requests), name)
             result = simulate(manager, requests, name=name, prefill_s_per_token=prefill, progress=progress.update)
         finally:
@@ -225,9 +225,24 @@ def format_stats(stats: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _unusable(path: str, cause: str) -> int:
+    print(
+        f"tiercache: cannot read stats from {path}: {cause} (expected a JSON file from `simulate --stats-out`)",
+        file=sys.stderr,
+    )
+    return EXIT_UNAVAILABLE
+
+
 def _stats(args: argparse.Namespace) -> int:
     if args.file:
-        stats = json.loads(Path(args.file).read_text())
+        try:
+            stats = json.loads(Path(args.file).read_text())
+        except OSError as error:
+            return _unusable(args.file, error.strerror or str(error))
+        except ValueError as error:
+            return _unusable(args.file, f"not JSON ({error})")
+        if not isinstance(stats, Mapping):
+            return _unusable(args.file, f"not a stats mapping (a JSON {type(stats).__name__})")
     else:
         try:
             stats = fetch_stats(args.url, timeout=args.timeout)
