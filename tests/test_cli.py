@@ -200,3 +200,13 @@ def test_simulate_serves_stats_from_its_start(
     args = ["simulate", "--config", config, "--workload", "tiny", "--out", out, "--no-plots", "--stats-port", str(port)]
     assert main(args) == 0
     assert len(seen) == 1 and "gpu" in seen[0]["tiers"]
+
+
+def test_inspect_keeps_columns_apart_for_a_plugin_tier_and_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    remote = {"name": "a-long-tier-name", "type": "plugin_tier:DictTier", "policy": "plugin_policy:FifoPolicy"}
+    config = write_yaml(tmp_path / "topo.yaml", small_topology(remote=remote))
+    assert main(["inspect", "--config", config]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a-long-tier-name"))
+    assert row.split()[:4] == ["a-long-tier-name", "plugin_tier:DictTier", "plugin_policy:FifoPolicy", "write_through"]

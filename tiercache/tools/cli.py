@@ -45,6 +45,8 @@ from tiercache.tools.workload import ChatWorkload
 
 PROBE_TIMEOUT_S = 2.0
 """How long ``inspect`` waits for each remote operation before calling it unreachable."""
+COLUMNS = (("name", 12), ("type", 11), ("policy", 9))
+"""The tier table's first columns (``TierConfig`` fields) and their least widths."""
 EXIT_CONFIG_ERROR = 2
 EXIT_UNAVAILABLE = 3
 
@@ -171,14 +173,16 @@ def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) 
         f"{layout.bytes_per_block} bytes per block; fingerprint {layout.fingerprint()}",
         f"exclusive: {config.exclusive}; queues: "
         + ", ".join(f"{k} {getattr(v, 'value', v)}" for k, v in dataclasses.asdict(config.queues).items()),
-        f"{'tier':<12}{'type':<11}{'policy':<9}{'write policy':<25}capacity",
     ]
+    # columns as wide as their longest entry (a plug-in's module path, a long tier name)
+    name_w, type_w, policy_w = (max(w, *(len(getattr(t, f)) + 1 for t in config.tiers)) for f, w in COLUMNS)
+    lines.append(f"{'tier':<{name_w}}{'type':<{type_w}}{'policy':<{policy_w}}{'write policy':<25}capacity")
     for tier in config.tiers:
         blocks = tier.capacity_blocks
         if blocks is None:
             blocks = getattr(tier.options, "capacity_blocks", None) or None
         lines.append(
-            f"{tier.name:<12}{tier.type:<11}{tier.policy:<9}{tier.write_policy.value:<25}"
+            f"{tier.name:<{name_w}}{tier.type:<{type_w}}{tier.policy:<{policy_w}}{tier.write_policy.value:<25}"
             f"{_capacity_text(blocks, layout.bytes_per_block)}"
         )
     remotes = [t for t in config.tiers if t.type not in ("gpu", "cpu")]
