@@ -2,7 +2,9 @@
 
 ``redis_server`` yields one started ``RedisServer`` (host, port, url, ``kill()``,
 ``stop()``/``cont()``, ``restart()``, ``cli()``); ``redis_factory(**kwargs)``
-starts as many as a test needs (e.g. central + two regions); ``redis_cluster``
+starts as many as a test needs (e.g. central + two regions); ``redis_client`` is a
+redis-py client of ``redis_server``; ``namespace_secrets`` sets two fleets' secrets
+in the environment; ``redis_cluster``
 yields a started ``RedisClusterNodes``; ``sites`` a central and two regions
 (``sync_sites.Topology``). All of them are torn down even when the
 test fails.
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
+import redis
 
 pytest.register_assert_rewrite("tiercache.testing")  # the conformance checks' asserts say what failed
 
@@ -41,6 +44,23 @@ def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
 def redis_server(redis_factory: Callable[..., RedisServer]) -> RedisServer:
     """One empty server (maxmemory 512mb, allkeys-lru), killed after the test."""
     return redis_factory()
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A redis-py client of ``redis_server``, to see what the server holds and counts."""
+    client = redis.Redis(host=redis_server.host, port=redis_server.port)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def namespace_secrets(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Two fleets' namespace secrets, set in the environment: ``model.secret_env`` names one of them."""
+    secrets = {"TC_SECRET_A": "fleet A's namespace secret, 32 b", "TC_SECRET_B": "fleet B's namespace secret, 32 b"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    return secrets
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@ temporary directory, persists nothing (``--save '' --appendonly no``) and dies
 with the test process (``PR_SET_PDEATHSIG``, an ``atexit`` hook, and the
 fixtures' own teardown), so a failing or interrupted test leaves no stray
 servers. A missing ``redis-server`` binary is an error, never a silent skip.
-Also the test data helpers of the remote-tier tests (random blocks, buffers).
+Also the test data helpers of the remote-tier tests (random blocks, buffers) and what a
+server says was read (``reads``, ``stored_values``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -349,3 +351,20 @@ def random_blocks(count: int, block_bytes: int, seed: int = 0) -> tuple[list[byt
 def empty_dests(count: int, block_bytes: int) -> list[memoryview]:
     """Writable destination buffers, like pinned-CPU slots."""
     return [memoryview(np.zeros(block_bytes, dtype=np.uint8)).cast("B") for _ in range(count)]
+
+
+NOTHING_READ = {"get": 0, "unlink": 0, "del": 0, "keyspace_hits": 0}
+"""``reads`` of a server that no command read a value of, or deleted one from."""
+
+
+def stored_values(client: Any) -> dict[bytes, bytes]:
+    """Every value in the server (``client``: a ``redis.Redis``), by name."""
+    return {name: client.get(name) for name in client.keys("*")}
+
+
+def reads(client: Any) -> dict[str, int]:
+    """Since the last ``CONFIG RESETSTAT``: calls of the commands that read or delete a value, and how many
+    lookups of any command found a key (``keyspace_hits``: a GET or EXISTS of an absent key is a miss)."""
+    stats = client.info("commandstats")
+    calls = {command: stats.get(f"cmdstat_{command}", {}).get("calls", 0) for command in ("get", "unlink", "del")}
+    return {**calls, "keyspace_hits": client.info("stats")["keyspace_hits"]}

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tiercache.keys import KEY_BYTES, BlockHasher, Namespace
 
@@ -74,3 +75,59 @@ def test_numpy_and_list_inputs_agree() -> None:
     assert hasher.keys(tokens) == hasher.keys(np.array(tokens, dtype=np.int64)) == hasher.keys(
         np.array(tokens, dtype=np.uint32)
     )
+
+
+SECRET = b"a namespace secret of 32 bytes.."
+
+
+def test_a_keyed_namespace_matches_an_independent_definition_and_hides_its_secret() -> None:
+    """scrypt of the secret salted with the unkeyed root; key id and MAC key under it; the root keyed by the id."""
+    from tiercache.secret import keyed_namespace
+
+    keyed, codec = keyed_namespace(NS, SECRET)
+    stretched = hashlib.scrypt(
+        SECRET, salt=b"tiercache-namespace-secret\x1f" + NS.root(), n=2**15, r=8, p=1, maxmem=2**26, dklen=32
+    )
+    key_id = hashlib.blake2b(key=stretched, person=b"tiercache-ns-id", digest_size=16).digest()
+    mac_key = hashlib.blake2b(key=stretched, person=b"tiercache-mac", digest_size=32).digest()
+    fields = ("tiercache-v1", "llama-3-8b", "abcd1234", "1", "acme", "sql-adapter")
+    root = hashlib.blake2b(b"\x1f".join(s.encode() for s in fields), digest_size=KEY_BYTES, key=key_id).digest()
+    assert keyed.key_id == key_id and keyed.root() == root and codec.fingerprint == root and codec.secret == mac_key
+    assert BlockHasher(keyed, 16).keys(range(32))[0] == hashlib.blake2b(
+        root + np.arange(16, dtype="<i8").tobytes(), digest_size=KEY_BYTES
+    ).digest()
+    from tiercache.secret import namespace_key
+
+    shown = repr(keyed_namespace(NS, SECRET)) + repr(namespace_key(SECRET, NS))
+    assert SECRET.hex() not in shown and mac_key.hex() not in shown and repr(mac_key) not in shown
+    plain, plain_codec = keyed_namespace(NS, None)
+    assert plain == NS and plain_codec.fingerprint == NS.root() and not plain_codec.keyed
+
+
+def test_key_ids_separate_secrets_and_namespaces_and_agree_across_processes() -> None:
+    from tiercache.secret import keyed_namespace
+
+    other_ns = Namespace("llama-3-8b", "abcd1234", tp_rank=0, tenant_salt="acme", lora_id="sql-adapter")
+    roots = {
+        keyed_namespace(NS, SECRET)[0].root(),
+        keyed_namespace(NS, SECRET[::-1])[0].root(),
+        keyed_namespace(other_ns, SECRET)[0].root(),
+        NS.root(),
+        other_ns.root(),
+    }
+    assert len(roots) == 5
+    script = (
+        "from tiercache.keys import Namespace\nfrom tiercache.secret import keyed_namespace\n"
+        "ns = Namespace('llama-3-8b', 'abcd1234', tp_rank=1, tenant_salt='acme', lora_id='sql-adapter')\n"
+        f"print(keyed_namespace(ns, {SECRET!r})[0].root().hex())\n"
+    )
+    output = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    assert output.stdout.strip() == keyed_namespace(NS, SECRET)[0].root().hex()
+
+
+def test_a_secret_of_the_wrong_length_is_refused() -> None:
+    from tiercache.secret import keyed_namespace
+
+    for secret in (b"short", b"x" * 65):
+        with pytest.raises(ValueError, match="16-64 bytes"):
+            keyed_namespace(NS, secret)

@@ -150,7 +150,9 @@ class Codec:
     """Encodes and validates values for one namespace (fingerprint) and block size.
 
     ``secret`` (16-64 bytes, optional): values carry a keyed MAC instead of
-    trusting the checksum alone (see the module docstring).
+    trusting the checksum alone (see the module docstring). A topology's codec
+    gets the MAC key ``tiercache.secret`` stretches from the namespace's secret,
+    never the secret itself.
     """
 
     def __init__(self, fingerprint: bytes, *, compress: bool = False, secret: bytes | None = None) -> None:

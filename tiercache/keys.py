@@ -81,16 +81,23 @@ def _integer_ids(array: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that must match for two engines to share a block's KV."""
+    """Everything that must match for two engines to share a block's KV.
+
+    ``key_id`` is set on a keyed namespace (``tiercache.secret.keyed_namespace``,
+    from the namespace's secret): the root, hence every block key, then depends
+    on the secret, so engines with different secrets (or none) never address the
+    same keys. Without it the root is that of every earlier release.
+    """
 
     model_id: str
     layout_fingerprint: str
     tp_rank: int = 0
     tenant_salt: str | None = None
     lora_id: str | None = None
+    key_id: bytes = b""
 
     def root(self) -> bytes:
-        """The seed h_{-1} of every chain in this namespace."""
+        """The seed h_{-1} of every chain in this namespace (a BLAKE2b keyed with ``key_id`` when keyed)."""
         fields = (
             "tiercache-v1",
             self.model_id,
@@ -100,7 +107,7 @@ class Namespace:
             self.lora_id or "",
         )
         encoded = b"\x1f".join(f.encode() for f in fields)
-        return hashlib.blake2b(encoded, digest_size=KEY_BYTES).digest()
+        return hashlib.blake2b(encoded, digest_size=KEY_BYTES, key=self.key_id).digest()
 
 
 class BlockHasher:

@@ -15,8 +15,9 @@ deadlines) and a background runtime. Nothing here touches GPU or CPU tiers.
   topology may add a tenant salt and LoRA id) and the bytes per block. ``key``
   maps an engine's own block key into a 16-byte tiercache key of that
   namespace (keyed BLAKE2b with the namespace root as key), so two engines of
-  one model share entries and different models, dtypes or ranks never do; the
-  codec's namespace fingerprint makes a value of another namespace a miss.
+  one model share entries and different models, dtypes, ranks or secrets
+  (``model.secret_env``: ``tiercache.secret``) never do, nor touch each other's
+  values; the codec's fingerprint makes a value of another namespace a miss.
 - **Probes** (``contains``) are non-blocking: a future of one ``Found`` per key,
   the fastest tier that holds it, with DESIGN's three-valued presence: ``HELD``,
   ``ABSENT`` (every tier answered and none holds it) or ``UNKNOWN`` (some tier
@@ -60,7 +61,7 @@ from typing import Any
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
 from tiercache.keys import KEY_BYTES, Namespace
 from tiercache.metrics import Metrics
-from tiercache.remote_tiers import build_remotes, close_remotes, keyed_codec, lane_stats
+from tiercache.remote_tiers import build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.runtime import Runtime
 from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import Lane
@@ -115,18 +116,15 @@ class RemoteStore:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         model = topology.model
-        self.namespace = dataclasses.replace(
-            namespace,
-            tenant_salt=namespace.tenant_salt or model.tenant,
-            lora_id=namespace.lora_id or model.lora,
-        )
+        named = dataclasses.replace(namespace, tenant_salt=namespace.tenant_salt or model.tenant,
+                                    lora_id=namespace.lora_id or model.lora)
+        self.namespace, codec = topology_namespace(named, model.secret_env, topology.source)
         self.topology = topology
         self.block_bytes = block_bytes
         self.root = self.namespace.root()
         self._hasher = hashlib.blake2b(digest_size=KEY_BYTES, key=self.root)
         """Keyed with the namespace root; copied per key (cheaper than keying a new one)."""
         self.metrics = Metrics()
-        codec = keyed_codec(self.root, model.secret_env, topology.source)
         self.tiers, self.lanes = build_remotes(topology.tiers, codec, block_bytes, topology.queues, self.metrics)
         self.names = [tier.name for tier in self.tiers]
         """Every tier's name, fastest first."""

@@ -1,11 +1,11 @@
 """The remote tiers of a topology: built, closed and described the same way by every owner.
 
 ``Stack`` (the ``TierManager``'s parts) and ``RemoteStore`` (the remote-only API
-for engines with their own GPU and CPU tiers) both build each remote tier with
-its options and the namespace's codec (keyed with ``model.secret_env``'s secret
-when one is named), give each one transfer-queue lane (limiter, breaker,
-deadlines), report a tier's counters the same way and close them within a
-deadline, through these functions.
+for engines with their own GPU and CPU tiers) both key the namespace with
+``model.secret_env``'s secret when one is named (its keys and values then depend
+on it), build each remote tier with its options and the namespace's codec, give
+each one transfer-queue lane (limiter, breaker, deadlines), report a tier's
+counters the same way and close them within a deadline, through these functions.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from typing import Any
 from tiercache.codec import Codec
 from tiercache.config.topology import QueueConfig, TierConfig
 from tiercache.config.typed import ConfigError
+from tiercache.keys import Namespace
 from tiercache.metrics import Metrics
 from tiercache.runtime import Runtime
+from tiercache.secret import keyed_namespace
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext, RemoteTier
 from tiercache.transfer_queue import Lane
@@ -29,12 +31,16 @@ CLOSE_REMOTE_SECONDS = 2.0
 """How long the remote tiers' own ``close`` may take before they are abandoned."""
 
 
-def keyed_codec(root: bytes, secret_env: str | None, source: str) -> Codec:
-    """The value codec of a namespace root, keyed with the secret in ``$secret_env`` when one is named."""
+def topology_namespace(namespace: Namespace, secret_env: str | None, source: str) -> tuple[Namespace, Codec]:
+    """``namespace`` keyed with the secret in ``$secret_env`` when one is named, and the codec of its values.
+
+    A keyed namespace's keys depend on its secret (``tiercache.secret``); a missing
+    or malformed secret is a ``ConfigError`` naming ``model.secret_env``.
+    """
     if secret_env is None:
-        return Codec(root)
+        return keyed_namespace(namespace, None)
     try:
-        return Codec(root, secret=os.environ.get(secret_env, "").encode())
+        return keyed_namespace(namespace, os.environ.get(secret_env, "").encode())
     except ValueError as error:
         expected = f"environment variable {secret_env} set to a secret"
         raise ConfigError(source, "model.secret_env", expected, str(error)) from None

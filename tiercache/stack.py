@@ -29,7 +29,7 @@ from tiercache.mover import Mover
 from tiercache.mrc import MissRatioCurve
 from tiercache.observer import FleetObserver
 from tiercache.policies import make_policy
-from tiercache.remote_tiers import build_remotes, close_remotes, keyed_codec, lane_stats
+from tiercache.remote_tiers import build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.runtime import Runtime
 from tiercache.swap import make_swapper
 from tiercache.swap.queue import SwapQueue
@@ -58,7 +58,7 @@ class Stack:
         self.config, self.layout = config, config.layout
         self.block_size = config.layout.block_size
         model = config.model
-        self.namespace = Namespace(model.id, self.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+        self.namespace, codec = model_namespace(config)
         self.hasher = BlockHasher(self.namespace, self.block_size)
         self.metrics = Metrics()
         self.lock = threading.RLock()
@@ -69,7 +69,6 @@ class Stack:
         self.cpu = None if cpu_config is None else CpuTier(
             cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options
         )
-        codec = namespace_codec(config, self.namespace)
         queues = config.queues
         self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
         self.runtime = Runtime()
@@ -171,9 +170,12 @@ class Stack:
         }
 
 
-def namespace_codec(config: TierCacheConfig, namespace: Namespace) -> Codec:
-    """The value codec of a topology's namespace, keyed with ``model.secret_env``'s secret when set."""
-    return keyed_codec(namespace.root(), config.model.secret_env, config.source)
+def model_namespace(config: TierCacheConfig) -> tuple[Namespace, Codec]:
+    """A topology's namespace (model, layout, rank, tenant, LoRA; keyed with ``model.secret_env``'s secret
+    when set, so its keys depend on it) and the codec of its values."""
+    model = config.model
+    namespace = Namespace(model.id, config.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+    return topology_namespace(namespace, model.secret_env, config.source)
 
 
 def _event_sink(config: TierCacheConfig) -> Any:

@@ -157,17 +157,17 @@ async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float =
 
 def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, bool]:
     """A report of the validated topology and remote reachability, and whether every remote answered."""
-    from tiercache.keys import Namespace
-    from tiercache.stack import namespace_codec
+    from tiercache.stack import model_namespace
     from tiercache.tiers import tier_class
     from tiercache.tiers.base import RemoteContext
 
     layout = config.layout
     model = config.model
-    namespace = Namespace(model.id, layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+    namespace, codec = model_namespace(config)
     lines = [
         f"topology: {config.source}",
-        f"model: {model.id} (tp rank {model.tp_rank}, tenant {model.tenant}, lora {model.lora})",
+        f"model: {model.id} (tp rank {model.tp_rank}, tenant {model.tenant}, lora {model.lora})"
+        + (f"; keyed by {model.secret_env}, key id {namespace.key_id.hex()}" if namespace.key_id else ""),
         f"layout: {layout.num_layers} layers x {layout.num_kv_heads} kv heads x {layout.head_dim} dims, "
         f"{layout.dtype}, {layout.block_size} tokens/block, {layout.memory.value}: "
         f"{layout.bytes_per_block} bytes per block; fingerprint {layout.fingerprint()}",
@@ -189,7 +189,6 @@ def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) 
     all_ok = True
     if remotes:
         probe_key = BlockHasher(namespace, layout.block_size).keys([0] * layout.block_size, "tiercache-inspect")[0]
-        codec = namespace_codec(config, namespace)
         lines.append("connectivity:")
         for tier_config in remotes:
             try:

@@ -6,7 +6,8 @@ rank and size (not for MLA, whose latent KV every TP rank holds whole, so all ra
 SGLang's own file backend does), the pipeline stage and the attention context-parallel shard. From the
 registered host pool: the memory layout (each stores a page's elements in its own order), dtype, page
 size, the model's KV geometry and how a page splits into pieces. A page key is then
-``RemoteStore.key(page hash + piece number)``.
+``RemoteStore.key(page hash + piece number)``; the topology's ``model.secret_env`` keys the namespace there
+(``tiercache.secret``), so instances with different secrets never share a page.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ chunk, the bytes of a chunk in the primary tier, the KV-cache groups and their
 layers, the parallel sizes (TP, PP, PCP, DCP, world) and the rank, and vLLM's
 layout choices (replicated, canonical). ``engine_id`` differs per instance and
 the data-parallel index per replica: neither is part of it, so replicas and
-restarts share entries.
+restarts share entries. The topology's ``model.secret_env`` keys it (in
+``RemoteStore``, ``tiercache.secret``): instances with different secrets never share.
 """
 
 from __future__ import annotations

@@ -67,7 +67,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OWNERSHIP_PREFIX = "tiercache:"
-"""An event's ``ownership``: this prefix and the tiercache tier's topology name."""
+"""An event's ``ownership``: this prefix and the tiercache tier's topology name, then, for a keyed namespace,
+``@`` and the start of its key id: vLLM's block hashes do not depend on tiercache's secret, so this is what
+tells a router that two differently keyed fleets' chunks are not one another's."""
+OWNERSHIP_KEY_ID_BYTES = 8
+"""Bytes of the key id (hex) in a keyed namespace's ``ownership``."""
 CONFIG_KEYS = ("topology", "overrides", "force_latest", "enable_kv_events", "locality")
 """What a ``secondary_tiers`` entry may set besides vLLM's own ``type``, ``module_path``, ``backpressure``."""
 
@@ -120,6 +124,8 @@ class TierCacheTier(SecondaryTierManager):
             remote, vllm_namespace(offloading_spec.config, self.block_size_bytes), self.block_size_bytes,
             record_events=events,
         )
+        key_id = self.store.namespace.key_id
+        self._ownership_suffix = f"@{key_id[:OWNERSHIP_KEY_ID_BYTES].hex()}" if key_id else ""
         if self.force_latest and not self.store.versioned:
             raise ValueError(
                 f"secondary tier {tier_type!r}: force_latest needs a versioned tier (type: regional) in "
@@ -221,7 +227,7 @@ class TierCacheTier(SecondaryTierManager):
                 medium=self.medium,
                 removed=False,
                 locality=self.locality,
-                ownership=OWNERSHIP_PREFIX + stored.tier,
+                ownership=OWNERSHIP_PREFIX + stored.tier + self._ownership_suffix,
             )
             for stored in self.store.take_events()
         ]
