@@ -340,7 +340,7 @@ def write_plots(results: Sequence[SimulationResult], prefix: Path) -> list[Path]
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: matplotlib is not installed (pip install 'tiercache[bench]'); skipping the PNG plots")
+        print("note: matplotlib is not installed (the bench extra: pip install '.[bench]'); skipping the PNG plots")
         return []
     written = []
     columns = min(3, len(results))
