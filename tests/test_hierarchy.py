@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from tiercache.admission import FillRule
 from tiercache.config import WritePolicy
-from tiercache.hierarchy import FillRule, Hierarchy
+from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, PinState, Place, Source
 from tiercache.metrics import Metrics
 from tiercache.moves import HostCopy, Reason, RemotePut
@@ -30,6 +31,7 @@ def build(
     cpu_policy: WritePolicy = THROUGH,
     lanes: tuple[WritePolicy, ...] = (),
     max_pending_stores: int = 64,
+    remember_keys: int = 1000,
 ) -> Hierarchy:
     gpu = SlotTable(gpu_slots, make_policy("lru", gpu_slots))
     cpu = SlotTable(cpu_slots, make_policy("lru", cpu_slots)) if cpu_slots else None
@@ -42,7 +44,7 @@ def build(
         gpu_name="gpu",
         block_size=2,
         max_pending_stores=max_pending_stores,
-        remember_keys=1000,
+        remember_keys=remember_keys,
     )
 
 
@@ -185,6 +187,19 @@ def test_a_block_read_from_a_slower_remote_is_written_into_the_faster_ones() -> 
     (put,) = take(hierarchy)
     assert put.lane == 0 and put.reason is Reason.PROMOTION, "write_back lane 1 waits for an eviction"
     assert hierarchy.written(2, key(5))
+
+
+def test_the_keys_remembered_as_in_a_remote_stay_bounded_when_reads_serve_them() -> None:
+    hierarchy = build(cpu_slots=16, lanes=(THROUGH,), remember_keys=4)
+    cpu = hierarchy.local.cpu
+    keys = [key(i) for i in range(10)]
+    slots = []
+    for k in keys:
+        slots.append(hierarchy.begin_cpu_write(k))
+        cpu.commit_write(slots[-1])
+    hierarchy.fetched(0, keys, slots)
+    remembered = [k for k in keys if hierarchy.written(0, k)]
+    assert remembered == keys[-4:], "the most recently served keys are kept, within remember_keys"
 
 
 def test_lookup_pins_are_taken_over_or_dropped_once() -> None:

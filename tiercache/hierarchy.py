@@ -11,11 +11,11 @@ Pure: it changes slot tables and counters under the manager's lock and turns
   on store and on demotion alike (a demoted block below the threshold is
   dropped and counted as ``not_admitted``).
 * A hit counts once per request, when the engine loads it (``count_hits``),
-  never per lookup.
+  never per lookup (``admission``).
 * A CPU victim that a remote still needs keeps its slot, pinned, until its put
   lands; when the store queue is full it is dropped (counted), never copied aside.
 * A block read from a slower remote is written into the faster remotes above it.
-* Keys are remembered as written per remote lane, and forgotten when a read of
+* Keys are remembered as written per remote lane (``written_keys``), and forgotten when a read of
   them fails, so the next store rewrites a value that was lost or corrupted.
   Routers hear of a remote's blocks as they land or are served, and of their
   removal only when the remote says so (an answer of "not held", its own
@@ -24,25 +24,16 @@ Pure: it changes slot tables and counters under the manager's lock and turns
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from tiercache.admission import FillRule, HitCounts
 from tiercache.config import WritePolicy
 from tiercache.local_tiers import LocalTiers
 from tiercache.metrics import Metrics
 from tiercache.moves import HostCopy, Move, Reason, RemotePut
 from tiercache.observer import NullObserver, TierObserver
-from tiercache.slots import CapacityError, SlotTable
-
-
-@dataclass(frozen=True)
-class FillRule:
-    """How one tier is filled from the tier above it."""
-
-    name: str
-    write_policy: WritePolicy
-    admit_after_hits: int
+from tiercache.slots import CapacityError
+from tiercache.written_keys import WrittenKeys
 
 
 class Hierarchy:
@@ -68,25 +59,17 @@ class Hierarchy:
         self.gpu_name = gpu_name
         self.block_size = block_size
         self.max_pending_stores = max_pending_stores
-        self.remember_keys = remember_keys
         self.pending_stores = 0
         self.observer: TierObserver = observer or NullObserver()
         self.outbox: list[Move] = []
-        self._hits: OrderedDict[bytes, int] = OrderedDict()
-        self._written: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in self.lanes]
-        """Per lane, the keys known written there, with the ``landings`` count when that was last seen."""
-        self.landings = 0
-        """Blocks seen to be in a remote so far (a put landed, a read served): a clock for ``landed_since``."""
+        self._hits = HitCounts(remember_keys)
+        self.written_keys = WrittenKeys(len(self.lanes), remember_keys)
+        """Per lane, the keys known written there (``written_keys.landings`` is its clock)."""
 
     # ---- admission ------------------------------------------------------------------
-    def hits(self, key: bytes) -> int:
-        return self._hits.get(key, 0)
-
     def _admits(self, rule: FillRule, key: bytes, *, evicted: bool) -> bool:
         """Whether ``rule``'s tier takes ``key`` now (``evicted``: from an eviction above)."""
-        if rule.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            return self.hits(key) >= rule.admit_after_hits
-        return evicted or rule.write_policy is WritePolicy.WRITE_THROUGH
+        return rule.admits(self._hits[key], evicted=evicted)
 
     def count_hits(
         self, keys: Sequence[bytes], tier_blocks: dict[str, int] | None = None, asked_blocks: int = 0
@@ -101,11 +84,7 @@ class Hierarchy:
         self.metrics.add("all", "hit_blocks", len(keys))
         self.metrics.add("all", "lookup_blocks", asked_blocks)
         for key in keys:
-            count = self._hits.pop(key, 0) + 1
-            self._hits[key] = count
-            self._admit_on_hit(key, count)
-        while len(self._hits) > self.remember_keys:
-            self._hits.popitem(last=False)
+            self._admit_on_hit(key, self._hits.hit(key))
 
     def _admit_on_hit(self, key: bytes, count: int) -> None:
         rule, gpu, cpu = self.cpu_rule, self.local.gpu, self.local.cpu
@@ -308,23 +287,13 @@ class Hierarchy:
                 self.local.gpu.unpin(block)
         if not ok:
             return
-        for lane, rule in enumerate(self.lanes):
-            todo = [
-                (key, slot)
-                for key, slot in zip(move.keys, move.cpu_slots, strict=True)
-                if not self.written(lane, key) and self._admits(rule, key, evicted=False)
-            ]
-            if todo:
-                self.put(lane, [k for k, _ in todo], [s for _, s in todo], Reason.WRITE_THROUGH)
+        for lane in range(len(self.lanes)):
+            self._write_through(lane, move.keys, move.cpu_slots, Reason.WRITE_THROUGH)
 
     # ---- remote lanes -----------------------------------------------------------------
     def written(self, lane: int, key: bytes) -> bool:
         """Whether ``key`` is remembered as stored in ``lane``."""
-        return key in self._written[lane]
-
-    def landed_since(self, lane: int, key: bytes, clock: int) -> bool:
-        """Whether ``key`` was seen in ``lane`` after ``landings`` read ``clock`` (an older "not held" is stale)."""
-        return self._written[lane].get(key, -1) > clock
+        return self.written_keys.holds(lane, key)
 
     def put(self, lane: int, keys: list[bytes], slots: list[int], reason: Reason) -> None:
         """Queue a put of readable CPU slots (pinned until it lands), or drop it when the queue is full."""
@@ -345,36 +314,32 @@ class Hierarchy:
         for slot in move.cpu_slots:
             cpu.unpin(slot)
         self.pending_stores -= len(move.keys)
-        written = self._written[move.lane]
         landed = [key for key, ok in zip(move.keys, oks, strict=True) if ok]
-        for key in landed:
-            self.landings += 1
-            written[key] = self.landings
+        self.written_keys.landed(move.lane, landed)
         name = self.lanes[move.lane].name
         self.observer.accessed(name, move.keys)
         self.observer.stored(name, landed, None, None)
-        while len(written) > self.remember_keys:
-            written.popitem(last=False)
         stored = len(landed)
         self._count_move(self.cpu_rule.name if self.cpu_rule else "cpu", name, stored)
         self.metrics.add(name, "store_failures", len(move.keys) - stored)
 
     def fetched(self, lane: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Blocks read from ``lane`` into CPU slots: known there; written into the faster remotes above it."""
-        written = self._written[lane]
-        for key in keys:
-            self.landings += 1
-            written[key] = self.landings
+        self.written_keys.landed(lane, keys)
         self.observer.stored(self.lanes[lane].name, keys, None, None)  # served: held, whatever was said before
         for faster in range(lane):
-            rule = self.lanes[faster]
-            todo = [
-                (key, slot)
-                for key, slot in zip(keys, slots, strict=True)
-                if not self.written(faster, key) and self._admits(rule, key, evicted=False)
-            ]
-            if todo:
-                self.put(faster, [k for k, _ in todo], [s for _, s in todo], Reason.PROMOTION)
+            self._write_through(faster, keys, slots, Reason.PROMOTION)
+
+    def _write_through(self, lane: int, keys: Sequence[bytes], slots: Sequence[int], reason: Reason) -> None:
+        """Put the CPU slots of the keys ``lane`` does not hold yet and admits now (not from an eviction)."""
+        rule = self.lanes[lane]
+        todo = [
+            (key, slot)
+            for key, slot in zip(keys, slots, strict=True)
+            if not self.written(lane, key) and self._admits(rule, key, evicted=False)
+        ]
+        if todo:
+            self.put(lane, [key for key, _ in todo], [slot for _, slot in todo], reason)
 
     def forget(self, lane: int, keys: Sequence[bytes], *, proven: bool = True) -> None:
         """The remote may have lost these keys: the next store writes them again.
@@ -382,23 +347,16 @@ class Hierarchy:
         ``proven``: the remote said so (it answered "not held", or reported dropping
         them), and they are reported removed; else (a read failed) nothing is reported.
         """
-        written = self._written[lane]
-        for key in keys:
-            written.pop(key, None)
+        self.written_keys.forget(lane, keys)
         if proven:
             self.observer.removed(self.lanes[lane].name, keys)
+
+    def forget_absent(self, lane: int, keys: Sequence[bytes], clock: int) -> None:
+        """``lane`` answered, when ``written_keys.landings`` read ``clock``, that it does not hold ``keys``:
+        forget them and report them removed, but for those seen there since (stored again meanwhile)."""
+        self.forget(lane, [key for key in keys if not self.written_keys.landed_since(lane, key, clock)])
 
     def _count_move(self, source: str, destination: str, blocks: int) -> None:
         """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""
         self.metrics.add(source, "blocks_out", blocks)
         self.metrics.add(destination, "blocks_in", blocks)
-
-    @staticmethod
-    def table_stats(table: SlotTable) -> dict[str, int]:
-        """Occupancy of a local tier."""
-        return {
-            "capacity_blocks": table.num_slots,
-            "cached_blocks": table.num_cached,
-            "free_blocks": table.num_free,
-            "evictable_blocks": table.num_evictable,
-        }

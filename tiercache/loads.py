@@ -304,14 +304,12 @@ class LoadRunner:
 
     async def _report_absent(self, lane: Lane, keys: list[bytes]) -> None:
         with self.lock:
-            clock = self.hierarchy.landings
+            clock = self.hierarchy.written_keys.landings
         answers = await lane.contains(keys)
         absent = [key for key, found in zip(keys, answers, strict=True) if found is Presence.ABSENT]
         if absent:
-            with self.lock:  # a key written again meanwhile is not reported
-                hierarchy = self.hierarchy
-                gone = [key for key in absent if not hierarchy.landed_since(lane.index, key, clock)]
-                hierarchy.forget(lane.index, gone)
+            with self.lock:
+                self.hierarchy.forget_absent(lane.index, absent, clock)
 
     def _free_late(self, slots: list[int]) -> None:
         """A read past its deadline has ended: the slots it could write into are free again."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from tiercache.cost import CostModel, Verdict
 from tiercache.hierarchy import Hierarchy
 from tiercache.local_tiers import LocalTiers, LookupPins, Place, Source
+from tiercache.remote_answers import first_holder
 from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import RemoteProbes
 
@@ -57,7 +58,7 @@ class Learned:
     absent: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
     """Per remote lane, the keys it answered it does not hold."""
     clock: int = 0
-    """``Hierarchy.landings`` when the lookup was answered: a key seen in a remote since is not forgotten."""
+    """``WrittenKeys.landings`` when the lookup was answered: a key seen in a remote since is not forgotten."""
     verdicts: tuple[tuple[str, Verdict | None], ...] = ()
     """The cost model's verdict on each remote tier it weighed."""
 
@@ -68,14 +69,9 @@ class Found:
 
     tiers: list[str]
     pins: LookupPins
+    tier_blocks: dict[str, int]
+    """Blocks served per tier (every tier named, zeros included)."""
     learned: Learned = field(default_factory=Learned)
-
-    def tier_blocks(self, names: Sequence[str]) -> dict[str, int]:
-        """Blocks served per tier (every tier named, zeros included)."""
-        counts = dict.fromkeys(names, 0)
-        for name in self.tiers:
-            counts[name] += 1
-        return counts
 
 
 class PrefixLookup:
@@ -112,7 +108,7 @@ class PrefixLookup:
             answers = self.probes.answer(missing)
             if answers is None:
                 return None
-            holders = iter(_first_holders(answers, len(missing)))
+            holders = (first_holder(answers, position) for position in range(len(missing)))
             places = [place if place is not None else Place.remote(next(holders)) for place in places]
             absent = tuple(
                 (lane, tuple(key for key, found in zip(missing, answer, strict=True) if found is Presence.ABSENT))
@@ -122,15 +118,19 @@ class PrefixLookup:
         run, lower = self.local.prefix(places)
         pins = self.local.hold(run, lower)
         tiers = [self.names.gpu] * len(run) + [self.names.of(place) for place in lower]
+        tier_blocks = dict.fromkeys(self.names.all, 0)
+        for name in tiers:
+            tier_blocks[name] += 1
         absent = tuple((lane, keys) for lane, keys in absent if keys)
-        return Found(tiers, pins, Learned(absent, self.hierarchy.landings, tuple(verdicts)))
+        learned = Learned(absent, self.hierarchy.written_keys.landings, tuple(verdicts))
+        return Found(tiers, pins, tier_blocks, learned)
 
     def commit(self, found: Found, keys: Sequence[bytes]) -> None:
         """The request goes ahead with ``found`` (its load): count its hits, tell what it learned, once."""
-        self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks(self.names.all), len(keys))
-        learned, hierarchy = found.learned, self.hierarchy
-        for lane, absent in learned.absent:  # another request may have stored them since
-            hierarchy.forget(lane, [key for key in absent if not hierarchy.landed_since(lane, key, learned.clock)])
+        self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks, len(keys))
+        learned = found.learned
+        for lane, absent in learned.absent:
+            self.hierarchy.forget_absent(lane, absent, learned.clock)
         if self.cost is not None:
             for tier, verdict in found.learned.verdicts:
                 self.cost.count(tier, verdict)
@@ -150,11 +150,3 @@ class PrefixLookup:
                 runs.append((tier, 1))
         usable, verdicts = self.cost.cut(runs, self.block_size)
         return places[:usable] + [None] * (len(places) - usable), verdicts
-
-
-def _first_holders(answers: list[list[Presence]], count: int) -> list[int | None]:
-    """Per key, the first (fastest) lane that answered it holds the key, or None."""
-    return [
-        next((lane for lane, answer in enumerate(answers) if answer[position] is Presence.HELD), None)
-        for position in range(count)
-    ]

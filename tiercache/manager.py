@@ -122,7 +122,7 @@ class TierManager:
             found = self._stack.lookup.find(keys, local_only=local_only)
         if found is None:
             return Lookup(keys, self.block_size, dict.fromkeys(self._stack.names, 0), [], pending=True)
-        counts = found.tier_blocks(self._stack.names)
+        counts = dict(found.tier_blocks)  # the engine's copy: what the load counts as hits stays as found
         hit = Lookup(keys, self.block_size, counts, list(found.pins.gpu_run), tiers=found.tiers, found=found)
         weakref.finalize(hit, self._abandoned.append, found.pins).atexit = False
         return hit

@@ -18,7 +18,7 @@ deadlines) and a background runtime. Nothing here touches GPU or CPU tiers.
   one model share entries and different models, dtypes, ranks or secrets
   (``model.secret_env``: ``tiercache.secret``) never do, nor touch each other's
   values; the codec's fingerprint makes a value of another namespace a miss.
-- **Probes** (``contains``) are non-blocking: a future of one ``Found`` per key,
+- **Probes** (``contains``) are non-blocking: a future of one ``Found`` (``remote_answers``) per key,
   the fastest tier that holds it, with DESIGN's three-valued presence: ``HELD``,
   ``ABSENT`` (every tier answered and none holds it) or ``UNKNOWN`` (some tier
   could not tell: timeout, breaker open, garbage), which is neither a hit nor
@@ -55,15 +55,14 @@ import os
 import threading
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
 from tiercache.keys import KEY_BYTES, Namespace
 from tiercache.metrics import Metrics
+from tiercache.remote_answers import UNKNOWN, Found, StoreEvent, first_found, resolved
 from tiercache.remote_tiers import build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.runtime import Runtime
-from tiercache.tiers.base import Presence
 from tiercache.transfer_queue import Lane
 
 log = logging.getLogger(__name__)
@@ -74,37 +73,6 @@ CLOSE_DRAIN_SECONDS = 5.0
 """How long ``close`` lets reads and writes in flight finish before cancelling them."""
 STATS_TIMEOUT_S = 1.0
 """How long ``stats`` waits for the background loop to read the tiers' counters."""
-
-
-@dataclass(frozen=True, slots=True)
-class Found:
-    """A probe's answer for one key: its presence, and the fastest tier holding it (index) when ``HELD``."""
-
-    presence: Presence
-    tier: int | None = None
-
-
-UNKNOWN = Found(Presence.UNKNOWN)
-ABSENT = Found(Presence.ABSENT)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreEvent:
-    """Tier ``tier`` (its topology name) now holds ``keys`` (as the caller named them: engine keys or tiercache)."""
-
-    tier: str
-    keys: tuple[bytes, ...]
-
-
-def first_found(answers: Sequence[Sequence[Presence]], position: int) -> Found:
-    """A key's ``Found`` from every tier's answer: the first holder, else ABSENT only if every tier said so."""
-    unknown = False
-    for tier, answer in enumerate(answers):
-        presence = answer[position]
-        if presence is Presence.HELD:
-            return Found(Presence.HELD, tier)
-        unknown = unknown or presence is not Presence.ABSENT
-    return UNKNOWN if unknown else ABSENT
 
 
 class RemoteStore:
@@ -391,10 +359,3 @@ class RemoteStore:
         for name, values in self.metrics.snapshot().items():
             tiers.setdefault(name, {}).update(values)
         return tiers
-
-
-def resolved(value: Any) -> concurrent.futures.Future[Any]:
-    """A future that already holds ``value`` (an answer known without asking a tier)."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    future.set_result(value)
-    return future

@@ -93,6 +93,15 @@ class SlotTable:
     def num_cached(self) -> int:
         return len(self._slot)
 
+    def occupancy(self) -> dict[str, int]:
+        """Slots in all, cached, free and evictable (the tier's numbers in ``stats()``)."""
+        return {
+            "capacity_blocks": self.num_slots,
+            "cached_blocks": self.num_cached,
+            "free_blocks": self.num_free,
+            "evictable_blocks": self.num_evictable,
+        }
+
     def touch(self, key: bytes) -> None:
         """Record a hit on a readable key with the policy."""
         self.policy.access(key)

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from tiercache.admission import FillRule
 from tiercache.codec import Codec
 from tiercache.config import TierCacheConfig, TierConfig
 from tiercache.cost import CostModel
-from tiercache.hierarchy import FillRule, Hierarchy
+from tiercache.hierarchy import Hierarchy
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.loads import FillWaiters, LoadRunner
 from tiercache.local_tiers import LocalTiers
@@ -145,7 +146,7 @@ class Stack:
         tiers: dict[str, Any] = {}
         for local in (self.gpu, self.cpu):
             if local is not None:
-                tiers[local.name] = Hierarchy.table_stats(local.table)
+                tiers[local.name] = local.table.occupancy()
         for lane in self.lanes:
             tiers[lane.name] = lane_stats(lane)
         for name, values in self.metrics.snapshot().items():

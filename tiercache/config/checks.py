@@ -13,7 +13,7 @@ this module is.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tiercache.config.typed import CONVERSION_ERRORS, ConfigError, build_dataclass
@@ -181,6 +181,15 @@ def _check_fits(config: TierCacheConfig, index: int, already: int, available: in
     return needed
 
 
+def validate_unique_names(tiers: Sequence[TierConfig], source: str) -> None:
+    """No two tiers share a name (stats, events and overrides address tiers by it)."""
+    seen: set[str] = set()
+    for index, tier in enumerate(tiers):
+        if tier.name in seen:
+            raise ConfigError(source, f"tiers[{index}].name", "a name not used by another tier", tier.name)
+        seen.add(tier.name)
+
+
 def validate_hierarchy(config: TierCacheConfig) -> None:
     """Check the order and names of the tiers, then that the local tiers fit in this machine's memory."""
     source, tiers = config.source, config.tiers
@@ -197,9 +206,5 @@ def validate_hierarchy(config: TierCacheConfig) -> None:
         raise ConfigError(
             source, "tiers[1].type", "'cpu' (remote tiers stage through the pinned-CPU tier)", tiers[1].type
         )
-    seen: set[str] = set()
-    for index, tier in enumerate(tiers):
-        if tier.name in seen:
-            raise ConfigError(source, f"tiers[{index}].name", "a name not used by another tier", tier.name)
-        seen.add(tier.name)
+    validate_unique_names(tiers, source)
     _validate_local_memory(config)

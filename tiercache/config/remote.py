@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.config.checks import validate_tier
+from tiercache.config.checks import validate_tier, validate_unique_names
 from tiercache.config.env import apply_env_overrides, apply_overrides
 from tiercache.config.topology import QueueConfig, TierConfig, WritePolicy, read_yaml
 from tiercache.config.typed import ConfigError, build_dataclass
@@ -68,7 +68,6 @@ def remote_topology_from_dict(
     topology = build_dataclass(RemoteTopology, {**data, "source": source}, source, "")
     if not topology.tiers:
         raise ConfigError(source, "tiers", "a non-empty list of remote tiers", topology.tiers)
-    seen: set[str] = set()
     for index, tier in enumerate(topology.tiers):
         path = f"tiers[{index}]"
         if tier.type in LOCAL_TIER_TYPES:
@@ -83,9 +82,7 @@ def remote_topology_from_dict(
                 "write_through (the engine's own tiers decide what reaches a remote-only topology)",
                 tier.write_policy.value,
             )
-        if tier.name in seen:
-            raise ConfigError(source, f"{path}.name", "a name not used by another tier", tier.name)
-        seen.add(tier.name)
+    validate_unique_names(topology.tiers, source)
     return topology
 
 

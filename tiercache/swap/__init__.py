@@ -5,22 +5,10 @@ is the contract every mover keeps; ``torch_ops``, ``cuda``, ``dma`` and
 ``kernel`` are the movers; ``queue`` runs them for the manager.
 """
 
-from tiercache.swap.paths import (
-    CompletedCopy,
-    CopyDirection,
-    CudaEventCopy,
-    PathChoice,
-    SplitSwapper,
-    SwapHandle,
-    SwapPath,
-    Swapper,
-    TorchRunsSwapper,
-    TorchSwapper,
-    build_swapper,
-    contiguous_runs,
-    make_swapper,
-    paired_runs,
-)
+from tiercache.swap.cuda import CopyDirection
+from tiercache.swap.handles import CompletedCopy, CudaEventCopy, SwapHandle, Swapper, contiguous_runs, paired_runs
+from tiercache.swap.paths import PathChoice, SplitSwapper, SwapPath, build_swapper, make_swapper
+from tiercache.swap.torch_ops import TorchRunsSwapper, TorchSwapper
 
 __all__ = [
     "CompletedCopy",

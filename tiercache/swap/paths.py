@@ -12,7 +12,7 @@ the CPU always gets ``TorchSwapper``'s copy-in-place path. The paths:
 * ``SwapPath.TORCH_GATHER``: ``index_select`` + copies, the portable fallback (``tiercache.swap.torch_ops``).
 
 The contract (``Swapper``, ``SwapHandle`` with ``done``/``wait``/``event``/``layer_events``)
-is in ``tiercache.swap.handles``; the package re-exports both.
+is in ``tiercache.swap.handles``; the package (``tiercache.swap``) exports both.
 """
 
 from __future__ import annotations
@@ -26,32 +26,8 @@ import torch
 
 from tiercache.layout import KVLayout, MemoryOrder
 from tiercache.swap.cuda import CopyDirection, StreamSwapper
-from tiercache.swap.handles import (
-    CompletedCopy,
-    CudaEventCopy,
-    SwapHandle,
-    Swapper,
-    contiguous_runs,
-    paired_runs,
-)
+from tiercache.swap.handles import SwapHandle, Swapper
 from tiercache.swap.torch_ops import TorchRunsSwapper, TorchSwapper
-
-__all__ = [
-    "CompletedCopy",
-    "CopyDirection",
-    "CudaEventCopy",
-    "PathChoice",
-    "SplitSwapper",
-    "SwapHandle",
-    "SwapPath",
-    "Swapper",
-    "TorchRunsSwapper",
-    "TorchSwapper",
-    "build_swapper",
-    "contiguous_runs",
-    "make_swapper",
-    "paired_runs",
-]
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 Each writer (one per tier instance: host, process id and a random id) appends
 whole batches to its own segment file ``<writer>.<seq>.seg`` and starts a new
-one past ``segment_bytes`` or a sixteenth of the bound (``SEGMENTS_PER_BOUND``),
+one past ``segment_bytes`` or a sixteenth of the bound (``writer.SEGMENTS_PER_BOUND``),
 so GC always has segments to free. A batch is one reservation under the
-directory lock (``capacity``), one ``pwritev`` of its bodies, then its record
+directory lock (``writer``), one ``pwritev`` of its bodies, then its record
 headers (so a header never names a body that is not yet there). Readers keep an index
 ``key -> (segment, offset, length, version)``: their own writes go straight in,
 and other writers' records are found by scanning the new tails of their
@@ -18,42 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
-import fcntl
 import os
-import socket
 import threading
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
-from tiercache.tiers.file.capacity import (
-    DirectoryLock,
-    Freed,
-    SegmentFile,
-    SegmentSizes,
-    expire,
-    free_down_to,
-    list_segments,
-    reserve_space,
-)
-from tiercache.tiers.file.entries import SEGMENT_SUFFIX, DirectoryEntries
+from tiercache.tiers.file.entries import DirectoryEntries
 from tiercache.tiers.file.index import Entry, SegmentIndex
 from tiercache.tiers.file.options import FileOptions
 from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header
 from tiercache.tiers.file.vectored import IOV_MAX, pwrite_all
+from tiercache.tiers.file.writer import SegmentWriter
 
 RUN_BLOCKS = IOV_MAX // 3
 """Most back-to-back records one read ``preadv`` covers (three buffers each)."""
-WRITER_ID_HEX = 8
-"""Random hex digits in a writer's id (host and pid alone repeat across restarts)."""
-SEGMENTS_PER_BOUND = 16
-"""A segment is at most this fraction of the bound: GC frees whole segments, so a pass removes about what it
-needs (a tenth, at the default watermark), and the segments being written hold only a small part of the bound."""
 
 
 class ReadResult(enum.Enum):
@@ -62,19 +43,6 @@ class ReadResult(enum.Enum):
     HIT = "hit"
     MISS = "miss"
     IO_ERROR = "io_error"
-
-
-@dataclass
-class _Active:
-    """The segment this writer appends to: open, ``end`` bytes reserved."""
-
-    name: str
-    fd: int
-    end: int = 0
-    writers: int = 0
-    """Batches reserved here and not yet written: while there are any, the segment is shared-locked
-    (GC leaves it alone) and its descriptor stays open."""
-    retired: bool = False
 
 
 class SegmentStore:
@@ -99,18 +67,10 @@ class SegmentStore:
         self.max_body = HEADER_SIZE + block_bytes
         self.record_bytes = RECORD_HEADER_SIZE + self.max_body
         self.bound = options.bound_bytes(self.record_bytes)
-        self.segment_bytes = min(options.segment_bytes, self.bound // SEGMENTS_PER_BOUND)
-        host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())
-        self.writer = f"{host}-{os.getpid()}-{uuid.uuid4().hex[:WRITER_ID_HEX]}"
         self.counts = counts
-        self.usage = 0
-        self._seq = 0
-        self._active: _Active | None = None
-        self._lock = threading.Lock()
         self.entries = DirectoryEntries(root, counts)
         self.index = SegmentIndex(self.entries, self.max_body, counts)
-        self._sizes = SegmentSizes(self.entries)
-        self._dirlock = DirectoryLock(root)
+        self.writer = SegmentWriter(self.entries, self.index, options, self.bound, counts, note_error)
         self._local = threading.local()
 
     # -- lifecycle ---------------------------------------------------------
@@ -118,11 +78,7 @@ class SegmentStore:
     def close(self) -> None:
         """Close every descriptor (a shared lock goes with it)."""
         self.index.close()
-        with self._lock:
-            if self._active is not None and self._active.fd >= 0:
-                os.close(self._active.fd)
-            self._active = None
-        self._dirlock.close()
+        self.writer.close()
 
     @property
     def blocks(self) -> int:
@@ -236,7 +192,7 @@ class SegmentStore:
         encoded = [self.codec.encode(key, payload, version) for key, payload in zip(keys, payloads, strict=True)]
         lengths = [len(header) + len(stored) for header, stored in encoded]
         total = sum(lengths) + RECORD_HEADER_SIZE * len(keys)
-        reserved = self._reserve(total, len(keys))
+        reserved = self.writer.reserve(total, len(keys))
         if reserved is None:
             return [False] * len(keys)
         active, start = reserved
@@ -258,10 +214,10 @@ class SegmentStore:
         except OSError as error:
             self.counts["put_io_error"] += len(keys)
             self.note_error(f"put: {error}")
-            self._retire(active)
+            self.writer.retire(active)
             return [False] * len(keys)
         finally:
-            self._release(active)
+            self.writer.release(active)
         self.index.apply_all(
             active.name,
             (
@@ -277,7 +233,7 @@ class SegmentStore:
         """Tombstone ``keys`` (up to ``version``, default now); best effort; return how many were indexed."""
         version = time.time_ns() if version is None else version
         known = self.index.tombstone(keys, version)
-        reserved = self._reserve(RECORD_HEADER_SIZE * len(keys), 0)
+        reserved = self.writer.reserve(RECORD_HEADER_SIZE * len(keys), 0)
         if reserved is None:
             self.counts["delete_unlogged"] += len(keys)
             return known
@@ -286,121 +242,14 @@ class SegmentStore:
             pwrite_all(active.fd, [pack_header(RecordKind.TOMBSTONE, key, version, 0) for key in keys], start)
         except OSError:
             self.counts["delete_unlogged"] += len(keys)
-            self._retire(active)
+            self.writer.retire(active)
         finally:
-            self._release(active)
+            self.writer.release(active)
         return known
-
-    def _reserve(self, total: int, blocks: int) -> tuple[_Active, int] | None:
-        """Reserve ``total`` bytes at the end of this writer's segment, within the bound and the disk."""
-        freed = Freed()
-        try:
-            with self._dirlock.held():
-                usage = sum(self._sizes.current().values())
-                segments: list[SegmentFile] = []
-                if usage + total > self.bound:
-                    segments = list_segments(self.root, self.entries)
-                    usage = sum(segment.size for segment in segments)
-                    target = int(self.bound * self.options.gc_low_watermark) - total
-                    usage = free_down_to(segments, usage, target, freed)
-                if usage + total > self.bound:
-                    self.counts["put_full"] += blocks
-                    self.usage = usage
-                    return None
-                active = self._writable(total)
-                try:
-                    reserve_space(active.fd, active.end, total)
-                except OSError as error:
-                    if error.errno != errno.ENOSPC:
-                        raise
-                    # The disk is smaller than the bound: free a watermark's worth below what is there.
-                    self.counts["gc_nospace"] += 1
-                    segments = segments or list_segments(self.root, self.entries)
-                    target = int(usage * self.options.gc_low_watermark) - total
-                    usage = free_down_to([s for s in segments if s.name not in freed.segments], usage, target, freed)
-                    active = self._writable(total)  # GC may have taken this writer's own segment
-                    try:
-                        reserve_space(active.fd, active.end, total)
-                    except OSError:
-                        self._retire(active)  # this segment may be what fills the disk: let GC take it next time
-                        raise
-                start = active.end
-                active.end += total
-                self._hold(active)
-                self.usage = usage + total
-        except OSError as error:
-            self.counts["put_nospace" if error.errno == errno.ENOSPC else "put_io_error"] += blocks
-            self.note_error(f"put: {error}")
-            return None
-        finally:
-            self._record_freed(freed)
-        return active, start
-
-    def _writable(self, incoming: int) -> _Active:
-        """This writer's segment with room for ``incoming`` bytes (a new one if full or removed)."""
-        active = self._active
-        if active is not None and (
-            (active.end and active.end + incoming > self.segment_bytes) or os.fstat(active.fd).st_nlink == 0
-        ):
-            self._retire(active)
-            active = None
-        if active is None:
-            self._seq += 1
-            name = f"{self.writer}.{self._seq:06d}{SEGMENT_SUFFIX}"
-            fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            self.index.add_own(name)
-            active = self._active = _Active(name, fd)
-        return active
-
-    def _retire(self, active: _Active) -> None:
-        """Stop appending to a segment (full, or after an error); close it once its writers finish."""
-        with self._lock:
-            active.retired = True
-            if self._active is active:
-                self._active = None
-            if active.writers == 0 and active.fd >= 0:
-                os.close(active.fd)
-                active.fd = -1
-
-    def _hold(self, active: _Active) -> None:
-        """A batch is reserved in ``active`` (under the directory lock): GC must leave it until it is written."""
-        with self._lock:
-            if active.writers == 0:
-                fcntl.flock(active.fd, fcntl.LOCK_SH)
-            active.writers += 1
-
-    def _release(self, active: _Active) -> None:
-        """A batch reserved in ``active`` is written (or failed); the last one lets GC have the segment."""
-        with self._lock:
-            active.writers -= 1
-            if active.writers or active.fd < 0:
-                return
-            if active.retired:
-                os.close(active.fd)
-                active.fd = -1
-            else:
-                fcntl.flock(active.fd, fcntl.LOCK_UN)
 
     # -- GC ----------------------------------------------------------------
 
     def gc(self) -> None:
         """Re-measure, expire by age, free down to the watermark if over; then refresh the index."""
-        freed = Freed()
-        with self._dirlock.held():
-            segments = list_segments(self.root, self.entries)
-            if self.options.max_age_s is not None:
-                segments = expire(segments, time.time() - self.options.max_age_s, freed)
-            usage = sum(segment.size for segment in segments)
-            if usage > self.bound:
-                usage = free_down_to(segments, usage, int(self.bound * self.options.gc_low_watermark), freed)
-            self.usage = usage
-        self._record_freed(freed)
-        self.counts["gc_runs"] += 1
+        self.writer.gc()
         self.index.refresh()
-
-    def _record_freed(self, freed: Freed) -> None:
-        self.index.forget(freed.segments)
-        self.counts["gc_removed_segments"] += len(freed.segments)
-        self.counts["gc_removed_bytes"] += freed.bytes
-        self.counts["gc_expired"] += freed.expired
-

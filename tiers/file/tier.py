@@ -169,6 +169,6 @@ class FileTier(RemoteTier):
         out["misses"] = float(gets - hits)
         out["bytes_read"] = float(self._counts["bytes_read"])
         out["bytes_written"] = float(self._counts["bytes_written"])
-        out["used_bytes"] = float(self.store.usage)
+        out["used_bytes"] = float(self.store.writer.usage)
         out["used_blocks"] = float(self.store.blocks)
         return out

@@ -11,7 +11,9 @@ thread completes with ``call_soon_threadsafe`` (the event loop never blocks).
 The modules: ``resp`` (RESP connection and parsing), ``lane`` (the I/O thread),
 ``commands`` (GET/SET/EXISTS/UNLINK as jobs), ``node`` (one server: breaker,
 lanes, TLS/AUTH, capacity check; the regional tier's data path too), ``cluster``
-(slot routing), ``tier``.
+(slot routing), ``control`` (a redis-py client for what the data path does not
+speak: CONFIG, pub/sub, Lua), ``evictions`` (the server's own evictions and
+expiries, heard as keyspace notifications), ``tier``.
 
 * ``SET`` sends ``header`` and ``payload`` with one ``sendmsg`` of the caller's
   buffers (no concatenation), as ONE command, so a reader sees either the old

@@ -94,7 +94,7 @@ class EvictionWatcher:
             return None
 
     async def _watch(self, host: str, port: int, ready: asyncio.Event) -> None:
-        from tiercache.tiers.regional.client import connect  # the control-plane client (its package imports ours)
+        from tiercache.tiers.redis.control import connect  # redis-py: imported only when a watcher starts
 
         options = _node_options(self.options, host, port)
         db = 0 if self.options.cluster else _database(self.options.url)

@@ -1,11 +1,12 @@
 """A regional tier's Redis connections: fail-fast clients behind a circuit breaker.
 
 Central and region are each reached, for the control plane (Lua scripts,
-pub/sub, CONFIG; the data path is ``plane``), through one ``GuardedClient``: a redis-py
-asyncio client without client-side retries (a failure becomes a miss upstream at
-once), a ``CircuitBreaker`` so that, once a server is found dead, calls fail
-immediately instead of each waiting for its socket timeout, and a ``Diagnosis``
-that names, counts and logs why calls fail (auth, ACL, OOM, unreachable).
+pub/sub, CONFIG; the data path is ``plane``), through one ``GuardedClient``: a
+redis-py asyncio client without client-side retries (``tiers/redis/control``: a
+failure becomes a miss upstream at once), a ``CircuitBreaker`` so that, once a
+server is found dead, calls fail immediately instead of each waiting for its
+socket timeout, and a ``Diagnosis`` that names, counts and logs why calls fail
+(auth, ACL, OOM, unreachable).
 """
 
 from __future__ import annotations
@@ -15,41 +16,12 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from tiercache.breaker import BreakerState, CircuitBreaker
-from tiercache.tiers.redis.node import Endpoint
-from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.regional.diagnosis import Diagnosis
 
 T = TypeVar("T")
-
-
-def connect(options: RedisOptions) -> aioredis.Redis:
-    """A control-plane client of the data path's server, credentials and TLS (``Endpoint``) that fails
-    fast (no client-side retries): failures become misses upstream."""
-    endpoint = Endpoint.of(options)
-    tls = endpoint.tls_context is not None
-    extra = {}
-    if tls:
-        extra = {
-            "ssl_ca_certs": options.ssl_ca,
-            "ssl_certfile": options.ssl_cert,
-            "ssl_keyfile": options.ssl_key,
-            "ssl_cert_reqs": "required" if options.ssl_verify else "none",
-            "ssl_check_hostname": options.ssl_verify,
-        }
-    return aioredis.Redis.from_url(
-        f"{'rediss' if tls else 'redis'}://{endpoint.host}:{endpoint.port}/{endpoint.db}",
-        username=endpoint.username,
-        password=endpoint.password,
-        socket_timeout=options.timeout_s,
-        socket_connect_timeout=options.connect_timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        **extra,
-    )
 
 
 class GuardedClient:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import binascii
 import hashlib
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from tiercache.tiers.base import Presence
@@ -39,6 +40,8 @@ from tiercache.tiers.regional.versions import (
 
 Invalid = Callable[[bytes, bytes], bool]
 """Whether a value read for a key fails validation (``discard_invalid`` deletes only those)."""
+Damaged = tuple["CentralStore | RegionStore", bytes, "bytes | None"]
+"""A value a read found invalid: the store it came from, its key, and the value when read whole."""
 
 
 class _Keys:
@@ -202,6 +205,27 @@ class RegionStore(_Store):
         if replies is None:
             return [False] * len(items)
         return [not isinstance(reply, Exception) and bool(reply) for reply in replies]
+
+
+async def discard_damaged(items: Sequence[Damaged], still_damaged: Invalid) -> int:
+    """Delete damaged values from the store each was read from, unless rewritten since; how many were.
+
+    A value read whole is deleted only while it is still that value; one read
+    straight into a buffer is read again and deleted only if ``still_damaged``.
+    """
+    read_whole: dict[CentralStore | RegionStore, list[tuple[bytes, bytes]]] = defaultdict(list)
+    read_again: dict[CentralStore | RegionStore, list[bytes]] = defaultdict(list)
+    for store, key, value in items:
+        if value is None:
+            read_again[store].append(key)
+        else:
+            read_whole[store].append((key, value))
+    removed = 0
+    for store, pairs in read_whole.items():
+        removed += await store.discard(pairs)
+    for store, keys in read_again.items():
+        removed += await store.discard_invalid(keys, invalid=still_damaged)
+    return removed
 
 
 async def _discard(server: GuardedClient, items: list[tuple[str, bytes]]) -> int:

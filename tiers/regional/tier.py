@@ -43,27 +43,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import ClassVar
 
 from tiercache.codec import Decoded, DecodeStatus
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
-from tiercache.tiers.regional.client import GuardedClient, connect
+from tiercache.tiers.redis.control import connect
+from tiercache.tiers.regional.client import GuardedClient
 from tiercache.tiers.regional.diagnosis import Diagnosis
 from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
+from tiercache.tiers.regional.own_writes import OwnWrites
 from tiercache.tiers.regional.plane import Plane, Read
 from tiercache.tiers.regional.probe import StoreProbe, probe_central, probe_region
 from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
 from tiercache.tiers.regional.retention import Retention, check_retention
-from tiercache.tiers.regional.stores import CentralStore, RegionStore
+from tiercache.tiers.regional.stores import CentralStore, Damaged, RegionStore, discard_damaged
 from tiercache.tiers.regional.versions import value_checksum
 from tiercache.tiers.shutdown import stop_tasks
 
 MS_PER_SECOND = 1000.0
-Damaged = tuple["CentralStore | RegionStore", bytes, "bytes | None"]
-"""A value a read found invalid: the store it came from, its key, and the value when read whole."""
 
 
 class RegionalTier(RemoteTier):
@@ -83,8 +82,8 @@ class RegionalTier(RemoteTier):
         self.invalidator: Invalidator | None = None
         self.retention = Retention.UNKNOWN
         """What central does when full, as read at start (``retention.check_retention``)."""
-        self._own: dict[bytes, bytes] = {}
-        """This node's acknowledged writes awaiting a central version: key -> checksum."""
+        self._own = OwnWrites()
+        """This node's acknowledged writes awaiting a central version."""
         self.counters: dict[str, float] = {
             "hits": 0,
             "misses": 0,
@@ -200,8 +199,7 @@ class RegionalTier(RemoteTier):
             self.replicator.running.set()
 
     def _replicated(self, item: ReplicationItem, version: int | None) -> None:
-        if self._own.get(item.key) == item.checksum:
-            del self._own[item.key]
+        self._own.replicated(item.key, item.checksum)
 
     # ---- reads -----------------------------------------------------------------------
     def _decode(
@@ -228,25 +226,8 @@ class RegionalTier(RemoteTier):
             self.invalid_values.report(((store, keys[i], None), status) for i, status in read.invalid)
 
     async def delete_damaged(self, items: list[Damaged]) -> int:
-        """Delete damaged values from the store they were read from, unless rewritten since.
-
-        A value read whole (from central) is deleted only while it is still that
-        value; one read straight into a buffer is read again and deleted only if
-        still damaged.
-        """
-        read_whole: dict[CentralStore | RegionStore, list[tuple[bytes, bytes]]] = defaultdict(list)
-        read_again: dict[CentralStore | RegionStore, list[bytes]] = defaultdict(list)
-        for store, key, value in items:
-            if value is None:
-                read_again[store].append(key)
-            else:
-                read_whole[store].append((key, value))
-        removed = 0
-        for store, pairs in read_whole.items():
-            removed += await store.discard(pairs)
-        for store, keys in read_again.items():
-            removed += await store.discard_invalid(keys, invalid=self._damaged)
-        return removed
+        """Delete damaged values from the store they were read from, unless rewritten since (``discard_damaged``)."""
+        return await discard_damaged(items, self._damaged)
 
     def _count(self, results: list[bool]) -> list[bool]:
         hits = sum(results)
@@ -317,10 +298,7 @@ class RegionalTier(RemoteTier):
     def _serves_as_latest(self, key: bytes, held: int, checksum: bytes, version: int) -> bool:
         """Whether a valid regional copy (``held``: its version) is central's ``version`` or newer, or
         this node's own unreplicated write (same checksum)."""
-        own = self._own.get(key)
-        if own is not None and checksum == own:
-            return True
-        return version > 0 and held >= version
+        return self._own.is_own(key, checksum) or (version > 0 and held >= version)
 
     async def _from_central(
         self,
@@ -362,10 +340,7 @@ class RegionalTier(RemoteTier):
             for (key, value), ok in zip(items, stored, strict=True):
                 checksum = value_checksum(value)
                 queued = self.replicator.offer(ReplicationItem(key, value, checksum, now))
-                if queued:
-                    self._own[key] = checksum
-                elif self._own.get(key) is not None:
-                    del self._own[key]
+                self._own.offered(key, checksum, queued)
                 results.append(ok or queued)
         written = sum(len(v) for v, ok in zip(values, results, strict=True) if ok)
         self.counters["bytes_written"] += written

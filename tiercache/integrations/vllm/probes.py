@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 
-from tiercache.remote_store import Found, RemoteStore
+from tiercache.remote_answers import ABSENT, UNKNOWN, Found
+from tiercache.remote_store import RemoteStore
 from tiercache.tiers.base import Presence
 
 GIVE_UP_FACTOR = 5.0
@@ -113,9 +114,9 @@ class ProbeBook:
             try:
                 answers = future.result()
             except BaseException:  # a cancelled probe (store closing) reads as 'could not tell'
-                answers = [Found(Presence.UNKNOWN)] * len(batch.probes)
+                answers = [UNKNOWN] * len(batch.probes)
         elif time.monotonic() - batch.sent > self._give_up_s:
-            answers = [Found(Presence.UNKNOWN)] * len(batch.probes)
+            answers = [UNKNOWN] * len(batch.probes)
         else:
             return False
         for probe, found in zip(batch.probes, answers, strict=True):
@@ -132,7 +133,7 @@ class ProbeBook:
         for key in keys:
             probe = self._probes.get(key)
             if probe is not None and probe.found is not None:
-                probe.found = Found(Presence.ABSENT)
+                probe.found = ABSENT
 
     def finished(self, req_id: str) -> None:
         """A request finished: drop what only it was asking about (probes in flight stay until answered)."""

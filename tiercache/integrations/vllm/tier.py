@@ -31,7 +31,8 @@ calls back into vLLM.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,7 +58,8 @@ from tiercache.integrations.vllm.jobs import Job, JobBook
 from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
 from tiercache.integrations.vllm.namespace import vllm_namespace
 from tiercache.integrations.vllm.probes import GIVE_UP_FACTOR, ProbeBook
-from tiercache.remote_store import RemoteStore, resolved
+from tiercache.remote_answers import resolved
+from tiercache.remote_store import RemoteStore
 from tiercache.remote_tiers import MS_PER_SECOND
 
 if TYPE_CHECKING:
@@ -166,24 +168,30 @@ class TierCacheTier(SecondaryTierManager):
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        try:
-            future = self.store.write(keys, self._views(job_metadata.chunk_ids), engine_keys=True)
-        except Exception:
-            log.exception("tiercache tier %r: store job %d failed to start", self.tier_type, job_metadata.job_id)
-            future = resolved([False] * len(keys))
-        self._jobs.add(job_metadata.job_id, keys, False, future)
+        self._submit(job_metadata, False, lambda keys, views: self.store.write(keys, views, engine_keys=True))
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
+        def read(keys: list[OffloadKey], views: list[memoryview]) -> Future[list[bool]]:
+            return self.store.read(keys, views, force_latest=self.force_latest, engine_keys=True)
+
+        self._submit(job_metadata, True, read)
+
+    def _submit(
+        self,
+        job: TransferJob,
+        is_promotion: bool,
+        start: Callable[[list[OffloadKey], list[memoryview]], Future[list[bool]]],
+    ) -> None:
+        """Start a job's transfer over its chunks' rows; one that fails to start is a failed job, reported once."""
+        keys = list(job.keys)
         try:
-            views = self._views(job_metadata.chunk_ids)
-            future = self.store.read(keys, views, force_latest=self.force_latest, engine_keys=True)
+            future = start(keys, self._views(job.chunk_ids))
         except Exception:
-            log.exception("tiercache tier %r: load job %d failed to start", self.tier_type, job_metadata.job_id)
+            kind = "load" if is_promotion else "store"
+            log.exception("tiercache tier %r: %s job %d failed to start", self.tier_type, kind, job.job_id)
             future = resolved([False] * len(keys))
-        self._jobs.add(job_metadata.job_id, keys, True, future)
+        self._jobs.add(job.job_id, keys, is_promotion, future)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
