@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import yaml
 
 from tiercache.config import ConfigError, config_from_dict
 from tiercache.manager import TierManager
-from tiercache.metrics import StatsServer
+from tiercache.metrics import StatsServer, fetch_stats
+from tiercache.tools import cli
 from tiercache.tools.cli import main
 from tiercache.tools.simulate import (
     PRESETS,
@@ -162,3 +164,49 @@ def test_stats_from_a_running_server(capsys: pytest.CaptureFixture[str]) -> None
         assert main(["stats", "--url", server.url, "--prometheus"]) == 0
         assert 'tiercache_tier_lookups_total{tier="all"} 1.0' in capsys.readouterr().out
     assert main(["stats", "--url", server.url, "--timeout", "1"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("content", "cause"),
+    [(None, "No such file"), ("{not json", "not JSON"), ("[1, 2]", "not a stats mapping")],
+)
+def test_stats_from_a_file_it_cannot_use_names_the_file_and_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, cause: str
+) -> None:
+    path = tmp_path / "stats.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["stats", "--file", str(path)]) == 3
+    err = capsys.readouterr().err
+    assert str(path) in err and cause in err, err
+
+
+def test_simulate_serves_stats_from_its_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``simulate --stats-port P &`` then ``stats --url``: the server is up before the (slow) prefill measurement."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seen: list[dict[str, Any]] = []
+
+    def measure_while_serving(layout: Any) -> float:
+        seen.append(fetch_stats(f"http://127.0.0.1:{port}", timeout=5))
+        return PREFILL_S_PER_TOKEN
+
+    monkeypatch.setattr(cli, "measure_prefill_cost", measure_while_serving)
+    config = write_yaml(tmp_path / "topo.yaml", small_topology())
+    out = str(tmp_path / "run")
+    args = ["simulate", "--config", config, "--workload", "tiny", "--out", out, "--no-plots", "--stats-port", str(port)]
+    assert main(args) == 0
+    assert len(seen) == 1 and "gpu" in seen[0]["tiers"]
+
+
+def test_inspect_keeps_columns_apart_for_a_plugin_tier_and_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    remote = {"name": "a-long-tier-name", "type": "plugin_tier:DictTier", "policy": "plugin_policy:FifoPolicy"}
+    config = write_yaml(tmp_path / "topo.yaml", small_topology(remote=remote))
+    assert main(["inspect", "--config", config]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a-long-tier-name"))
+    assert row.split()[:4] == ["a-long-tier-name", "plugin_tier:DictTier", "plugin_policy:FifoPolicy", "write_through"]

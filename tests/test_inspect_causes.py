@@ -73,3 +73,11 @@ def test_a_simulated_tier_names_its_outage(tmp_path: Path, capsys: pytest.Captur
     options = {"latency_ms": 0, "down_windows_s": [[0, 3600]]}
     line = inspect(tmp_path, {"name": "sim", "type": "simulated", "options": options}, capsys)
     assert "UNREACHABLE" in line and "down" in line, line
+
+
+def test_a_redis_tier_names_a_server_without_maxmemory(
+    tmp_path: Path, redis_factory: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = redis_factory(maxmemory="0")  # a plain `redis-server`, as a new user starts one
+    line = inspect(tmp_path, {"name": "redis", "type": "redis", "options": {"url": server.url, **FAST_REDIS}}, capsys)
+    assert "UNREACHABLE" in line and "no maxmemory" in line and "allow_unbounded" in line, line

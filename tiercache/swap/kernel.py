@@ -78,7 +78,7 @@ def load_cupy() -> Any:
     try:
         import cupy
     except ImportError as error:
-        raise ImportError("the zero-copy swap kernel needs CuPy: pip install 'tiercache[cuda]'") from error
+        raise ImportError("the zero-copy swap kernel needs CuPy (the cuda extra: pip install '.[cuda]')") from error
     return cupy
 
 

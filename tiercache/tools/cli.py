@@ -45,6 +45,8 @@ from tiercache.tools.workload import ChatWorkload
 
 PROBE_TIMEOUT_S = 2.0
 """How long ``inspect`` waits for each remote operation before calling it unreachable."""
+COLUMNS = (("name", 12), ("type", 11), ("policy", 9))
+"""The tier table's first columns (``TierConfig`` fields) and their least widths."""
 EXIT_CONFIG_ERROR = 2
 EXIT_UNAVAILABLE = 3
 
@@ -74,16 +76,16 @@ def _simulate(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     requests = timed_requests(workload)
     print(f"tiercache simulate: {config_path}, workload {args.workload}: {len(requests)} requests")
-    prefill = measure_prefill_cost(config.layout)
     name = Path(str(config_path)).stem
     with TierManager(config) as manager:
         server = (
             StatsServer(manager.stats, manager.metrics, port=args.stats_port) if args.stats_port is not None else None
         )
-        if server is not None:
+        if server is not None:  # from the start, so `tiercache stats` answers during the prefill measurement too
             server.start()
-            print(f"serving stats at {server.url}/stats and {server.url}/metrics")
+            print(f"serving stats at {server.url}/stats and {server.url}/metrics", flush=True)
         try:
+            prefill = measure_prefill_cost(config.layout)
             progress = Progress(len(requests), name)
             result = simulate(manager, requests, name=name, prefill_s_per_token=prefill, progress=progress.update)
         finally:
@@ -171,14 +173,16 @@ def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) 
         f"{layout.bytes_per_block} bytes per block; fingerprint {layout.fingerprint()}",
         f"exclusive: {config.exclusive}; queues: "
         + ", ".join(f"{k} {getattr(v, 'value', v)}" for k, v in dataclasses.asdict(config.queues).items()),
-        f"{'tier':<12}{'type':<11}{'policy':<9}{'write policy':<25}capacity",
     ]
+    # columns as wide as their longest entry (a plug-in's module path, a long tier name)
+    name_w, type_w, policy_w = (max(w, *(len(getattr(t, f)) + 1 for t in config.tiers)) for f, w in COLUMNS)
+    lines.append(f"{'tier':<{name_w}}{'type':<{type_w}}{'policy':<{policy_w}}{'write policy':<25}capacity")
     for tier in config.tiers:
         blocks = tier.capacity_blocks
         if blocks is None:
             blocks = getattr(tier.options, "capacity_blocks", None) or None
         lines.append(
-            f"{tier.name:<12}{tier.type:<11}{tier.policy:<9}{tier.write_policy.value:<25}"
+            f"{tier.name:<{name_w}}{tier.type:<{type_w}}{tier.policy:<{policy_w}}{tier.write_policy.value:<25}"
             f"{_capacity_text(blocks, layout.bytes_per_block)}"
         )
     remotes = [t for t in config.tiers if t.type not in ("gpu", "cpu")]
@@ -224,9 +228,24 @@ def format_stats(stats: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _unusable(path: str, cause: str) -> int:
+    print(
+        f"tiercache: cannot read stats from {path}: {cause} (expected a JSON file from `simulate --stats-out`)",
+        file=sys.stderr,
+    )
+    return EXIT_UNAVAILABLE
+
+
 def _stats(args: argparse.Namespace) -> int:
     if args.file:
-        stats = json.loads(Path(args.file).read_text())
+        try:
+            stats = json.loads(Path(args.file).read_text())
+        except OSError as error:
+            return _unusable(args.file, error.strerror or str(error))
+        except ValueError as error:
+            return _unusable(args.file, f"not JSON ({error})")
+        if not isinstance(stats, Mapping):
+            return _unusable(args.file, f"not a stats mapping (a JSON {type(stats).__name__})")
     else:
         try:
             stats = fetch_stats(args.url, timeout=args.timeout)

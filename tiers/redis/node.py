@@ -234,18 +234,20 @@ class Node:
             return
         self._capacity_logged = True
         capacity, options = conn.capacity or Capacity(None, None), self._tier.options
+        refused = None
         if capacity.denied is not None and not options.allow_unbounded:
-            logger.error(
-                "redis tier %s: %s does not let this user read maxmemory (%s); writes are refused "
-                "(allow CONFIG GET or INFO for the user, or allow_unbounded: true)",
-                self._tier.name, self.address, capacity.denied,
+            refused = (
+                f"put: {self.address} does not let this user read maxmemory ({capacity.denied}); writes are "
+                "refused (allow CONFIG GET or INFO for the user, or allow_unbounded: true)"
             )
         elif not capacity.bounded and not options.allow_unbounded:
-            logger.error(
-                "redis tier %s: %s has no maxmemory; writes are refused "
-                "(set maxmemory with an allkeys-* policy, or allow_unbounded: true)",
-                self._tier.name, self.address,
+            refused = (
+                f"put: {self.address} has no maxmemory; writes are refused "
+                "(set maxmemory with an allkeys-* policy, or allow_unbounded: true)"
             )
+        if refused is not None:
+            self._tier.note_error(refused)  # inspect and stats()["last_error"] name why nothing is written
+            logger.error("redis tier %s: %s", self._tier.name, refused)
         elif capacity.bounded and not evicts(capacity.policy, options.ttl_s):
             logger.warning(
                 "redis tier %s: %s has maxmemory-policy %s; when full, writes fail (OOM) "

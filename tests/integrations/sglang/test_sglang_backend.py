@@ -96,6 +96,14 @@ def test_the_storage_factory_builds_it_and_a_bad_extra_config_is_a_clear_error(
     assert "overrides" in refused(str(path), overrides=["tiers.redis0.options.url"])
     assert "tiers[0].options.timeout_s" in refused(str(path), overrides={"tiers.redis0.options.timeout_s": -1})
     assert "model's identity" in refused(str(path), model=None)
+    # a misspelt key of tiercache's is named, not ignored (SGLang's own and other keys still are)
+    assert refused(str(path), force_latets=True) == (
+        "--hicache-storage-backend-extra-config: force_latets: expected one of tiercache's keys (topology, "
+        "overrides, force_latest); did you mean 'force_latest'?, got 'an unknown key'"
+    )
+    assert "did you mean 'overrides'" in refused(str(path), overides={"tiers.redis0.options.url": "redis://h:1"})
+    assert "did you mean 'topology'" in refused(None, topolgy=str(path))
+    attach(pool, str(path), prefetch_threshold=128, hicache_storage_pass_prefix_keys=False).close()
 
 
 @pytest.mark.parametrize(("mla", "layout"), LAYOUTS, ids=[f"{'mla' if m else 'mha'}-{x}" for m, x in LAYOUTS])

@@ -1,4 +1,4 @@
-"""tiercache as SGLang's HiCache L3 storage backend (the ``sglang`` extra: ``pip install 'tiercache[sglang]'``).
+"""tiercache as SGLang's HiCache L3 storage backend (the ``sglang`` extra: ``pip install '.[sglang]'``).
 
 Written for and tested against SGLang 0.5.23 (its ``HiCacheStorage`` interface, host KV pools and
 ``dynamic`` backend loading); importing it under another SGLang version fails with a message saying so.

@@ -1,7 +1,8 @@
 """The backend's options, read from SGLang's ``--hicache-storage-backend-extra-config`` JSON.
 
 SGLang hands a ``dynamic`` backend that JSON as ``HiCacheStorageConfig.extra_config``, together with its own
-keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``), which are left alone. tiercache's:
+keys (``backend_name``, ``module_path``, ``class_name``, ``interface_v1``), which are left alone, as is any
+other key but a near miss of one of tiercache's (a misspelling, refused with the key it resembles). tiercache's:
 
 - ``topology`` (required): the remote-only topology (``tiercache.config.remote``), as the path of a YAML file
   or inline as a mapping;
@@ -14,6 +15,7 @@ Every error names the flag, the field and what was expected, before SGLang start
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,8 @@ from tiercache.tiers import tier_class
 SOURCE = "--hicache-storage-backend-extra-config"
 """Where the options come from, as errors name it."""
 OWN_KEYS = ("topology", "overrides", "force_latest")
+NEAR_MISS = 0.8
+"""How alike (``difflib`` ratio) an unknown key and one of ``OWN_KEYS`` are for the key to be a misspelling."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,11 @@ class BackendOptions:
         """Validate tiercache's keys of SGLang's extra config (see the module docstring)."""
         if not isinstance(extra, Mapping):
             raise ConfigError(SOURCE, "", "a JSON object with tiercache's 'topology'", extra)
+        for key in extra:
+            meant = difflib.get_close_matches(str(key), OWN_KEYS, n=1, cutoff=NEAR_MISS)
+            if key not in OWN_KEYS and meant:
+                expected = f"one of tiercache's keys ({', '.join(OWN_KEYS)}); did you mean {meant[0]!r}?"
+                raise ConfigError(SOURCE, str(key), expected, "an unknown key")
         overrides = extra.get("overrides") or {}
         if not isinstance(overrides, Mapping):
             raise ConfigError(SOURCE, "overrides", "a JSON object of dotted field paths to values", overrides)

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` on tiercache (the ``hf`` extra: ``pip install 'tiercache[hf]'``).
+"""Hugging Face ``transformers`` on tiercache (the ``hf`` extra: ``pip install '.[hf]'``).
 
 ``PagedCache`` is a ``transformers`` cache whose K/V live in a request's pool
 blocks; ``CachedModel`` serves requests through tiercache the way an engine does,

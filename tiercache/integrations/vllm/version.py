@@ -26,7 +26,7 @@ def require_vllm() -> str:
     except metadata.PackageNotFoundError:
         raise UnsupportedVllmError(
             f"tiercache.integrations.vllm needs vLLM {SUPPORTED_SERIES}x (written for {WRITTEN_FOR}); "
-            "vLLM is not installed: pip install 'tiercache[vllm]'"
+            "vLLM is not installed (in tiercache's checkout: pip install '.[vllm]')"
         ) from None
     if not version.startswith(SUPPORTED_SERIES):
         raise UnsupportedVllmError(
