@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.cost import CostConfig, CostModel
+from tiercache.cost import STALE_FLOOR_WEIGHT, CostConfig, CostModel, Verdict
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 64 * 1024
@@ -27,65 +27,106 @@ def enabled_model(**options: float) -> CostModel:
     return CostModel(CostConfig(enabled=True, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, **options))
 
 
+def plan(model: CostModel, blocks: int, tokens: int, tier: str = TIER) -> Verdict | None:
+    """What a lookup asks and its load counts, for one tier's part of a request."""
+    return model.count(tier, model.verdict(tier, blocks, tokens))
+
+
 def run_loads(model: CostModel, profile: tuple[float, float], loads: int, *, probes: bool = False) -> list[bool]:
-    """What a manager does per load: (probe the tier,) ask, fetch if told to, report the fetch's time."""
-    decisions = []
+    """What a manager does per request: (probe the tier,) ask, count. The request fetches on ``FETCH``;
+    on ``EXPLORE`` it recomputes while the same fetch runs in the background and is reported when it ends.
+    Returns, per request, whether it fetched."""
+    fetched = []
     for _ in range(loads):
         if probes:
             model.observe_probe(TIER, profile[0])  # a probe is one round trip
-        fetch = model.plan(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
-        if fetch:
-            model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, fetch_seconds(profile, LOAD_BLOCKS))
-        decisions.append(fetch)
-    return decisions
+        counted = plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
+        seconds = fetch_seconds(profile, LOAD_BLOCKS)
+        if counted is Verdict.FETCH:
+            model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, seconds)
+        elif counted is Verdict.EXPLORE:
+            model.exploration_ended(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, seconds)
+        fetched.append(counted is Verdict.FETCH)
+    return fetched
+
+
+EXPLORE_EVERY = round(1 / CostConfig().explore_fraction)
 
 
 def test_bypass_starts_when_slower_than_recompute_and_stops_when_the_tier_recovers() -> None:
     model = enabled_model()
-    assert model.plan(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)  # nothing observed: fetch
+    assert plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS) is Verdict.FETCH  # nothing observed: fetch
     assert all(run_loads(model, FAST, 10))
 
     slow = run_loads(model, SLOW, 200)
     first_bypass = slow.index(False)
     assert first_bypass <= 3  # three slow fetches outweigh the fast past (smoothing 0.2)
     after = slow[first_bypass:]
-    explored = after.count(True)
-    assert explored == len(after) // 32  # every 32nd would-be bypass still goes through
+    assert not any(after), "no request fetches from a bypassed tier, not even to explore it"
     counters = model.stats()["tiers"][TIER]
-    assert counters["bypassed_slower_than_recompute"] == after.count(False)
-    assert counters["explored"] == explored
+    assert counters["bypassed_slower_than_recompute"] == len(after)
+    explored = counters["explored"]
+    assert explored == len(after) // EXPLORE_EVERY  # every n-th would-be bypass explores, in the background
 
     recovered = run_loads(model, FAST, 500)
     last_bypass = len(recovered) - 1 - recovered[::-1].index(False)
     assert all(recovered[last_bypass + 1 :])
-    assert len(recovered) - last_bypass > 200  # it recovered, and stays recovered
-    # Only explored fetches see the recovery; each takes a fifth off the slow past: about eight are needed.
-    assert model.stats()["tiers"][TIER]["explored"] - explored <= 10
+    # The bypassed requests aged the slow past: the next exploration (due within n requests) forgets a tier
+    # six times slower than recomputing.
+    assert last_bypass < EXPLORE_EVERY
+    assert model.stats()["tiers"][TIER]["explored"] - explored == 1
 
 
-def requests_recomputed_after_recovery(probes: bool) -> tuple[int, int]:
-    """A tier fast, then slow for 200 loads, then fast again: the loads bypassed after it recovered,
-    and how many explored fetches the whole run made (each made a request wait on a slow tier)."""
+def requests_recomputed_after_recovery(probes: bool) -> int:
+    """A tier fast, then slow for 200 requests, then fast again: the requests that recomputed after it recovered."""
     model = enabled_model()
     run_loads(model, FAST, 10, probes=probes)
     run_loads(model, SLOW, 200, probes=probes)
     recovered = run_loads(model, FAST, 500, probes=probes)
     last_bypass = len(recovered) - 1 - recovered[::-1].index(False) if False in recovered else -1
     assert all(recovered[last_bypass + 1 :])
-    return recovered.count(False), model.stats()["tiers"][TIER]["explored"]
+    return recovered.count(False)
 
 
 def test_a_recovered_tier_is_used_again_at_the_next_lookups_without_an_experiment() -> None:
-    """The lookups' probes carry the round trip: a tier fast again is fetched from within two loads.
+    """The lookups' probes carry the round trip: a tier fast again is fetched from within two requests.
 
-    Without probes only the explored fetches (1 in 32 would-be bypasses, each a request waiting on
-    the tier) show the recovery, and about eight are needed: 240-odd loads recompute.
+    Without probes only the explorations (in the background) show the recovery; the past they are weighed
+    against went stale while the tier was bypassed, so the next one is enough.
     """
-    recomputed, explored = requests_recomputed_after_recovery(probes=True)
-    assert recomputed <= 2
-    assert explored <= 200 // 32  # none while recovering: the probes told
-    blind_recomputed, _ = requests_recomputed_after_recovery(probes=False)
-    assert blind_recomputed > 200
+    assert requests_recomputed_after_recovery(probes=True) <= 2
+    assert requests_recomputed_after_recovery(probes=False) <= EXPLORE_EVERY
+
+
+def test_one_exploration_in_flight_per_tier() -> None:
+    """Two requests judged ``EXPLORE`` before either was counted: the second recomputes without exploring,
+    and none is due until the one in flight has ended, whatever it found."""
+    model = enabled_model(explore_fraction=1.0)
+    model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, fetch_seconds(SLOW, LOAD_BLOCKS))
+    first = model.verdict(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
+    second = model.verdict(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
+    assert first is second is Verdict.EXPLORE
+    assert [model.count(TIER, first), model.count(TIER, second)] == [Verdict.EXPLORE, Verdict.BYPASS]
+    assert [plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS) for _ in range(3)] == [Verdict.BYPASS] * 3
+    assert model.stats()["tiers"][TIER]["explorations_in_flight"] == 1
+    model.exploration_ended(TIER)  # never asked (starved, cancelled): nothing observed
+    assert model.stats()["tiers"][TIER]["observations"] == 1
+    assert plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS) is Verdict.EXPLORE
+    counters = model.stats()["tiers"][TIER]
+    assert (counters["explored"], counters["bypassed_slower_than_recompute"]) == (2, 6)
+
+
+def test_staleness_stops_at_its_floor() -> None:
+    """Ten thousand bypasses leave the fit's past at half a fetch: its estimate stands until an exploration."""
+    model = enabled_model(explore_fraction=1 / 20_000)
+    model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, fetch_seconds(SLOW, LOAD_BLOCKS))
+    estimate = model.expected_fetch_seconds(TIER, LOAD_BLOCKS)
+    assert [plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS) for _ in range(10_000)] == [Verdict.BYPASS] * 10_000
+    assert model.expected_fetch_seconds(TIER, LOAD_BLOCKS) == pytest.approx(estimate)
+    model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, fetch_seconds(FAST, LOAD_BLOCKS))
+    fast, slow = fetch_seconds(FAST, LOAD_BLOCKS), fetch_seconds(SLOW, LOAD_BLOCKS)
+    stale = STALE_FLOOR_WEIGHT * (1 - CostConfig().smoothing)
+    assert model.expected_fetch_seconds(TIER, LOAD_BLOCKS) == pytest.approx((stale * slow + fast) / (stale + 1))
 
 
 def test_a_tier_slow_in_its_round_trip_is_bypassed_from_the_second_slow_probe() -> None:
@@ -106,7 +147,7 @@ def test_one_fetch_size_seen_is_not_all_per_byte() -> None:
         model.observe_fetch(TIER, 1, BLOCK_BYTES, 0.010)
     prior = 1 / CostConfig().prior_bandwidth_bytes_per_s  # per byte, until sizes that spread tell it
     assert model.expected_fetch_seconds(TIER, 16) == pytest.approx(0.010 + 15 * BLOCK_BYTES * prior)
-    assert model.plan(TIER, 16, 16 * BLOCK_TOKENS)
+    assert plan(model, 16, 16 * BLOCK_TOKENS) is Verdict.FETCH
     assert model.stats()["tiers"][TIER]["latency_s"] == pytest.approx(0.010 - BLOCK_BYTES * prior)
 
 
@@ -129,9 +170,9 @@ def test_a_lookup_asked_again_gets_the_same_cut_and_counts_nothing() -> None:
     run_loads(model, SLOW, 3)
     before = dict(model.stats()["tiers"][TIER])
     runs = [(None, 2), (TIER, LOAD_BLOCKS)]
-    answers = {model.usable_prefix(runs, BLOCK_TOKENS, record=False) for _ in range(100)}
+    answers = {model.cut(runs, BLOCK_TOKENS)[0] for _ in range(100)}
     assert answers == {2} and model.stats()["tiers"][TIER] == before
-    assert model.usable_prefix(runs, BLOCK_TOKENS) == 2  # recorded once, at the load
+    assert usable(model, runs) == 2  # counted once, at the load
     bypassed = model.stats()["tiers"][TIER]["bypassed_slower_than_recompute"]
     assert bypassed == before["bypassed_slower_than_recompute"] + 1
 
@@ -146,11 +187,19 @@ def test_latency_and_throughput_are_fitted_per_batch_size() -> None:
     assert stats["latency_s"] == pytest.approx(far[0])
     assert stats["throughput_bytes_per_s"] == pytest.approx(far[1])
     assert model.expected_fetch_seconds(TIER, 100) == pytest.approx(fetch_seconds(far, 100), rel=0.01)
-    assert not model.plan(TIER, 2, 2 * BLOCK_TOKENS)
-    assert model.plan(TIER, 256, 256 * BLOCK_TOKENS)
+    assert plan(model, 2, 2 * BLOCK_TOKENS) is not Verdict.FETCH
+    assert plan(model, 256, 256 * BLOCK_TOKENS) is Verdict.FETCH
 
 
-def test_usable_prefix_stops_before_the_first_tier_not_worth_fetching() -> None:
+def usable(model: CostModel, runs: list[tuple[str | None, int]]) -> int:
+    """``cut``, each verdict counted: one request that goes ahead."""
+    usable, verdicts = model.cut(runs, BLOCK_TOKENS)
+    for tier, verdict in verdicts:
+        model.count(tier, verdict)
+    return usable
+
+
+def test_the_cut_stops_before_the_first_tier_not_worth_fetching() -> None:
     model = enabled_model()
     for blocks in (8, 32):
         model.observe_fetch("near", blocks, blocks * BLOCK_BYTES, fetch_seconds(FAST, blocks))
@@ -158,27 +207,28 @@ def test_usable_prefix_stops_before_the_first_tier_not_worth_fetching() -> None:
     runs = [(None, 4), ("near", 8), (None, 2), ("far", 8), ("near", 2)]
     # near: 10 blocks in 1.7 ms against 20 blocks (32 ms) of prefill is worth it; far: 300 ms against
     # the last 10 blocks (16 ms) is not, and cutting there also drops near's 2 blocks behind it.
-    assert model.usable_prefix(runs, BLOCK_TOKENS) == 14
+    assert usable(model, runs) == 14
     assert model.stats()["tiers"]["far"]["bypassed_slower_than_recompute"] == 1
-    assert model.usable_prefix([(None, 6)], BLOCK_TOKENS) == 6
+    assert usable(model, [(None, 6)]) == 6
     slow_first = [("far", 2), ("near", 30)]
-    assert model.usable_prefix(slow_first, BLOCK_TOKENS) == 0  # 300 ms against 51 ms of prefill
+    assert usable(model, slow_first) == 0  # 300 ms against 51 ms of prefill
     assert model.stats()["tiers"]["near"]["fetches_planned"] == 1  # near was never weighed the second time
 
 
 def test_observed_prefill_rate_replaces_the_configured_one() -> None:
     model = enabled_model()
     model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, 0.02)  # 20 ms: faster than 51.2 ms
-    assert model.plan(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
+    assert plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS) is Verdict.FETCH
     model.observe_prefill(tokens=100_000, seconds=1.0)  # the engine is 10x faster than configured: 5.1 ms
     assert model.prefill_tokens_per_s == pytest.approx(100_000)
-    assert not model.plan(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
+    assert plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS) is Verdict.BYPASS
 
 
 def test_unknown_rate_or_disabled_model_always_fetches() -> None:
-    for model in (CostModel(CostConfig(enabled=True)), CostModel(CostConfig(prefill_tokens_per_s=1.0))):
+    unknown_rate, disabled = CostModel(CostConfig(enabled=True)), CostModel(CostConfig(prefill_tokens_per_s=1.0))
+    for model, verdict in ((unknown_rate, Verdict.FETCH), (disabled, None)):
         model.observe_fetch(TIER, 1, BLOCK_BYTES, 10.0)
-        assert model.plan(TIER, 1, BLOCK_TOKENS)
+        assert plan(model, 1, BLOCK_TOKENS) is verdict
         assert model.stats()["tiers"][TIER]["bypassed_slower_than_recompute"] == 0
 
 

@@ -127,6 +127,83 @@ async def test_limiter_admits_loads_first_and_keeps_a_slot_for_them() -> None:
     assert PriorityLimiter(1).store_limit == 1
 
 
+class Jobs:
+    """Jobs on one limiter, each holding its slot until released by name; ``admitted`` keeps the order."""
+
+    def __init__(self, limiter: PriorityLimiter) -> None:
+        self.limiter = limiter
+        self.admitted: list[str] = []
+        self._release: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Future[None]] = []
+
+    async def start(self, name: str, priority: Priority) -> None:
+        release = self._release[name] = asyncio.Event()
+
+        async def work() -> None:
+            self.admitted.append(name)
+            await release.wait()
+
+        self._tasks.append(asyncio.ensure_future(self.limiter.run(priority, work)))
+        await asyncio.sleep(0)
+
+    async def release(self, name: str) -> None:
+        self._release[name].set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    async def finish(self) -> None:
+        """Release every job; cancel those never admitted (the lane drops them at their deadline)."""
+        for release in self._release.values():
+            release.set()
+        for _ in range(len(self._tasks)):
+            await asyncio.sleep(0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def test_an_exploration_waits_behind_loads_and_stores() -> None:
+    """Stores and explorations share the slots a load does not need; a waiting store goes before a waiting
+    exploration, and a load never waits for either."""
+    limiter = PriorityLimiter(3)
+    jobs = Jobs(limiter)
+    for name, priority in (("s0", Priority.STORE), ("s1", Priority.STORE), ("e0", Priority.EXPLORE),
+                           ("s2", Priority.STORE), ("l0", Priority.LOAD)):
+        await jobs.start(name, priority)
+    assert jobs.admitted == ["s0", "s1", "l0"]
+    await jobs.release("s0")
+    assert jobs.admitted[3:] == ["s2"], "the store first"
+    await jobs.release("l0")
+    assert jobs.admitted[4:] == [], "stores and the exploration share two slots"
+    await jobs.release("s1")
+    assert jobs.admitted[4:] == ["e0"]
+    await jobs.start("l1", Priority.LOAD)
+    assert jobs.admitted[5:] == ["l1"], "the load finds its slot"
+    await jobs.finish()
+    assert jobs.admitted == ["s0", "s1", "l0", "s2", "e0", "l1"]
+    assert (limiter.active, limiter.active_stores, limiter.active_explorations) == (0, 0, 0)
+
+
+async def test_an_exploration_never_takes_the_slot_a_load_arriving_next_needs() -> None:
+    """Where stores may take every slot (a limit of one or two), an exploration still leaves one free."""
+    one = Jobs(PriorityLimiter(1))
+    await one.start("e0", Priority.EXPLORE)
+    await one.start("l0", Priority.LOAD)
+    await one.release("l0")
+    assert one.admitted == ["l0"], "a lane of one slot keeps it for loads, idle or not"
+    await one.finish()
+    assert (one.limiter.active, one.limiter.waiting) == (0, 0)
+    two = Jobs(PriorityLimiter(2))
+    for name, priority in (("e0", Priority.EXPLORE), ("e1", Priority.EXPLORE), ("l0", Priority.LOAD)):
+        await two.start(name, priority)
+    assert two.admitted == ["e0", "l0"]
+    await two.release("e0")
+    assert two.admitted == ["e0", "l0"], "e1 waits: the load holds one slot, the other stays free for loads"
+    await two.release("l0")
+    assert two.admitted == ["e0", "l0", "e1"]
+    await two.finish()
+
+
 def test_timeout_deadline_grows_with_tokens() -> None:
     small = prefetch_deadline_s(50.0, 20.0, 16)
     large = prefetch_deadline_s(50.0, 20.0, 16_000)

@@ -16,16 +16,22 @@ fetch's duration as ``round trip + fixed + bytes * per_byte``:
   10 ms tier is about 10 ms, not 16 x 10); with sizes that spread, the data
   decide, the more so the less they scatter around their line.
 
-``plan`` answers fetch or bypass for one tier's part of a load. A bypassed
+``verdict`` answers fetch or bypass for one tier's part of a request. A bypassed
 tier's fetches are not observed, so a change that only fetches show (a slower
-link, not a longer round trip) would never be seen: a fixed fraction of
-would-be bypasses goes through anyway (deterministically, every n-th), and
-those fetches update the fit.
+link, not a longer round trip) would never be seen. Two things find it:
+
+* explorations: every n-th would-be bypass (deterministically, one in flight
+  per tier) is ``EXPLORE``: the request recomputes like any bypass, and the
+  caller fetches the bypassed blocks in the background, off every request's
+  path, and reports that fetch (``exploration_ended``) to the fit;
+* staleness: each request that bypassed a tier ages its fit as a fetch would
+  (down to ``STALE_FLOOR_WEIGHT``), so the next exploration is weighed against
+  evidence as old as it is, not against a past frozen when bypassing began.
 
 Asking and telling are apart: ``verdict`` and ``cut`` only read (a lookup asks
 them as often as the engine retries), ``count`` records a verdict the request
-went ahead with (once per request, at load), which moves the counters and the
-exploration schedule.
+went ahead with (once per request, at load), which moves the counters, the
+staleness and the exploration schedule.
 
 Pure: no threads, no I/O, no clock; the caller times its fetches, probes and
 prefills. Not thread-safe: call it under one lock (the manager's).
@@ -41,8 +47,9 @@ from dataclasses import dataclass, field
 
 DEFAULT_SMOOTHING = 0.2
 """Weight of the newest observation: the fit forgets half its past in about three fetches."""
-DEFAULT_EXPLORE_FRACTION = 1 / 32
-"""Share of would-be bypasses issued anyway so a tier whose fetches alone got faster is noticed."""
+DEFAULT_EXPLORE_FRACTION = 1 / 8
+"""Share of would-be bypasses that also explore (a background fetch of the bypassed blocks), so a tier
+whose fetches alone got faster is noticed. No request waits on one; each costs the remote one fetch."""
 DEFAULT_MARGIN = 1.0
 """Bypass when expected fetch time exceeds ``margin`` x expected recompute time."""
 DEFAULT_PRIOR_BANDWIDTH = 1e9
@@ -53,6 +60,10 @@ PROBE_WINDOW = 3
 probe out of line (a scheduling hiccup) changes nothing."""
 MIN_FIT_WEIGHT = 2.0
 """Observations (decayed) a line needs before its scatter says anything: two points always fit exactly."""
+STALE_FLOOR_WEIGHT = 0.1
+"""The least weight (in fetches) staleness leaves a fit: a long-bypassed past still counts as a tenth of a
+fresh fetch, so one exploration moves the estimate about 93% of the way (a link ten times slower than
+recomputing is forgotten in one, a hundred times in two), and its zeros never underflow."""
 
 
 class Verdict(enum.Enum):
@@ -61,7 +72,8 @@ class Verdict(enum.Enum):
     FETCH = "fetch"
     """Expected cheaper than recomputing (or one side is still unknown)."""
     EXPLORE = "explore"
-    """Expected dearer, but fetched anyway so the estimate can notice a recovery."""
+    """Expected dearer: recompute, and fetch the blocks in the background so the estimate can notice a
+    recovery (no request waits on it)."""
     BYPASS = "bypass"
     """Expected dearer: recompute instead."""
 
@@ -112,6 +124,20 @@ class FetchFit:
     sum_yy: float = 0.0
     blocks: float = 0.0
 
+    def age(self) -> None:
+        """Decay the past by ``1 - smoothing`` with nothing added (a request that did not fetch), down to
+        ``STALE_FLOOR_WEIGHT``."""
+        keep = 1.0 - self.smoothing
+        if self.weight * keep < STALE_FLOOR_WEIGHT:
+            keep = STALE_FLOOR_WEIGHT / self.weight if self.weight > STALE_FLOOR_WEIGHT else 1.0
+        self.weight *= keep
+        self.sum_x *= keep
+        self.sum_y *= keep
+        self.sum_xx *= keep
+        self.sum_xy *= keep
+        self.sum_yy *= keep
+        self.blocks *= keep
+
     def add(self, blocks: int, nbytes: int, seconds: float) -> None:
         """Fold in one fetch, after decaying the past by ``1 - smoothing``."""
         keep = 1.0 - self.smoothing
@@ -160,8 +186,13 @@ class TierCost:
     recent_probes: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
     fetches_planned: int = 0
     bypassed_slower_than_recompute: int = 0
+    """Requests that recomputed this tier's part (explorations included)."""
     explored: int = 0
-    would_bypass: int = 0
+    """Explorations started."""
+    since_explore: int = 0
+    """Would-be bypasses since the last exploration started (the schedule)."""
+    exploring: bool = False
+    """An exploration is in flight (reported back by ``exploration_ended``)."""
     observations: int = 0
     probes: int = 0
 
@@ -242,31 +273,36 @@ class CostModel:
         recompute = self.expected_recompute_seconds(tokens)
         if fetch is None or recompute is None or fetch <= self.config.margin * recompute:
             return Verdict.FETCH
-        state = self._tiers.get(tier)
-        would_bypass = state.would_bypass if state is not None else 0
-        return Verdict.EXPLORE if (would_bypass + 1) % self._explore_every() == 0 else Verdict.BYPASS
+        state = self._tiers[tier]
+        due = not state.exploring and state.since_explore + 1 >= self._explore_every()
+        return Verdict.EXPLORE if due else Verdict.BYPASS
 
-    def count(self, tier: str, verdict: Verdict | None) -> None:
-        """A request went ahead with ``verdict`` on ``tier``: the counters and the exploration schedule move."""
+    def count(self, tier: str, verdict: Verdict | None) -> Verdict | None:
+        """A request went ahead with ``verdict`` on ``tier``: the counters, the staleness and the exploration
+        schedule move. Returns the verdict counted: ``EXPLORE`` (the caller starts the exploration and
+        reports it with ``exploration_ended``) becomes ``BYPASS`` while another is in flight."""
         if verdict is None:
-            return
+            return None
         state = self._tier(tier)
-        if verdict is not Verdict.FETCH:
-            state.would_bypass += 1
-        if verdict is Verdict.BYPASS:
-            state.bypassed_slower_than_recompute += 1
-            return
-        state.fetches_planned += 1
-        if verdict is Verdict.EXPLORE:
+        if verdict is Verdict.FETCH:
+            state.fetches_planned += 1
+            return verdict
+        state.bypassed_slower_than_recompute += 1
+        state.fit.age()
+        if verdict is Verdict.EXPLORE and not state.exploring:
             state.explored += 1
+            state.exploring = True
+            state.since_explore = 0
+            return verdict
+        state.since_explore += 1
+        return Verdict.BYPASS
 
-    def plan(self, tier: str, blocks: int, tokens: int, nbytes: int | None = None, *, record: bool = True) -> bool:
-        """True: fetch these ``blocks`` (``tokens`` tokens) from ``tier`` (or explore it); False: treat them
-        as misses. ``verdict``, then ``count`` when ``record``."""
-        verdict = self.verdict(tier, blocks, tokens, nbytes)
-        if record:
-            self.count(tier, verdict)
-        return verdict is not Verdict.BYPASS
+    def exploration_ended(self, tier: str, blocks: int = 0, nbytes: int = 0, seconds: float | None = None) -> None:
+        """The exploration ``count`` started on ``tier`` is over; it fetched ``blocks`` (``nbytes``) in
+        ``seconds`` (None: the tier was never asked, or it failed before saying anything)."""
+        self._tier(tier).exploring = False
+        if seconds is not None:
+            self.observe_fetch(tier, blocks, nbytes, seconds)
 
     def cut(
         self, runs: Sequence[tuple[str | None, int]], block_size: int
@@ -277,7 +313,7 @@ class CostModel:
         local (GPU, CPU). Keys chain, so skipping a tier's blocks loses every block after its first
         one: a tier is weighed against recomputing the tokens from there to the end of what is still
         used, with all its blocks in that span as one fetch. Tiers are weighed in the order they first
-        appear; the prefix stops before the first one not worth fetching.
+        appear; the prefix stops before the first one not worth fetching (bypassed or explored).
         """
         starts: dict[str, int] = {}
         position = 0
@@ -292,17 +328,9 @@ class CostModel:
                 break
             verdict = self.verdict(tier, _blocks_before(runs, tier, usable), (usable - start) * block_size)
             verdicts.append((tier, verdict))
-            if verdict is Verdict.BYPASS:
+            if verdict is Verdict.BYPASS or verdict is Verdict.EXPLORE:
                 usable = start
         return usable, verdicts
-
-    def usable_prefix(self, runs: Sequence[tuple[str | None, int]], block_size: int, *, record: bool = True) -> int:
-        """``cut``, with each verdict counted when ``record`` (one request that goes ahead)."""
-        usable, verdicts = self.cut(runs, block_size)
-        if record:
-            for tier, verdict in verdicts:
-                self.count(tier, verdict)
-        return usable
 
     def _explore_every(self) -> int:
         return max(1, round(1 / self.config.explore_fraction))
@@ -321,6 +349,7 @@ class CostModel:
                 "fetches_planned": state.fetches_planned,
                 "bypassed_slower_than_recompute": state.bypassed_slower_than_recompute,
                 "explored": state.explored,
+                "explorations_in_flight": int(state.exploring),
             }
         return {"enabled": self.config.enabled, "prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": tiers}
 

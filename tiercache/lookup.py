@@ -11,14 +11,16 @@ The pins are its only side effect, so a scheduler may look up as often as it
 likes. What a lookup finds out rides on its answer (``Learned``) and is told
 once per request, by ``commit`` at load: the remote tiers' "not held" answers
 (the hierarchy forgets those keys, so a store rewrites them) and the cost
-model's verdicts (its counters and exploration schedule). A remote that could
+model's verdicts (its counters and exploration schedule); an exploration the
+cost model then starts is handed, with the remote blocks it cut, to the
+background (``explore``), never to the request's load. A remote that could
 not tell (timeout, open breaker, error: ``Presence.UNKNOWN``) serves nothing in
 this answer and is never taken as "not held".
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.cost import CostModel, Verdict
@@ -61,6 +63,8 @@ class Learned:
     """``WrittenKeys.landings`` when the lookup was answered: a key seen in a remote since is not forgotten."""
     verdicts: tuple[tuple[str, Verdict | None], ...] = ()
     """The cost model's verdict on each remote tier it weighed."""
+    cut_blocks: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    """Per remote lane with an ``EXPLORE`` verdict, the keys of the blocks the cost cut took from it."""
 
 
 @dataclass
@@ -88,6 +92,7 @@ class PrefixLookup:
         cost: CostModel | None,
         names: TierNames,
         block_size: int,
+        explore: Callable[[int, Sequence[bytes]], None] | None = None,
     ) -> None:
         self.local = local
         self.probes = probes
@@ -95,6 +100,8 @@ class PrefixLookup:
         self.cost = cost
         self.names = names
         self.block_size = block_size
+        self.explore = explore
+        """Starts an exploration of (lane, keys) in the background (``Explorer.start``)."""
 
     def find(self, keys: Sequence[bytes], *, local_only: bool = False) -> Found | None:
         """The prefix of ``keys`` the tiers can serve, pinned; None while a remote's answer is in flight.
@@ -114,7 +121,7 @@ class PrefixLookup:
                 (lane, tuple(key for key, found in zip(missing, answer, strict=True) if found is Presence.ABSENT))
                 for lane, answer in enumerate(answers)
             )
-        places, verdicts = self._cost_cut(places)
+        places, verdicts, cut_blocks = self._cost_cut(keys, places)
         run, lower = self.local.prefix(places)
         pins = self.local.hold(run, lower)
         tiers = [self.names.gpu] * len(run) + [self.names.of(place) for place in lower]
@@ -122,7 +129,7 @@ class PrefixLookup:
         for name in tiers:
             tier_blocks[name] += 1
         absent = tuple((lane, keys) for lane, keys in absent if keys)
-        learned = Learned(absent, self.hierarchy.written_keys.landings, tuple(verdicts))
+        learned = Learned(absent, self.hierarchy.written_keys.landings, tuple(verdicts), cut_blocks)
         return Found(tiers, pins, tier_blocks, learned)
 
     def commit(self, found: Found, keys: Sequence[bytes]) -> None:
@@ -131,14 +138,25 @@ class PrefixLookup:
         learned = found.learned
         for lane, absent in learned.absent:
             self.hierarchy.forget_absent(lane, absent, learned.clock)
-        if self.cost is not None:
-            for tier, verdict in found.learned.verdicts:
-                self.cost.count(tier, verdict)
-
-    def _cost_cut(self, places: list[Place | None]) -> tuple[list[Place | None], list[tuple[str, Verdict | None]]]:
-        """The places cut before the first remote tier slower to fetch from than recomputing."""
         if self.cost is None:
-            return places, []
+            return
+        cut_blocks = dict(learned.cut_blocks)
+        for tier, verdict in learned.verdicts:
+            if self.cost.count(tier, verdict) is not Verdict.EXPLORE:
+                continue
+            lane = self.names.remotes.index(tier)
+            if self.explore is not None and cut_blocks.get(lane):
+                self.explore(lane, cut_blocks[lane])
+            else:
+                self.cost.exploration_ended(tier)
+
+    def _cost_cut(
+        self, keys: Sequence[bytes], places: list[Place | None]
+    ) -> tuple[list[Place | None], list[tuple[str, Verdict | None]], tuple[tuple[int, tuple[bytes, ...]], ...]]:
+        """The places cut before the first remote tier slower to fetch from than recomputing; the verdicts;
+        per lane explored, the keys of the blocks it would have served before the cut."""
+        if self.cost is None:
+            return places, [], ()
         runs: list[tuple[str | None, int]] = []
         for place in places:
             if place is None:
@@ -149,4 +167,10 @@ class PrefixLookup:
             else:
                 runs.append((tier, 1))
         usable, verdicts = self.cost.cut(runs, self.block_size)
-        return places[:usable] + [None] * (len(places) - usable), verdicts
+        held = sum(blocks for _, blocks in runs)
+        explored = [self.names.remotes.index(tier) for tier, verdict in verdicts if verdict is Verdict.EXPLORE]
+        cut_blocks = tuple(
+            (lane, tuple(keys[i] for i in range(usable, held) if places[i] == Place(Source.REMOTE, lane)))
+            for lane in explored
+        )
+        return places[:usable] + [None] * (len(places) - usable), verdicts, cut_blocks

@@ -3,8 +3,8 @@
 The facade (``TierManager``) holds one and runs the API calls against it. The
 parts: the GPU pool and CPU tier (``tiers/``), the remote tiers and their
 transfer lanes and probes, the pure bookkeeping (``LocalTiers``, ``Hierarchy``),
-the lookup (``PrefixLookup``), the swap queue, the load runner, the mover, and
-the background runtime.
+the lookup (``PrefixLookup``), the swap queue, the load runner, the mover, the
+cost model's explorer, and the background runtime.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tiercache.admission import FillRule
 from tiercache.codec import Codec
 from tiercache.config import TierCacheConfig, TierConfig
 from tiercache.cost import CostModel
+from tiercache.explorer import Explorer
 from tiercache.hierarchy import Hierarchy
 from tiercache.keys import BlockHasher, Namespace
 from tiercache.loads import FillWaiters, LoadRunner
@@ -100,8 +101,13 @@ class Stack:
         self.tier_names = TierNames(
             self.gpu.name, self.cpu.name if self.cpu else None, tuple(tier.name for tier in self.remotes)
         )
+        self.explorer = None if self.cost is None or self.cpu is None or not self.lanes else Explorer(
+            self.lock, self.local, self.hierarchy, self.lanes, self.cost, self.runtime, self.cpu.view, self.metrics,
+            bytes_per_block=self.layout.bytes_per_block, batch_blocks=queues.batch_blocks,
+            dispatch=lambda: self.mover.dispatch(),
+        )
         self.lookup = PrefixLookup(self.local, self.probes, self.hierarchy, self.cost, self.tier_names,
-                                   self.block_size)
+                                   self.block_size, self.explorer.start if self.explorer else None)
         self.waiters = FillWaiters()
         self.swap = None if self.cpu is None else SwapQueue(
             make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
@@ -132,7 +138,10 @@ class Stack:
         await asyncio.gather(*(tier.start() for tier in self.remotes))
 
     def close(self) -> None:
-        """Finish or drop work in flight within ``CLOSE_DRAIN_SECONDS``, close the remotes, stop the loop."""
+        """Cancel explorations, finish or drop other work in flight within ``CLOSE_DRAIN_SECONDS``, close the
+        remotes, stop the loop."""
+        if self.explorer is not None:
+            self.explorer.close()
         self.runtime.submit(self.runtime.drain(CLOSE_DRAIN_SECONDS), track=False).result()
         if self.swap is not None:
             self.swap.close()

@@ -99,12 +99,16 @@ class Lane:
             self.breaker.abandon()
             raise
         if not done:
+            if not asked:  # still waiting for a slot: the tier was never asked, nothing of the caller's is in use
+                call.cancel()
+                if priority is Priority.EXPLORE:  # starved by the lane's other work: says nothing of the tier
+                    self.metrics.add(self.name, "explorations_starved")
+                    self.breaker.abandon()
+                    return None
             self.metrics.add(self.name, "deadline_misses")
             self.breaker.failure()
             if asked:
                 self._leave_late(call, on_late)
-            else:  # still waiting for a slot: the tier was never asked, nothing of the caller's is in use
-                call.cancel()
             return None
         try:
             result = call.result()
@@ -168,6 +172,23 @@ class Lane:
         )
         self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
         return None if oks is None else [bool(ok) for ok in oks]
+
+    async def explore(
+        self, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> tuple[list[bool] | None, float | None]:
+        """``read`` at the lowest priority, for the cost model: per key whether it arrived (None: the call
+        failed as a whole, or waited past its deadline for a slot), and the seconds the tier took from the
+        moment it was asked (None: never asked). ``views`` must be the caller's own: a call past its
+        deadline may still write into them."""
+        asked_at: list[float] = []
+
+        def get() -> Awaitable[list[bool]]:
+            asked_at.append(time.perf_counter())
+            return self.tier.get_into(keys, views)
+
+        oks = await self._call(Priority.EXPLORE, get, len(keys), self.lookup_timeout_s * LOAD_DEADLINE_FACTOR)
+        seconds = time.perf_counter() - asked_at[0] if asked_at else None
+        return (None if oks is None else [bool(ok) for ok in oks]), seconds
 
     async def get_into(
         self,

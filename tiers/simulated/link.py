@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiercache.tiers.simulated.options import SimulatedOptions
+
 BYTES_PER_MB = 1e6
 
 
@@ -32,9 +34,9 @@ class _Work:
 class _Link:
     """The store's link on one event loop: serves queued sub-batches one at a time."""
 
-    def __init__(self, bandwidth_mb_s: float, fair: bool) -> None:
-        self.bytes_per_second = bandwidth_mb_s * BYTES_PER_MB
-        self.fair = fair
+    def __init__(self, options: SimulatedOptions) -> None:
+        self.options = options
+        self.fair = options.fair
         self._queues: dict[int, deque[_Work]] = {}
         self._ring: deque[int] = deque()
         self._fifo: deque[_Work] = deque()
@@ -81,7 +83,8 @@ class _Link:
                 continue
             if work.done.done():
                 continue
-            seconds = work.nbytes / self.bytes_per_second if self.bytes_per_second else 0.0
+            rate = self.options.bandwidth_mb_s * BYTES_PER_MB  # read per sub-batch: a test may change it live
+            seconds = work.nbytes / rate if rate else 0.0
             await asyncio.sleep(seconds)
             self.served.append(work.client)
             if not work.done.done():

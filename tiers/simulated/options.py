@@ -16,7 +16,7 @@ class SimulatedOptions:
     jitter_ms: float = 0.0
     """Uniform extra latency in [0, jitter_ms]."""
     bandwidth_mb_s: float = 0.0
-    """Link bandwidth shared by every client of the store; 0 = unlimited."""
+    """Link bandwidth shared by every client of the store; 0 = unlimited (read live, as ``latency_ms`` is)."""
     error_rate: float = 0.0
     """Probability that one key of a request fails (a miss or a failed write)."""
     timeout_rate: float = 0.0

@@ -59,7 +59,7 @@ class SimulatedStore:
         loop = asyncio.get_running_loop()
         link = self._links.get(loop)
         if link is None:
-            link = self._links[loop] = _Link(self.options.bandwidth_mb_s, self.options.fair)
+            link = self._links[loop] = _Link(self.options)
         return link
 
     def save(self, key: bytes, value: bytes) -> None:
