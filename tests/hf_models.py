@@ -36,7 +36,7 @@ from transformers import (
 
 from tiercache import TierManager
 from tiercache.config import TierCacheConfig, config_from_dict
-from tiercache.integrations.transformers import CachedModel
+from tiercache.integrations.transformers import CachedModel, cache_argument
 from tiercache.layout import KVLayout
 
 VOCAB = 256
@@ -142,7 +142,7 @@ def generate(model: Any, input_ids: torch.Tensor, cache: Any, max_new_tokens: in
     """Greedy ``generate`` keeping every step's logits."""
     return model.generate(
         input_ids,
-        past_key_values=cache,
+        **cache_argument(model, cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         output_logits=True,
@@ -161,7 +161,7 @@ class Replay:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> None:
         """A forward pass over ``input_ids`` continuing the history (how a prefix was first computed)."""
-        self.model(input_ids[:, self.cache.get_seq_length() :], past_key_values=self.cache)
+        self.model(input_ids[:, self.cache.get_seq_length() :], **cache_argument(self.model, self.cache))
 
     def turn(self, input_ids: torch.Tensor, reused_tokens: int, max_new_tokens: int) -> Any:
         """The request again, starting from the first ``reused_tokens`` of the history."""

@@ -33,7 +33,7 @@ from hf_models import (
 from transformers import DynamicCache
 
 from tiercache import TierManager
-from tiercache.integrations.transformers import CachedModel
+from tiercache.integrations.transformers import CachedModel, cache_argument
 
 HOLEY_GPU_BLOCKS = 12
 """S3-FIFO evicts by insertion order and hits, not recency: in a 12-block pool this chat's third round finds
@@ -91,9 +91,9 @@ def beams_reference(model: Any, prompt: torch.Tensor, computed_passes: list[int]
     cache = DynamicCache()
     with torch.no_grad():
         for end in computed_passes:
-            model(prompt[:, cache.get_seq_length() : end], past_key_values=cache)
+            model(prompt[:, cache.get_seq_length() : end], **cache_argument(model, cache))
     cache.batch_repeat_interleave(BEAMS["num_beams"])
-    return model.generate(prompt, past_key_values=cache, max_new_tokens=DECODE_STEPS, **BEAMS)
+    return model.generate(prompt, **cache_argument(model, cache), max_new_tokens=DECODE_STEPS, **BEAMS)
 
 
 def assert_same_beams(expected: Any, got: Any) -> None:

@@ -7,7 +7,7 @@ each a ``Turn``, under the model's ``ModelIdentity``.
 
 from tiercache.integrations.transformers.driver import CachedModel
 from tiercache.integrations.transformers.identity import ModelIdentity
-from tiercache.integrations.transformers.paged_cache import PagedCache, PagedLayer
+from tiercache.integrations.transformers.paged_cache import PagedCache, PagedLayer, cache_argument
 from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
 
-__all__ = ["CachedModel", "FirstTokenClock", "ModelIdentity", "PagedCache", "PagedLayer", "Turn"]
+__all__ = ["CachedModel", "FirstTokenClock", "ModelIdentity", "PagedCache", "PagedLayer", "Turn", "cache_argument"]

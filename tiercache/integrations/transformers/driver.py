@@ -38,7 +38,7 @@ import torch
 
 from tiercache import CapacityError
 from tiercache.integrations.transformers.identity import ModelIdentity
-from tiercache.integrations.transformers.paged_cache import PagedCache
+from tiercache.integrations.transformers.paged_cache import PagedCache, cache_argument
 from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
 from tiercache.keys import Tokens, token_array
 from tiercache.layout import KVLayout
@@ -154,7 +154,7 @@ class CachedModel:
             with turn:
                 turn.output = self.model.generate(
                     turn.input_ids,
-                    past_key_values=turn.cache,
+                    **cache_argument(self.model, turn.cache),
                     max_new_tokens=max_new_tokens,
                     streamer=clock,
                     **generate_kwargs,
@@ -182,12 +182,12 @@ class CachedModel:
                 with torch.no_grad():
                     self.model(
                         turn.input_ids[:, turn.cached_tokens : prefilled],
-                        past_key_values=turn.cache,
+                        **cache_argument(self.model, turn.cache),
                         **_last_logits_only(self.model),
                     )
             rows = turn.cache.dense(copies, self.model.dtype)
             turn.output = self.model.generate(
-                turn.input_ids, past_key_values=rows, max_new_tokens=max_new_tokens, **generate_kwargs
+                turn.input_ids, **cache_argument(self.model, rows), max_new_tokens=max_new_tokens, **generate_kwargs
             )
             turn.finish(turn.input_ids)
         return turn

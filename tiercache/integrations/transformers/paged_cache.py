@@ -18,6 +18,7 @@ attention kernel reads ``mgr.gpu.tensors`` through the block table instead.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -25,7 +26,16 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from tiercache.paged import BlockTable, PagedKV
 
-__all__ = ["PagedCache", "PagedLayer"]
+__all__ = ["PagedCache", "PagedLayer", "cache_argument"]
+
+
+def cache_argument(model: Any, cache: Cache) -> dict[str, Cache]:
+    """``cache`` under the keyword ``model`` takes it by: ``cache`` from transformers 5.24, ``past_key_values`` before.
+
+    Spread it into ``model(...)`` or ``model.generate(...)``; the old name only warns in 5.24 and goes later.
+    """
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {keyword: cache}
 
 
 class PagedLayer(DynamicLayer):
@@ -94,7 +104,7 @@ class PagedLayer(DynamicLayer):
 
 
 class PagedCache(Cache):
-    """A ``transformers`` ``Cache`` over the pool blocks of one request (pass it as ``past_key_values``)."""
+    """A ``transformers`` ``Cache`` over the pool blocks of one request (pass it with ``cache_argument``)."""
 
     def __init__(self, kv: PagedKV, block_table: BlockTable, cached_tokens: int = 0) -> None:
         """``block_table`` covers every position the request will reach; ``cached_tokens`` are already there."""
