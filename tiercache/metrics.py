@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from tiercache.units import MS_PER_SECOND
+
 LATENCY_BUCKETS_MS: tuple[float, ...] = tuple(round(0.01 * 2**i, 4) for i in range(22))
 """Upper bounds from 10 µs doubling to about 21 s."""
-MS_PER_SECOND = 1000.0
 LOOPBACK = "127.0.0.1"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -18,11 +18,12 @@ import itertools
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from tiercache.units import MS_PER_SECOND
+
 T = TypeVar("T")
 
 LOAD_RESERVED_SLOTS = 1
 """Slots of a limiter that only loads may take (when the limit leaves room for stores)."""
-MS_PER_SECOND = 1000.0
 TOKENS_PER_K = 1000.0
 
 

@@ -25,8 +25,8 @@ from tiercache.secret import keyed_namespace
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext, RemoteTier
 from tiercache.transfer_queue import Lane
+from tiercache.units import MS_PER_SECOND
 
-MS_PER_SECOND = 1000.0
 CLOSE_REMOTE_SECONDS = 2.0
 """How long the remote tiers' own ``close`` may take before they are abandoned."""
 

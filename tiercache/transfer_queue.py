@@ -31,12 +31,12 @@ from tiercache.metrics import Metrics
 from tiercache.queues import Priority, PriorityLimiter
 from tiercache.runtime import Runtime
 from tiercache.tiers.base import Presence, RemoteTier
+from tiercache.units import MS_PER_SECOND
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-MS_PER_SECOND = 1000.0
 LANE_BREAKER_FAILURES = 3
 """Consecutive failed or late operations after which a lane stops asking its tier for a while."""
 LANE_BACKOFF_SECONDS = 0.5

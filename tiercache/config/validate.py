@@ -15,13 +15,15 @@ import math
 import re
 from typing import Any
 
+from tiercache.units import MS_PER_SECOND
+
 MAX_WORKERS = 1024
 """Most threads, connections or worker tasks one tier (or queue) may start."""
 MAX_QUEUE_ITEMS = 1 << 24
 """Most blocks one in-memory queue or batch may hold."""
 MAX_TIMEOUT_S = 24 * 3600.0
 """Longest timeout, interval or back-off in seconds: longer is a unit mistake (ms given as s)."""
-MAX_TIMEOUT_MS = MAX_TIMEOUT_S * 1000.0
+MAX_TIMEOUT_MS = MAX_TIMEOUT_S * MS_PER_SECOND
 """``MAX_TIMEOUT_S`` for fields given in milliseconds."""
 MAX_RETRIES = 1000
 """Most retries of one operation."""

@@ -26,10 +26,10 @@ from tiercache.manager import CapacityError, TierManager
 from tiercache.tools.demo import serve
 from tiercache.tools.reference_model import ModelSpec, PagedKV, ReferenceModel, prefill_seconds_per_token
 from tiercache.tools.workload import ChatWorkload
+from tiercache.units import MS_PER_SECOND
 
 ALLOCATE_ATTEMPTS = 200
 """A full GPU pool may be waiting for write-through copies to unpin blocks: retry a while, then reject."""
-MS_PER_SECOND = 1000.0
 PROGRESS_WIDTH = 30
 PROGRESS_STEPS = 50
 """On a terminal the progress bar is redrawn about this many times per run."""

@@ -37,9 +37,9 @@ from tiercache.config.validate import (
     worker_count,
 )
 from tiercache.tiers.redis.options import RedisOptions, RedisServerOptions, redis_url
+from tiercache.units import MS_PER_SECOND
 
 log = logging.getLogger(__name__)
-MS_PER_SECOND = 1000.0
 DEPRECATED_NAMES = {"socket_timeout_ms": "timeout_s"}
 """Old option names and the Redis tier's names that replace them."""
 _warned: set[str] = set()

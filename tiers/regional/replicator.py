@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
 from tiercache.tiers.shutdown import stop_tasks
+from tiercache.units import MS_PER_SECOND
 
 log = logging.getLogger(__name__)
-MS_PER_SECOND = 1000.0
 GIVE_UP_LOG_INTERVAL_S = 10.0
 """At most one "gave up replicating" warning per this many seconds (with the count since the last)."""
 

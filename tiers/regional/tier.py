@@ -61,8 +61,7 @@ from tiercache.tiers.regional.retention import Retention, check_retention
 from tiercache.tiers.regional.stores import CentralStore, Damaged, RegionStore, discard_damaged
 from tiercache.tiers.regional.versions import value_checksum
 from tiercache.tiers.shutdown import stop_tasks
-
-MS_PER_SECOND = 1000.0
+from tiercache.units import MS_PER_SECOND
 
 
 class RegionalTier(RemoteTier):

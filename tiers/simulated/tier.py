@@ -24,8 +24,8 @@ from tiercache.codec import HEADER_SIZE
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.simulated.options import SimulatedOptions
 from tiercache.tiers.simulated.store import SimulatedStore
+from tiercache.units import MS_PER_SECOND
 
-MS_PER_SECOND = 1000.0
 KEY_BYTES_ON_WIRE = 64
 """Bytes a ``contains`` request costs on the link per key."""
 OP_KINDS = ("get", "put", "contains", "delete")

@@ -1,0 +1,4 @@
+"""Units shared across the library, named once so that a conversion reads as what it means."""
+
+MS_PER_SECOND = 1000.0
+"""Milliseconds in a second: options and stats speak milliseconds, clocks and asyncio seconds."""
