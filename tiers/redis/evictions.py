@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-import contextlib
 import dataclasses
 import logging
 from collections import Counter
@@ -26,18 +25,17 @@ from collections.abc import Callable, Sequence
 from urllib.parse import urlparse, urlunparse
 
 from tiercache.tiers.redis.options import RedisOptions
+from tiercache.tiers.subscription import Subscription
 
 log = logging.getLogger(__name__)
 
 EVENT_FLAGS = "Exe"
 """Key-event notifications (E) of expired (x) and evicted (e) keys."""
 EVENTS = ("evicted", "expired")
-POLL_S = 0.5
-"""Longest one wait for a notification lasts before the loop checks whether it is stopping."""
-MAX_REPORT_KEYS = 1024
-"""Notifications gathered into one report at most."""
 RESUBSCRIBE_MAX_S = 2.0
 """Longest pause between attempts to subscribe again after the connection was lost."""
+CLOSE_S = 1.0
+"""How long ``close`` waits for the subscriptions to stop before abandoning them."""
 
 
 class EvictionWatcher:
@@ -58,31 +56,47 @@ class EvictionWatcher:
         self.prefix = prefix
         self.report = report
         self.counts = counts
-        self.subscribed = 0
-        """Nodes whose notifications are being heard now."""
-        self._stopping = False
         self._refused_logged = False
-        self._tasks: list[asyncio.Task] = []
-        self._ready: list[asyncio.Event] = []
+        self._subscriptions: list[Subscription] = []
+
+    @property
+    def subscribed(self) -> int:
+        """Nodes whose notifications are being heard now."""
+        return sum(subscription.active.is_set() for subscription in self._subscriptions)
 
     async def start(self, timeout_s: float) -> None:
         """Start watching every node; wait up to ``timeout_s`` until each is subscribed (or gave up)."""
-        loop = asyncio.get_running_loop()
+        from tiercache.tiers.redis.control import connect  # redis-py: imported only when a watcher starts
+
+        db = 0 if self.options.cluster else _database(self.options.url)
+        channels = [f"__keyevent@{db}__:{event}" for event in EVENTS]
         for host, port in self.nodes:
-            ready = asyncio.Event()
-            self._ready.append(ready)
-            watch = self._watch(host, port, ready)
-            self._tasks.append(loop.create_task(watch, name=f"tiercache-{self.name}-evictions"))
-        if self._ready:
-            await asyncio.wait([loop.create_task(ready.wait()) for ready in self._ready], timeout=timeout_s)
+            options = _node_options(self.options, host, port)
+
+            async def enable(client: object, host: str = host, port: int = port) -> bool:
+                return await self._enable(client, host, port)
+
+            self._subscriptions.append(
+                Subscription(
+                    f"{self.name}-evictions-{host}:{port}",
+                    lambda options=options: connect(options),
+                    channels,
+                    self._report,
+                    max_pause_s=RESUBSCRIBE_MAX_S,
+                    on_lost=self._lost,
+                    prepare=enable,
+                )
+            )
+        if self._subscriptions:
+            loop = asyncio.get_running_loop()
+            waits = [loop.create_task(subscription.settled.wait()) for subscription in self._subscriptions]
+            _, pending = await asyncio.wait(waits, timeout=timeout_s)
+            for wait in pending:
+                wait.cancel()
 
     async def close(self) -> None:
-        self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        """Stop every subscription, bounded by ``CLOSE_S``."""
+        await asyncio.gather(*(subscription.close(CLOSE_S) for subscription in self._subscriptions))
 
     def block_key(self, redis_key: object) -> bytes | None:
         """The block key behind a notified Redis key of this tier's prefix (None for anything else)."""
@@ -93,39 +107,15 @@ class EvictionWatcher:
         except (binascii.Error, ValueError):
             return None
 
-    async def _watch(self, host: str, port: int, ready: asyncio.Event) -> None:
-        from tiercache.tiers.redis.control import connect  # redis-py: imported only when a watcher starts
+    async def _report(self, notified: list[object]) -> None:
+        keys = [key for key in map(self.block_key, notified) if key is not None]
+        if keys:
+            self.counts["evictions_reported"] += len(keys)
+            self.report(keys)
 
-        options = _node_options(self.options, host, port)
-        db = 0 if self.options.cluster else _database(self.options.url)
-        channels = [f"__keyevent@{db}__:{event}" for event in EVENTS]
-        pause = POLL_S / 10
-        while not self._stopping:
-            client = connect(options)
-            try:
-                if not await self._enable(client, host, port):
-                    return
-                async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(*channels)
-                    self.subscribed += 1
-                    ready.set()
-                    pause = POLL_S / 10
-                    try:
-                        await self._listen(pubsub)
-                    finally:
-                        self.subscribed -= 1
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                self.counts["eviction_watch_errors"] += 1
-                log.debug("redis tier %s: eviction notifications from %s:%d lost: %s", self.name, host, port, error)
-            finally:
-                ready.set()
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-            if not self._stopping:
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, RESUBSCRIBE_MAX_S)
+    def _lost(self, error: BaseException) -> None:
+        """Count a lost subscription (the subscription logs it and subscribes again)."""
+        self.counts["eviction_watch_errors"] += 1
 
     async def _enable(self, client: object, host: str, port: int) -> bool:
         """Add ``EVENT_FLAGS`` to the server's notification flags; False (logged once) when it refuses."""
@@ -147,22 +137,6 @@ class EvictionWatcher:
                 )
             return False
         return True
-
-    async def _listen(self, pubsub: object) -> None:
-        """Report notified keys, gathering those already arrived into one report."""
-        while not self._stopping:
-            message = await pubsub.get_message(timeout=POLL_S)  # type: ignore[attr-defined]
-            keys: list[bytes] = []
-            while message is not None:
-                key = self.block_key(message.get("data"))
-                if key is not None:
-                    keys.append(key)
-                if len(keys) >= MAX_REPORT_KEYS:
-                    break
-                message = await pubsub.get_message(timeout=0)  # type: ignore[attr-defined]
-            if keys:
-                self.counts["evictions_reported"] += len(keys)
-                self.report(keys)
 
 
 def _node_options(options: RedisOptions, host: str, port: int) -> RedisOptions:
