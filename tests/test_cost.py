@@ -117,7 +117,8 @@ def test_one_exploration_in_flight_per_tier() -> None:
 
 
 def test_staleness_stops_at_its_floor() -> None:
-    """Ten thousand bypasses leave the fit's past at half a fetch: its estimate stands until an exploration."""
+    """Ten thousand bypasses leave the fit's past at a tenth of a fetch (its floor): its estimate stands until an
+    exploration."""
     model = enabled_model(explore_fraction=1 / 20_000)
     model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, fetch_seconds(SLOW, LOAD_BLOCKS))
     estimate = model.expected_fetch_seconds(TIER, LOAD_BLOCKS)

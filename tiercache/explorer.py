@@ -8,9 +8,9 @@ took from it, off every request's path:
 * at the lane's lowest priority (``Priority.EXPLORE``: behind loads and stores,
   never in the slot a load arriving next needs), dropped unasked at the read
   deadline when the lane stays busy (``explorations_starved``);
-* into buffers of its own, so no load ever waits on it: a load finds its blocks
-  in the CPU tier once they are written there, in one critical section, never
-  half-written;
+* into buffers of its own, so no load waits on the remote for it: what arrived is
+  copied into CPU slots taken and committed under the manager's lock but filled
+  outside it (a load for a block being copied waits only for that copy);
 * one in flight per tier (the cost model's schedule), at most
   ``EXPLORE_MAX_BYTES`` and one load batch of blocks.
 
@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 from tiercache.cost import CostModel
 from tiercache.hierarchy import Hierarchy
+from tiercache.loads import FillWaiters
 from tiercache.local_tiers import LocalTiers
 from tiercache.metrics import Metrics
 from tiercache.runtime import Runtime
@@ -50,6 +51,7 @@ class Explorer:
         cost: CostModel,
         runtime: Runtime,
         views: Callable[[int], memoryview],
+        waiters: FillWaiters,
         metrics: Metrics,
         *,
         bytes_per_block: int,
@@ -63,6 +65,8 @@ class Explorer:
         self.cost = cost
         self.runtime = runtime
         self.views = views
+        self.waiters = waiters
+        """Loads waiting for a CPU slot an exploration is writing."""
         self.metrics = metrics
         self.bytes_per_block = bytes_per_block
         self.max_blocks = max(1, min(batch_blocks, EXPLORE_MAX_BYTES // bytes_per_block))
@@ -91,41 +95,49 @@ class Explorer:
     async def _explore(self, lane: Lane, keys: list[bytes]) -> None:
         buffers = [bytearray(self.bytes_per_block) for _ in keys]
         seconds: float | None = None
+        timed = len(keys)
         try:
             oks, seconds = await lane.explore(keys, [memoryview(buffer) for buffer in buffers])
             if oks is not None:
-                with self.lock:
-                    self._land(lane, keys, buffers, oks)
+                timed = sum(oks)  # what arrived times the link; nothing arrived says nothing of it
+                self._land(lane, keys, buffers, oks)
         except asyncio.CancelledError:
             self.metrics.add(lane.name, "explorations_cancelled")
             seconds = None
             raise
         finally:
             with self.lock:
-                self.cost.exploration_ended(lane.name, len(keys), len(keys) * self.bytes_per_block, seconds)
+                seconds = seconds if timed else None
+                self.cost.exploration_ended(lane.name, timed, timed * self.bytes_per_block, seconds)
 
     def _land(self, lane: Lane, keys: list[bytes], buffers: list[bytearray], oks: list[bool]) -> None:
-        """Write what arrived into the CPU tier, head of the chain first (under the lock: never half-written)."""
-        cpu = self.local.cpu
-        assert cpu is not None
+        """Write what arrived into the CPU tier, head of the chain first: slots taken under the lock, filled
+        outside it (a slot being written is read by no one; a load for its key waits for it), committed under it."""
         hierarchy = self.hierarchy
-        missed = [key for key, ok in zip(keys, oks, strict=True) if not ok]
-        hierarchy.forget(lane.index, missed, proven=False)  # rewritten by the next store; routers are not told
-        landed, slots, dropped = [], [], 0
-        for key, buffer, ok in zip(keys, buffers, oks, strict=True):
-            if not ok or key in cpu:
-                continue
-            slot = hierarchy.begin_cpu_write(key)
-            if slot is None:  # every slot pinned or being written: back-pressure
-                dropped += 1
-                continue
+        with self.lock:
+            cpu = self.local.cpu
+            assert cpu is not None
+            missed = [key for key, ok in zip(keys, oks, strict=True) if not ok]
+            hierarchy.forget(lane.index, missed, proven=False)  # rewritten by the next store; routers are not told
+            writes: list[tuple[bytes, bytearray, int]] = []
+            dropped = 0
+            for key, buffer, ok in zip(keys, buffers, oks, strict=True):
+                if not ok or key in cpu:
+                    continue
+                slot = hierarchy.begin_cpu_write(key)
+                if slot is None:  # every slot pinned or being written: back-pressure
+                    dropped += 1
+                    continue
+                writes.append((key, buffer, slot))
+        for _, buffer, slot in writes:
             self.views(slot)[:] = buffer
-            landed.append(key)
-            slots.append(slot)
-        hierarchy.end_cpu_writes(slots, [True] * len(slots))
-        if landed:
-            hierarchy.fetched(lane.index, landed, slots)
-        self.metrics.add(lane.name, "explored_blocks", len(landed))
-        self.metrics.add(lane.name, "explore_dropped_blocks", dropped)
-        self.metrics.add(lane.name, "explore_misses", len(missed))
-        self.dispatch()
+        landed, slots = [key for key, _, _ in writes], [slot for _, _, slot in writes]
+        with self.lock:
+            hierarchy.end_cpu_writes(slots, [True] * len(slots))
+            self.waiters.ended(landed, [True] * len(landed))
+            if landed:
+                hierarchy.fetched(lane.index, landed, slots)
+            self.metrics.add(lane.name, "explored_blocks", len(landed))
+            self.metrics.add(lane.name, "explore_dropped_blocks", dropped)
+            self.metrics.add(lane.name, "explore_misses", len(missed))
+            self.dispatch()

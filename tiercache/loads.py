@@ -91,8 +91,8 @@ class LoadRunner:
         cpu_name: str,
         gpu_name: str,
         bytes_per_block: int,
-        cost: CostModel | None = None,
-        dispatch: Callable[[], object] = lambda: None,
+        cost: CostModel | None,
+        dispatch: Callable[[], object],
     ) -> None:
         self.lock = lock
         self.local = local
@@ -265,8 +265,11 @@ class LoadRunner:
                 if not late:  # a late lane did not say whether it holds them
                     self.hierarchy.forget(lane.index, missed, proven=False)
                 self.hierarchy.observer.accessed(lane.name, keys)
-                if self.cost is not None:
-                    self.cost.observe_fetch(lane.name, len(keys), len(keys) * self.bytes_per_block, elapsed)
+                timed = len(got) or (len(keys) if elapsed >= lane.read_deadline_s else 0)
+                if self.cost is not None and timed:
+                    # what arrived, or a read that ran to its deadline, times the link; a read that failed
+                    # early (open breaker, exception, nothing held) says nothing of it
+                    self.cost.observe_fetch(lane.name, timed, timed * self.bytes_per_block, elapsed)
             pending = [item for item, ok in zip(pending, results, strict=True) if not ok]
             if missed and answer is not None:
                 self._check_missing(lane, missed)

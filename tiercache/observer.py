@@ -78,9 +78,11 @@ class FleetObserver:
             return
         announced = self._announced.get(tier)
         if announced is not None:
-            keys = [key for key in keys if key not in announced]
+            fresh = [key for key in keys if key not in announced]
             for key in keys:
                 announced[key] = None
+                announced.move_to_end(key)  # the least recently stored are forgotten first
+            keys = fresh
             while len(announced) > ANNOUNCED_PER_REMOTE:
                 announced.popitem(last=False)
             if not keys:

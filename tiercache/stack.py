@@ -101,25 +101,25 @@ class Stack:
         self.tier_names = TierNames(
             self.gpu.name, self.cpu.name if self.cpu else None, tuple(tier.name for tier in self.remotes)
         )
-        self.explorer = None if self.cost is None or self.cpu is None or not self.lanes else Explorer(
-            self.lock, self.local, self.hierarchy, self.lanes, self.cost, self.runtime, self.cpu.view, self.metrics,
-            bytes_per_block=self.layout.bytes_per_block, batch_blocks=queues.batch_blocks,
-            dispatch=lambda: self.mover.dispatch(),
-        )
-        self.lookup = PrefixLookup(self.local, self.probes, self.hierarchy, self.cost, self.tier_names,
-                                   self.block_size, self.explorer.start if self.explorer else None)
         self.waiters = FillWaiters()
         self.swap = None if self.cpu is None else SwapQueue(
             make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
         )
+        self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
+                            self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
+        self.explorer = None if self.cost is None or self.cpu is None or not self.lanes else Explorer(
+            self.lock, self.local, self.hierarchy, self.lanes, self.cost, self.runtime, self.cpu.view, self.waiters,
+            self.metrics, bytes_per_block=self.layout.bytes_per_block, batch_blocks=queues.batch_blocks,
+            dispatch=self.mover.dispatch,
+        )
+        self.lookup = PrefixLookup(self.local, self.probes, self.hierarchy, self.cost, self.tier_names,
+                                   self.block_size, self.explorer.start if self.explorer else None)
         self.loads = None if self.cpu is None or self.swap is None else LoadRunner(
             self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,
             self.metrics, batch_blocks=queues.batch_blocks, exclusive=config.exclusive, cpu_name=self.cpu.name,
             gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block, cost=self.cost,
-            dispatch=lambda: self.mover.dispatch(),
+            dispatch=self.mover.dispatch,
         )
-        self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
-                            self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
         for lane in self.lanes:
             lane.tier.on_evicted(functools.partial(self.mover.evicted, lane.index))
 

@@ -140,6 +140,11 @@ class Lane:
         if on_late is not None:
             on_late(call)
 
+    @property
+    def read_deadline_s(self) -> float:
+        """How long a read (a load's or an exploration's) may take before the lane gives up on it."""
+        return self.lookup_timeout_s * LOAD_DEADLINE_FACTOR
+
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
         """Per key, whether the tier holds it; ``UNKNOWN`` where the lane or the tier could not tell."""
         started = time.perf_counter()
@@ -167,7 +172,7 @@ class Lane:
             Priority.LOAD,
             lambda: self.tier.get_into(keys, views, force_latest=force_latest),
             len(keys),
-            self.lookup_timeout_s * LOAD_DEADLINE_FACTOR,
+            self.read_deadline_s,
             on_late,
         )
         self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
@@ -178,16 +183,19 @@ class Lane:
     ) -> tuple[list[bool] | None, float | None]:
         """``read`` at the lowest priority, for the cost model: per key whether it arrived (None: the call
         failed as a whole, or waited past its deadline for a slot), and the seconds the tier took from the
-        moment it was asked (None: never asked). ``views`` must be the caller's own: a call past its
-        deadline may still write into them."""
+        moment it was asked (None: never asked, or it failed before its deadline: an exception or an
+        open breaker says nothing of the link's speed). ``views`` must be the caller's own: a call past
+        its deadline may still write into them."""
         asked_at: list[float] = []
 
         def get() -> Awaitable[list[bool]]:
             asked_at.append(time.perf_counter())
             return self.tier.get_into(keys, views)
 
-        oks = await self._call(Priority.EXPLORE, get, len(keys), self.lookup_timeout_s * LOAD_DEADLINE_FACTOR)
+        oks = await self._call(Priority.EXPLORE, get, len(keys), self.read_deadline_s)
         seconds = time.perf_counter() - asked_at[0] if asked_at else None
+        if oks is None and seconds is not None and seconds < self.read_deadline_s:
+            seconds = None
         return (None if oks is None else [bool(ok) for ok in oks]), seconds
 
     async def get_into(

@@ -34,6 +34,7 @@ class WrittenKeys:
         for key in keys:
             self.landings += 1
             seen[key] = self.landings
+            seen.move_to_end(key)
         while len(seen) > self.remember:
             seen.popitem(last=False)
 
