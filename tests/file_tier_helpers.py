@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from redis_servers import remote_context
 
 from tiercache.codec import HEADER_SIZE
 from tiercache.tiers.file import FileOptions, FileTier
-from tiercache.tiers.file.capacity import DirectoryLock, list_segments
+from tiercache.tiers.file.capacity import DirectoryLock, SegmentFile, list_segments
+from tiercache.tiers.file.entries import DirectoryEntries
 from tiercache.tiers.file.records import RECORD_HEADER_SIZE
 
 BLOCK = 32 * 1024
@@ -38,8 +40,13 @@ async def open_tier(path: os.PathLike, **options: object) -> FileTier:
     return tier
 
 
+def segments_in(path: Path) -> list[SegmentFile]:
+    """The segment files in ``path`` as a tier there sees them."""
+    return list_segments(DirectoryEntries(Path(path), Counter()))
+
+
 def directory_bytes(path: Path) -> int:
-    return sum(segment.size for segment in list_segments(path))
+    return sum(segment.size for segment in segments_in(path))
 
 
 @contextlib.contextmanager

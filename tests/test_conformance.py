@@ -22,6 +22,7 @@ import pytest
 import redis
 import redis.cluster
 import yaml
+from file_tier_helpers import segments_in
 from redis_servers import RedisClusterNodes, RedisServer
 
 from tiercache.codec import HEADER_SIZE, Codec
@@ -31,7 +32,6 @@ from tiercache.testing.harness import StoreHarness
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext, RemoteTier
 from tiercache.tiers.file import FileOptions, FileTier
-from tiercache.tiers.file.capacity import list_segments
 from tiercache.tiers.file.records import RECORD_HEADER_SIZE, RecordKind, pack_header, scan
 from tiercache.tiers.redis import RedisOptions, RedisTier
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode
@@ -228,7 +228,7 @@ class FileHarness(StoreHarness):
     def _newest(self, key: bytes) -> bytes | None:
         """The newest value record of ``key`` not hidden by a tombstone (read from the segments themselves)."""
         value_version, body, tombstone = -1, None, -1
-        for segment in list_segments(self.root):
+        for segment in segments_in(self.root):
             fd = os.open(segment.path, os.O_RDONLY)
             try:
                 records, _ = scan(fd, 0, segment.size, HEADER_SIZE + self.block_bytes)

@@ -18,6 +18,7 @@ from file_tier_helpers import (
     directory_bytes,
     open_tier,
     run_writers,
+    segments_in,
     watching,
     with_tests_on_path,
 )
@@ -29,7 +30,6 @@ from tiercache.config import ConfigError, build_dataclass
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import Presence
 from tiercache.tiers.file import FileOptions, FileTier
-from tiercache.tiers.file.capacity import list_segments
 from tiercache.tiers.file.records import RecordKind, pack_header
 
 HELD, ABSENT = Presence.HELD, Presence.ABSENT
@@ -40,7 +40,7 @@ async def test_round_trip_segments_and_stats(tmp_path) -> None:
     try:
         keys, payloads = random_blocks(20, BLOCK)
         assert await tier.put(keys, payloads) == [True] * 20
-        segments = list_segments(tmp_path)
+        segments = segments_in(tmp_path)
         assert len(segments) == 1 and segments[0].size == 20 * RECORD  # one batch, one segment, no file per block
         out = empty_dests(20, BLOCK)
         assert await tier.get_into(keys, out) == [True] * 20
@@ -140,7 +140,7 @@ async def test_torn_writes_are_misses_never_wrong(tmp_path) -> None:
         assert all(await tier.put(keys[:2], payloads[:2]))
     finally:
         await tier.close()
-    segment = list_segments(tmp_path)[0].path
+    segment = segments_in(tmp_path)[0].path
     value = Codec(remote_context(BLOCK).codec.fingerprint).encode_value(keys[2], payloads[2])
     with open(segment, "ab") as handle:  # a crash after the header, halfway through the body
         handle.write(pack_header(RecordKind.VALUE, keys[2], time.time_ns(), len(value)) + value[: len(value) // 2])

@@ -7,8 +7,10 @@ unreadable file or a FIFO named like a segment broke puts or blocked the process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import stat
 import subprocess
 import sys
@@ -138,3 +140,34 @@ async def test_a_segment_whose_first_batch_is_still_being_written_is_not_skipped
         assert "skipped_entries" not in tier.stats()
     finally:
         await tier.close()
+
+
+async def test_a_read_while_the_process_is_out_of_descriptors_misses_and_the_segment_serves_afterwards(
+    tmp_path,
+) -> None:
+    """Too many open files is the process's state, not the entry's: the read misses, nothing is skipped, and the
+    same segment serves once descriptors are free again."""
+    tier = await open_tier(tmp_path)
+    reader = await open_tier(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        keys, payloads = random_blocks(4, BLOCK)
+        assert await tier.put(keys, payloads) == [True] * 4
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        assert await reader.get_into(keys, empty_dests(4, BLOCK)) == [False] * 4
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        out = empty_dests(4, BLOCK)
+        assert await reader.get_into(keys, out) == [True] * 4
+        assert [bytes(view) for view in out] == [bytes(payload) for payload in payloads]
+        assert reader.stats().get("skipped_entries", 0) == 0
+    finally:
+        await tier.close()
+        await reader.close()

@@ -20,8 +20,9 @@ slot and the version zeroed: the regional tier patches versions in place on the
 server) followed by the stored payload. A reader with the secret accepts only
 values whose MAC verifies. Unkeyed values keep format 1 (their bytes are
 unchanged, so readers of either release share them); a keyed value of format 1
-(written before key ids, its 16 bytes all MAC) is still read by a reader whose
-secret verifies it. The header keeps its size and offsets, so the xxh3 field
+(written before key ids, its 16 bytes all MAC, under a key and MAC key no keyed
+namespace uses any more) is left alone by every reader (``BAD_FORMAT``: it
+cannot be judged). The header keeps its size and offsets, so the xxh3 field
 still serves the regional tier's server-side compare-and-set.
 
 Judging a value that fails (``DecodeStatus.damaged``). A reader deletes a value
@@ -75,8 +76,6 @@ KEY_ID_BYTES = 4
 """Bytes of the key id at the start of a keyed value's MAC slot (two secrets share one with odds 2**-32)."""
 MAC_BYTES = FINGERPRINT_BYTES - KEY_ID_BYTES
 """BLAKE2b digest size of the keyed MAC (96 bits), after the key id in the slot."""
-LEGACY_MAC_BYTES = FINGERPRINT_BYTES
-"""The MAC of a format-1 keyed value fills the whole slot (128 bits)."""
 KEY_ID_PERSON = b"tiercache-keyid"
 """BLAKE2b personalisation of the key id, so it is never a MAC of anything else."""
 MIN_SECRET_BYTES = 16
@@ -189,14 +188,12 @@ class Codec:
         """The same namespace and secret with another compression setting (for a tier's own option)."""
         return Codec(self.fingerprint, compress=compress, secret=self.secret)
 
-    def _mac(
-        self, header: bytes | bytearray | memoryview, stored: memoryview | bytes, size: int = MAC_BYTES
-    ) -> bytes:
+    def _mac(self, header: bytes | bytearray | memoryview, stored: memoryview | bytes) -> bytes:
         """Keyed BLAKE2b over the header (real fingerprint, version zeroed) and the stored payload."""
         canonical = bytearray(header[:HEADER_SIZE])
         canonical[FINGERPRINT_OFFSET:KEY_OFFSET] = self.fingerprint
         canonical[VERSION_OFFSET:LENGTHS_OFFSET] = bytes(8)
-        mac = hashlib.blake2b(canonical, key=self.secret or b"", digest_size=size)
+        mac = hashlib.blake2b(canonical, key=self.secret or b"", digest_size=MAC_BYTES)
         mac.update(stored)
         return mac.digest()
 
@@ -252,10 +249,10 @@ class Codec:
         if magic != MAGIC:
             return DecodeStatus.BAD_MAGIC
         keyed = bool(flags & FLAG_MAC)
-        if flags & ~KNOWN_FLAGS or not (fmt == FORMAT_VERSION or (fmt == KEYED_FORMAT_VERSION and keyed)):
+        if flags & ~KNOWN_FLAGS or fmt != (KEYED_FORMAT_VERSION if keyed else FORMAT_VERSION):
             return DecodeStatus.BAD_FORMAT
         if keyed:
-            if self.secret is None or (fmt == KEYED_FORMAT_VERSION and fingerprint[:KEY_ID_BYTES] != self.key_id):
+            if self.secret is None or fingerprint[:KEY_ID_BYTES] != self.key_id:
                 return DecodeStatus.OTHER_KEY
         elif fingerprint != self.fingerprint:
             return DecodeStatus.WRONG_NAMESPACE
@@ -270,20 +267,12 @@ class Codec:
         return Header(flags, fingerprint, stored_key, version, stored_len, raw_len, checksum)
 
     def verify(self, header: memoryview | bytes | bytearray, stored: memoryview | bytes, expected: int) -> DecodeStatus:
-        """Check the stored payload against a validated header: the MAC if keyed, else the checksum.
-
-        A format-1 keyed value carries no key id: a MAC that does not verify may
-        be another secret's, so it is ``OTHER_KEY`` (left), not ``BAD_MAC``.
-        """
+        """Check the stored payload against a validated header: the MAC if keyed, else the checksum."""
         if self.secret is None:
             return DecodeStatus.OK if xxhash.xxh3_64_intdigest(stored) == expected else DecodeStatus.BAD_CHECKSUM
-        if header[FORMAT_OFFSET] == KEYED_FORMAT_VERSION:
-            mac = self._mac(header, stored)
-            found = header[FINGERPRINT_OFFSET + KEY_ID_BYTES : KEY_OFFSET]
-            return DecodeStatus.OK if hmac.compare_digest(mac, found) else DecodeStatus.BAD_MAC
-        mac = self._mac(header, stored, LEGACY_MAC_BYTES)
-        found = header[FINGERPRINT_OFFSET:KEY_OFFSET]
-        return DecodeStatus.OK if hmac.compare_digest(mac, found) else DecodeStatus.OTHER_KEY
+        mac = self._mac(header, stored)
+        found = header[FINGERPRINT_OFFSET + KEY_ID_BYTES : KEY_OFFSET]
+        return DecodeStatus.OK if hmac.compare_digest(mac, found) else DecodeStatus.BAD_MAC
 
     def check_in_place(self, key: bytes, header: bytes | bytearray | memoryview, payload: memoryview) -> DecodeStatus:
         """Validate an uncompressed value whose payload was received straight into ``payload``.

@@ -35,9 +35,11 @@ def token_array(tokens: Tokens) -> np.ndarray:
 
     A ``[1, T]`` batch of one (``input_ids`` as tokenizers return it) is flattened;
     arrays and tensors of any integer dtype are widened. Anything that is not an
-    integer id in ``[0, 2**63)`` is refused (``TypeError`` for floats, bools and
-    other non-integers, ``ValueError`` for ids out of range), never truncated or
-    wrapped, since two prompts that alias would share KV. torch is only consulted
+    integer id in ``[0, 2**63)`` is refused (``TypeError`` for floats, bool arrays
+    and tensors and other non-integers, ``ValueError`` for ids out of range), never
+    truncated or wrapped, since two prompts that alias would share KV. In a list, a
+    Python ``bool`` is the int it is in Python (``True`` is id 1): telling it apart
+    would double the cost of a list's conversion. torch is only consulted
     when it is already imported (a torch tensor cannot exist otherwise), so
     hashing stays light.
     """

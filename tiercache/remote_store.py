@@ -172,8 +172,7 @@ class RemoteStore:
         if not self._started:
             return
         try:
-            self.runtime.submit(self.runtime.drain(CLOSE_DRAIN_SECONDS), track=False).result()
-            self.runtime.submit(close_remotes(self.runtime, self.tiers), track=False).result()
+            self.runtime.submit(close_remotes(self.runtime, self.tiers, CLOSE_DRAIN_SECONDS), track=False).result()
         finally:
             self.runtime.stop()
 

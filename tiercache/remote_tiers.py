@@ -56,9 +56,12 @@ def build_remotes(
     return remotes, lanes
 
 
-async def close_remotes(runtime: Runtime, remotes: Sequence[RemoteTier]) -> None:
-    """On the loop: let tracked work finish (bounded), then close every tier within ``CLOSE_REMOTE_SECONDS``."""
-    await runtime.drain(CLOSE_REMOTE_SECONDS)
+async def close_remotes(
+    runtime: Runtime, remotes: Sequence[RemoteTier], drain_s: float = CLOSE_REMOTE_SECONDS
+) -> None:
+    """On the loop: let tracked work finish within ``drain_s``, then close every tier within
+    ``CLOSE_REMOTE_SECONDS``."""
+    await runtime.drain(drain_s)
     closing = [asyncio.ensure_future(tier.close()) for tier in remotes]
     if closing:
         await asyncio.wait(closing, timeout=CLOSE_REMOTE_SECONDS)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -62,6 +62,20 @@ LAST_ERROR = "last_error"
 """Stats name: the latest failure, with its cause (text; present once anything failed)."""
 COUNTED_BY_THE_TIER = (HITS, MISSES, BYTES_READ, BYTES_WRITTEN)
 """What every ``tier_stats()`` must hold."""
+GET_HIT = "get_hit"
+"""The ``<op>_<outcome>`` count of reads served, for tiers that count outcomes so (``outcome_stats``)."""
+
+
+def outcome_stats(counts: Mapping[str, int]) -> dict[str, float]:
+    """``tier_stats`` of a tier that counts ``<op>_<outcome>`` per key and ``bytes_read``/``bytes_written``:
+    every count, plus hits and misses derived from the ``get_`` outcomes."""
+    out = {name: float(count) for name, count in counts.items()}
+    hits = counts.get(GET_HIT, 0)
+    out[HITS] = float(hits)
+    out[MISSES] = float(sum(count for name, count in counts.items() if name.startswith("get_")) - hits)
+    out[BYTES_READ] = float(counts.get(BYTES_READ, 0))
+    out[BYTES_WRITTEN] = float(counts.get(BYTES_WRITTEN, 0))
+    return out
 
 
 class Presence(enum.Enum):
@@ -172,7 +186,7 @@ class RemoteTier(ABC):
             try:
                 listener(keys)
             except Exception:
-                log.exception("tier %s: an eviction listener failed", getattr(self, "name", "?"))
+                log.exception("tier %s: an eviction listener failed", self.name)
 
     @abstractmethod
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:

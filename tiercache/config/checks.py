@@ -44,8 +44,11 @@ def _class_of(
         raise ConfigError(source, field, f"{expected} ({error})", value) from None
 
 
-def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) -> None:
-    """Check one tier in place: type, name, policy and its options, capacity, and build its ``Options``."""
+def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout | None) -> None:
+    """Check one tier in place: type, name, policy and its options, capacity, and build its ``Options``.
+
+    ``layout`` sizes local tiers given in bytes; None for a remote-only topology (remote tiers never read it).
+    """
     from tiercache.policies import POLICIES, policy_class
     from tiercache.tiers import TIER_TYPES, default_tier_name, tier_class
 
@@ -68,7 +71,7 @@ def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout) -
         raise ConfigError(source, f"{path}.options", f"no options for tier type {tier.type!r}", tier.options)
 
 
-def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayout) -> None:
+def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayout | None) -> None:
     """Sizes parse and are positive; local tiers get ``capacity_blocks`` (memory is checked later)."""
     if tier.capacity_bytes is not None:
         try:
@@ -87,6 +90,7 @@ def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayou
 
     if tier.type not in LOCAL_TIER_TYPES:
         return
+    assert layout is not None, "local tiers are validated with the topology's layout"
     if tier.capacity_blocks is None and tier.capacity_bytes is None:
         raise ConfigError(source, f"{path}.capacity_blocks", "a positive integer (or capacity_bytes); it is required")
     if tier.capacity_blocks is None:

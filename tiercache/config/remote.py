@@ -25,11 +25,7 @@ from tiercache.config.checks import validate_tier, validate_unique_names
 from tiercache.config.env import apply_env_overrides, apply_overrides
 from tiercache.config.topology import QueueConfig, TierConfig, WritePolicy, read_yaml
 from tiercache.config.typed import ConfigError, build_dataclass
-from tiercache.layout import KVLayout
-from tiercache.tiers import LOCAL_TIER_TYPES
-
-NO_LAYOUT: KVLayout | None = None
-"""Remote tiers are sized by the engine's block bytes, never by a tiercache layout."""
+from tiercache.tiers import LOCAL_TIER_TYPES, tier_class
 
 
 @dataclass(frozen=True)
@@ -51,6 +47,11 @@ class RemoteTopology:
     model: RemoteModelConfig = field(default_factory=RemoteModelConfig)
     queues: QueueConfig = field(default_factory=QueueConfig)
     source: str = "<dict>"
+
+    @property
+    def versioned(self) -> bool:
+        """Whether a tier keeps versions (a regional tier): what a ``force_latest`` read needs."""
+        return any(tier_class(tier.type).capabilities.versioned for tier in self.tiers)
 
 
 def remote_topology_from_dict(
@@ -74,7 +75,7 @@ def remote_topology_from_dict(
             raise ConfigError(
                 source, f"{path}.type", "a remote tier type (the engine keeps its own GPU and CPU tiers)", tier.type
             )
-        validate_tier(tier, index, source, NO_LAYOUT)  # type: ignore[arg-type]  # remote tiers never read it
+        validate_tier(tier, index, source, None)
         if tier.write_policy is not WritePolicy.WRITE_THROUGH:
             raise ConfigError(
                 source,
@@ -93,3 +94,15 @@ def load_remote_topology(
 ) -> RemoteTopology:
     """Read and validate a remote-only YAML topology file."""
     return remote_topology_from_dict(read_yaml(path), str(path), overrides, environ)
+
+
+def remote_topology(
+    value: Any, source: str, overrides: Mapping[str, Any] | None = None, field_name: str = "topology"
+) -> RemoteTopology:
+    """The remote-only topology an engine's config names: the path of its YAML file, or the mapping itself."""
+    if isinstance(value, str | os.PathLike) and str(value):
+        return load_remote_topology(value, overrides)
+    if isinstance(value, Mapping):
+        return remote_topology_from_dict(value, f"{source} {field_name}", overrides)
+    expected = "the path of a remote-only tiercache topology (YAML), or that topology as a JSON object"
+    raise ConfigError(source, field_name, expected, value)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from tiercache.codec import FORMAT_OFFSET, HEADER_SIZE
 from tiercache.testing.harness import (
@@ -250,28 +251,21 @@ CHECKS: list[Check] = [
 
 
 class RemoteTierContract:
-    """The checks as pytest tests: subclass as ``Test<YourTier>`` and define a ``harness`` fixture."""
+    """The checks as pytest tests: subclass as ``Test<YourTier>`` and define a ``harness`` fixture.
 
-    def test_round_trip(self, harness: StoreHarness) -> None:
-        asyncio.run(check_round_trip(harness))
+    One ``test_<name>`` per ``check_<name>`` in ``CHECKS``, made below, so a check added there runs everywhere.
+    """
 
-    def test_delete(self, harness: StoreHarness) -> None:
-        asyncio.run(check_delete(harness))
 
-    def test_damaged_values_are_misses_and_removed(self, harness: StoreHarness) -> None:
-        asyncio.run(check_damaged_values_are_misses_and_removed(harness))
+def _as_test(check: Check) -> Callable[[Any, StoreHarness], None]:
+    def test(self: Any, harness: StoreHarness) -> None:
+        asyncio.run(check(harness))
 
-    def test_values_it_cannot_judge_are_kept(self, harness: StoreHarness) -> None:
-        asyncio.run(check_values_it_cannot_judge_are_kept(harness))
+    test.__name__ = test.__qualname__ = "test_" + check.__name__.removeprefix("check_")
+    test.__doc__ = check.__doc__
+    return test
 
-    def test_a_keyed_namespace_survives_readers_without_its_secret(self, harness: StoreHarness) -> None:
-        asyncio.run(check_a_keyed_namespace_survives_readers_without_its_secret(harness))
 
-    def test_an_unreachable_store_is_misses_unknowns_and_a_named_cause(self, harness: StoreHarness) -> None:
-        asyncio.run(check_an_unreachable_store_is_misses_unknowns_and_a_named_cause(harness))
-
-    def test_named_counters(self, harness: StoreHarness) -> None:
-        asyncio.run(check_named_counters(harness))
-
-    def test_close_is_bounded_with_removals_in_flight(self, harness: StoreHarness) -> None:
-        asyncio.run(check_close_is_bounded_with_removals_in_flight(harness))
+for _check in CHECKS:
+    _test = _as_test(_check)
+    setattr(RemoteTierContract, _test.__name__, _test)

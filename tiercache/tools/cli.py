@@ -31,7 +31,6 @@ from tiercache.metrics import StatsServer, fetch_stats, render_prometheus
 from tiercache.tiers.base import Presence
 from tiercache.tools.demo import format_report, run_workload
 from tiercache.tools.simulate import (
-    MS_PER_SECOND,
     PRESETS,
     Progress,
     load_workload,
@@ -42,6 +41,7 @@ from tiercache.tools.simulate import (
     write_plots,
 )
 from tiercache.tools.workload import ChatWorkload
+from tiercache.units import MS_PER_SECOND
 
 PROBE_TIMEOUT_S = 2.0
 """How long ``inspect`` waits for each remote operation before calling it unreachable."""

@@ -21,7 +21,6 @@ import errno
 import fcntl
 import os
 import threading
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +50,11 @@ class Freed:
     expired: int = 0
 
 
-def list_segments(root: Path, entries: DirectoryEntries | None = None) -> list[SegmentFile]:
-    """The segment files under ``root`` (files vanishing meanwhile, and whatever is not a segment, are skipped)."""
+def list_segments(entries: DirectoryEntries) -> list[SegmentFile]:
+    """The segment files of ``entries``' directory (files vanishing meanwhile, and whatever is not a segment,
+    are skipped)."""
     found = []
-    for entry in (entries or DirectoryEntries(root, Counter())).segments():
+    for entry in entries.segments():
         try:
             info = entry.stat(follow_symlinks=False)
         except FileNotFoundError:

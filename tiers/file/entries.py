@@ -11,6 +11,7 @@ replaced between the listing and the open cannot block a call either.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -25,6 +26,9 @@ SEGMENT_SUFFIX = ".seg"
 LOCK_NAME = ".lock"
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9_-]+\.[0-9]+" + re.escape(SEGMENT_SUFFIX))
 """``<writer>.<seq>.seg``: a writer id (host, pid and a random id, no dots) and a decimal sequence."""
+NOT_A_SEGMENT_ERRNOS = frozenset({errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO, errno.ENODEV, errno.EISDIR})
+"""Errors of ``open`` that say what an entry is (a symlink, a file it may not read, a socket, a device); any
+other (too many open files, no memory, an interrupted call) may pass and leaves the entry to be tried again."""
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 """Read-only, never waiting for a FIFO's writer, never following a symlink."""
 
@@ -83,16 +87,17 @@ class DirectoryEntries:
         self.counts["skipped_entries"] += 1
         logger.warning("file tier %s: skipping %s, not a segment this tier can read (%s)", self.root, name, why)
 
-    def skipped(self, name: str) -> bool:
-        """Whether ``name`` was found not to be a segment."""
-        return name in self._skipped
-
     def open(self, name: str) -> int | None:
-        """A read descriptor of segment ``name``; None if it is gone, or not a segment (then skipped)."""
+        """A read descriptor of segment ``name``; None if it is gone, not a segment (then skipped) or could not
+        be opened now (``open_errors``; tried again next time)."""
         try:
             return open_regular(self.root / name)
         except FileNotFoundError:
             return None
         except OSError as error:
-            self.skip(name, error)
+            if error.errno is None or error.errno in NOT_A_SEGMENT_ERRNOS:
+                self.skip(name, error)
+            else:
+                self.counts["open_errors"] += 1
+                logger.debug("file tier %s: cannot open %s now: %s", self.root, name, error)
             return None

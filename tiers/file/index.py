@@ -36,7 +36,6 @@ class SegmentIndex:
     """Key -> ``Entry`` for one directory, plus cached read descriptors (thread-safe)."""
 
     def __init__(self, entries: DirectoryEntries, max_body: int, counts: Counter) -> None:
-        self.root = entries.root
         self.entries = entries
         self.max_body = max_body
         self.counts = counts

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, outcome_stats
 from tiercache.tiers.file.options import FileOptions
 from tiercache.tiers.file.segments import ReadResult, SegmentStore
 
@@ -162,13 +162,7 @@ class FileTier(RemoteTier):
 
     def tier_stats(self) -> dict[str, float]:
         """``<op>_<outcome>`` counts, hits/misses, bytes, usage, GC counters."""
-        out = {name: float(count) for name, count in self._counts.items()}
-        hits = self._counts["get_hit"]
-        gets = sum(count for name, count in self._counts.items() if name.startswith("get_"))
-        out["hits"] = float(hits)
-        out["misses"] = float(gets - hits)
-        out["bytes_read"] = float(self._counts["bytes_read"])
-        out["bytes_written"] = float(self._counts["bytes_written"])
+        out = outcome_stats(self._counts)
         out["used_bytes"] = float(self.store.writer.usage)
         out["used_blocks"] = float(self.store.blocks)
         return out

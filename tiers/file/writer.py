@@ -112,7 +112,7 @@ class SegmentWriter:
                 usage = sum(self._sizes.current().values())
                 segments: list[SegmentFile] = []
                 if usage + total > self.bound:
-                    segments = list_segments(self.root, self.entries)
+                    segments = list_segments(self.entries)
                     usage = sum(segment.size for segment in segments)
                     target = int(self.bound * self.options.gc_low_watermark) - total
                     usage = free_down_to(segments, usage, target, freed)
@@ -128,7 +128,7 @@ class SegmentWriter:
                         raise
                     # The disk is smaller than the bound: free a watermark's worth below what is there.
                     self.counts["gc_nospace"] += 1
-                    segments = segments or list_segments(self.root, self.entries)
+                    segments = segments or list_segments(self.entries)
                     target = int(usage * self.options.gc_low_watermark) - total
                     usage = free_down_to([s for s in segments if s.name not in freed.segments], usage, target, freed)
                     active = self._writable(total)  # GC may have taken this writer's own segment
@@ -198,7 +198,7 @@ class SegmentWriter:
         """Re-measure, expire by age, free down to the watermark if over."""
         freed = Freed()
         with self._dirlock.held():
-            segments = list_segments(self.root, self.entries)
+            segments = list_segments(self.entries)
             if self.options.max_age_s is not None:
                 segments = expire(segments, time.time() - self.options.max_age_s, freed)
             usage = sum(segment.size for segment in segments)

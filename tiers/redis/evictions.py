@@ -47,10 +47,13 @@ class EvictionWatcher:
         options: RedisOptions,
         nodes: Sequence[tuple[str, int]],
         prefix: bytes,
+        db: int,
         report: Callable[[list[bytes]], None],
         counts: Counter,
     ) -> None:
         self.name = name
+        self.db = 0 if options.cluster else db
+        """The database whose key events are heard (a cluster has only database 0)."""
         self.options = options
         self.nodes = list(nodes)
         self.prefix = prefix
@@ -68,8 +71,7 @@ class EvictionWatcher:
         """Start watching every node; wait up to ``timeout_s`` until each is subscribed (or gave up)."""
         from tiercache.tiers.redis.control import connect  # redis-py: imported only when a watcher starts
 
-        db = 0 if self.options.cluster else _database(self.options.url)
-        channels = [f"__keyevent@{db}__:{event}" for event in EVENTS]
+        channels = [f"__keyevent@{self.db}__:{event}" for event in EVENTS]
         for host, port in self.nodes:
             options = _node_options(self.options, host, port)
 
@@ -146,7 +148,3 @@ def _node_options(options: RedisOptions, host: str, port: int) -> RedisOptions:
     netloc = f"{userinfo}@{host}:{port}" if userinfo else f"{host}:{port}"
     return dataclasses.replace(options, url=urlunparse(parsed._replace(netloc=netloc)), cluster=False)
 
-
-def _database(url: str) -> int:
-    path = urlparse(url).path.lstrip("/")
-    return int(path) if path.isdigit() else 0

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, outcome_stats
 from tiercache.tiers.redis.cluster import key_slot, slot_map
 from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
 from tiercache.tiers.redis.evictions import EvictionWatcher
@@ -19,6 +19,7 @@ from tiercache.tiers.redis.lane import Job
 from tiercache.tiers.redis.node import Endpoint, Node
 from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.resp import CRLF
+from tiercache.units import MS_PER_SECOND
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ CLUSTER_REFRESH_MIN_INTERVAL_S = 1.0
 """A cluster's slot map is reloaded at most this often."""
 TOPOLOGY_HINTS = frozenset({"moved", "connect", "connection", "timeout", "unrouted"})
 """Outcomes after which a cluster's slot map may be stale."""
-MILLISECONDS = 1000
 
 
 class RedisTier(RemoteTier):
@@ -46,7 +46,7 @@ class RedisTier(RemoteTier):
         self.tls_context = endpoint.tls_context
         self._prefix = options.key_prefix.encode()
         ttl = options.ttl_s
-        ttl_ms = str(int(ttl * MILLISECONDS)).encode() if ttl else b""
+        ttl_ms = str(int(ttl * MS_PER_SECOND)).encode() if ttl else b""
         self._set_tail = CRLF + (b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl_ms), ttl_ms) if ttl else b"")
         self.connections = options.connections_for(self.block_bytes)
         """Lanes (connection + I/O thread) per node."""
@@ -139,7 +139,9 @@ class RedisTier(RemoteTier):
         if not self.options.notify_evictions or not self._eviction_listeners:
             return
         nodes = [(node.host, node.port) for node in self._nodes.values()] or [self._seed]
-        self._watcher = EvictionWatcher(self.name, self.options, nodes, self._prefix, self.report_evicted, self._counts)
+        self._watcher = EvictionWatcher(
+            self.name, self.options, nodes, self._prefix, self.db, self.report_evicted, self._counts
+        )
         await self._watcher.start(self.options.connect_timeout_s)
 
     async def close(self) -> None:
@@ -240,13 +242,7 @@ class RedisTier(RemoteTier):
 
     def tier_stats(self) -> dict[str, float]:
         """``<op>_<outcome>`` counts per block, hits/misses, bytes, breaker and connection state."""
-        out = {k: float(v) for k, v in self._counts.items()}
-        hits = self._counts["get_hit"]
-        gets = sum(v for k, v in self._counts.items() if k.startswith("get_"))
-        out["hits"] = float(hits)
-        out["misses"] = float(gets - hits)
-        out["bytes_read"] = float(self._counts["bytes_read"])
-        out["bytes_written"] = float(self._counts["bytes_written"])
+        out = outcome_stats(self._counts)
         breakers = [node.breaker for node in self._nodes.values()]
         out["nodes"] = float(len(self._nodes))
         out["breaker_open_nodes"] = float(sum(b.state != 0 for b in breakers))

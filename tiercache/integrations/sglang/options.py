@@ -20,9 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
+from tiercache.config.remote import RemoteTopology, remote_topology
 from tiercache.config.typed import ConfigError
-from tiercache.tiers import tier_class
 
 SOURCE = "--hicache-storage-backend-extra-config"
 """Where the options come from, as errors name it."""
@@ -54,17 +53,8 @@ class BackendOptions:
         force_latest = extra.get("force_latest", False)
         if not isinstance(force_latest, bool):
             raise ConfigError(SOURCE, "force_latest", "true or false", force_latest)
-        topology = _topology(extra.get("topology"), overrides)
-        if force_latest and not any(tier_class(tier.type).capabilities.versioned for tier in topology.tiers):
+        topology = remote_topology(extra.get("topology"), SOURCE, overrides)
+        if force_latest and not topology.versioned:
             expected = "false, or a topology with a versioned tier (type: regional)"
             raise ConfigError(SOURCE, "force_latest", expected, True)
         return cls(topology, force_latest)
-
-
-def _topology(value: Any, overrides: Mapping[str, Any]) -> RemoteTopology:
-    if isinstance(value, str) and value:
-        return load_remote_topology(value, overrides)
-    if isinstance(value, Mapping):
-        return remote_topology_from_dict(value, f"{SOURCE} topology", overrides)
-    expected = "the path of a remote-only tiercache topology (YAML), or that topology as a JSON object"
-    raise ConfigError(SOURCE, "topology", expected, value)

@@ -17,10 +17,10 @@ must never wait on the network. ``ProbeBook.lookup`` answers from a dict:
 - a failed load marks its failed keys ``MISS`` (``mark_miss``), or vLLM would
   promote them again forever.
 
-Probes in flight are shared by every request that asks for the key; results of
-a probe that a newer one replaced are dropped (generations, as in vLLM's own
-``AsyncLookupManager``). No thread of its own: the store's loop resolves the
-futures, and the lookups read them.
+Probes in flight are shared by every request that asks for the key, and stay
+until answered (so no newer probe of a key ever replaces one in flight). No
+thread of its own: the store's loop resolves the futures, and the lookups read
+them.
 """
 
 from __future__ import annotations
@@ -81,19 +81,17 @@ class ProbeBook:
         if req_id not in probe.requests:  # asked again every step while the request waits: nothing to record
             probe.requests.add(req_id)
             self._request_keys.setdefault(req_id, set()).add(key)
+        if probe.found is None:
+            batch = probe.batch  # set until its answer is applied
+            assert batch is not None
+            if batch.future is None or not self._settle(batch):
+                return LookupResult.RETRY
         found = probe.found
-        if found is None:
-            batch = probe.batch
-            if batch is None or batch.future is None:
-                return LookupResult.RETRY
-            if not self._settle(batch):
-                return LookupResult.RETRY
-            found = probe.found
-            assert found is not None
+        assert found is not None
         if found.presence is Presence.HELD:
             return LookupResult.HIT
         if found.presence is Presence.UNKNOWN:
-            self._forget(probe)
+            del self._probes[key]  # 'could not tell' is this request's MISS; the next one probes again
         return LookupResult.MISS
 
     def flush(self) -> None:
@@ -120,8 +118,6 @@ class ProbeBook:
         else:
             return False
         for probe, found in zip(batch.probes, answers, strict=True):
-            if self._probes.get(probe.key) is not probe:
-                continue  # a newer probe of the key replaced this one
             probe.batch, probe.found = None, found
             if not probe.requests:
                 del self._probes[probe.key]
@@ -145,14 +141,7 @@ class ProbeBook:
             if not probe.requests and probe.batch is None:
                 del self._probes[key]
 
-    def _forget(self, probe: _Probe) -> None:
-        if self._probes.get(probe.key) is probe:
-            del self._probes[probe.key]
-
     @property
     def busy(self) -> bool:
         """Probes waiting to be sent or in flight."""
         return bool(self._pending.probes or self._in_flight)
-
-    def __len__(self) -> int:
-        return len(self._probes)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import override
@@ -53,14 +52,14 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.config.remote import load_remote_topology, remote_topology_from_dict
+from tiercache.config.remote import remote_topology
 from tiercache.integrations.vllm.jobs import Job, JobBook
 from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
 from tiercache.integrations.vllm.namespace import vllm_namespace
 from tiercache.integrations.vllm.probes import GIVE_UP_FACTOR, ProbeBook
 from tiercache.remote_answers import resolved
 from tiercache.remote_store import RemoteStore
-from tiercache.remote_tiers import MS_PER_SECOND
+from tiercache.units import MS_PER_SECOND
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -118,21 +117,18 @@ class TierCacheTier(SecondaryTierManager):
         events = enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         if enable_kv_events and not events:
             log.warning("secondary tier %r: enable_kv_events is set but vLLM's KV events are off", tier_type)
-        if isinstance(topology, Mapping):
-            remote = remote_topology_from_dict(topology, f"secondary tier {tier_type!r} topology", overrides)
-        else:
-            remote = load_remote_topology(Path(topology), overrides)
+        remote = remote_topology(topology, f"secondary tier {tier_type!r}", overrides)
+        if self.force_latest and not remote.versioned:
+            raise ValueError(
+                f"secondary tier {tier_type!r}: force_latest needs a versioned tier (type: regional) in "
+                f"{remote.source}; its tiers are {[tier.name for tier in remote.tiers]}"
+            )
         self.store = RemoteStore(
             remote, vllm_namespace(offloading_spec.config, self.block_size_bytes), self.block_size_bytes,
             record_events=events,
         )
         key_id = self.store.namespace.key_id
         self._ownership_suffix = f"@{key_id[:OWNERSHIP_KEY_ID_BYTES].hex()}" if key_id else ""
-        if self.force_latest and not self.store.versioned:
-            raise ValueError(
-                f"secondary tier {tier_type!r}: force_latest needs a versioned tier (type: regional) in "
-                f"{remote.source}; its tiers are {self.store.names}"
-            )
         self._rows = primary_kv_view.cast("B")
         give_up_s = GIVE_UP_FACTOR * remote.queues.remote_lookup_timeout_ms / MS_PER_SECOND
         self._probes = ProbeBook(self.store, give_up_s)
