@@ -4,9 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
+source scripts/venv.sh
 VENV=.venv
-TORCH_VERSION=2.13.0
 
 missing=""
 command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
@@ -20,17 +19,9 @@ if [ -n "$missing" ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
-fi
-
-stamp="$VENV/.tiercache-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+if needs_setup "$VENV" pyproject.toml scripts/setup.sh scripts/venv.sh; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    # torch first: the pinned CPU build satisfies the package's range, so pip
-    # never pulls a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
     "$VENV/bin/python" -m pip install -q -e ".[test,bench,metrics,events,hf]"
-    echo "$want" > "$stamp"
+    setup_done "$VENV"
 fi

@@ -7,25 +7,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
+source scripts/venv.sh
 VENV=.venv-sglang
-TORCH_VERSION=2.13.0
 
 bash scripts/setup.sh   # redis-server, openssl (the tests' servers)
 
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
-fi
-
-stamp="$VENV/.tiercache-setup"
-want="$(cat pyproject.toml scripts/setup_sglang.sh scripts/sglang-cpu.txt | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+if needs_setup "$VENV" pyproject.toml scripts/setup_sglang.sh scripts/venv.sh scripts/sglang-cpu.txt; then
     pip="$VENV/bin/python -m pip install -q"
     $pip --upgrade pip
     $pip "torch==$TORCH_VERSION"
     $pip --no-deps -r scripts/sglang-cpu.txt
+    # tiercache itself, then its own requirements resolved as usual (those SGLang's set has are left as
+    # they are), and the test runner.
     $pip --no-deps -e .
-    $pip "redis[hiredis]>=5.0" "lz4>=4.0" "xxhash>=3.0" "sortedcontainers>=2.4" "pytest>=8" "pytest-asyncio>=0.23"
+    tiercache_dependencies "$VENV" | xargs $pip "pytest>=8" "pytest-asyncio>=0.23"
     "$VENV/bin/python" -W ignore -c "import tiercache.integrations.sglang" >/dev/null
-    echo "$want" > "$stamp"
+    setup_done "$VENV"
 fi
