@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from redis_servers import RedisServer, empty_dests, random_blocks
@@ -26,6 +27,7 @@ BLOCK_BYTES = 4096
 COUNT = 8
 WAIT_S = 10.0
 NAMESPACE = Namespace("test-model", "fp16:4096:tp1", tp_rank=0)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def topology(*servers: RedisServer, **queues: object) -> dict:
@@ -249,3 +251,21 @@ def test_a_secret_keys_the_values_so_a_store_without_it_cannot_read_them(
     monkeypatch.setenv("TC_TEST_SECRET", "short")
     with pytest.raises(ConfigError, match=r"model\.secret_env"):
         RemoteStore(remote_topology_from_dict(keyed, "k.yaml"), NAMESPACE, BLOCK_BYTES)
+
+
+def test_the_shipped_redis_topology_builds_a_store_by_path_and_one_by_mapping_reads_its_writes(
+    redis_server: RedisServer,
+) -> None:
+    """``from_yaml`` and ``from_dict``, as an engine author starts: ``configs/remote/redis.yaml`` aimed at a server."""
+    url = {"tiers.redis.options.url": redis_server.url}
+    writer = RemoteStore.from_yaml(REPO / "configs" / "remote" / "redis.yaml", NAMESPACE, BLOCK_BYTES, overrides=url,
+                                   environ={})
+    reader = RemoteStore.from_dict(topology(redis_server), NAMESPACE, BLOCK_BYTES)
+    with writer, reader:
+        assert writer.names == ["redis"] and writer.topology.source.endswith("redis.yaml")
+        _, payloads = random_blocks(COUNT, BLOCK_BYTES, seed=21)
+        keys = writer.keys(engine_keys(COUNT, seed=21))
+        assert writer.write(keys, payloads).result(WAIT_S) == [True] * COUNT
+        views = empty_dests(COUNT, BLOCK_BYTES)
+        assert reader.read(keys, views).result(WAIT_S) == [True] * COUNT
+        assert [bytes(view) for view in views] == [bytes(payload) for payload in payloads]

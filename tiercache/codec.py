@@ -76,7 +76,7 @@ KEY_ID_BYTES = 4
 """Bytes of the key id at the start of a keyed value's MAC slot (two secrets share one with odds 2**-32)."""
 MAC_BYTES = FINGERPRINT_BYTES - KEY_ID_BYTES
 """BLAKE2b digest size of the keyed MAC (96 bits), after the key id in the slot."""
-KEY_ID_PERSON = b"tiercache-keyid"
+VALUE_KEY_ID_PERSON = b"tiercache-keyid"
 """BLAKE2b personalisation of the key id, so it is never a MAC of anything else."""
 MIN_SECRET_BYTES = 16
 """A shorter secret is refused."""
@@ -170,7 +170,7 @@ class Codec:
         if secret is not None:
             self._format = KEYED_FORMAT_VERSION
             self.key_id = hashlib.blake2b(
-                fingerprint, key=secret, digest_size=KEY_ID_BYTES, person=KEY_ID_PERSON
+                fingerprint, key=secret, digest_size=KEY_ID_BYTES, person=VALUE_KEY_ID_PERSON
             ).digest()
             slot = self.key_id + bytes(MAC_BYTES)
         fixed = HEADER.pack(MAGIC, self._format, self._flags, 0, slot, bytes(16), 0, 0, 0, 0)

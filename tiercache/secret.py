@@ -47,7 +47,7 @@ SCRYPT_MAXMEM = 64 * 1024 * 1024
 STRETCHED_BYTES = 32
 SALT_LABEL = b"tiercache-namespace-secret\x1f"
 """Prefix of the scrypt salt (then the unkeyed namespace root)."""
-KEY_ID_PERSON = b"tiercache-ns-id"
+NAMESPACE_KEY_ID_PERSON = b"tiercache-ns-id"
 """BLAKE2b personalisation of the key id (at most 16 bytes), so it is never the MAC key or anything else."""
 MAC_KEY_PERSON = b"tiercache-mac"
 """BLAKE2b personalisation of the MAC key."""
@@ -71,7 +71,7 @@ def namespace_key(secret: bytes, namespace: Namespace) -> NamespaceKey:
     stretched = hashlib.scrypt(
         secret, salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P, maxmem=SCRYPT_MAXMEM, dklen=STRETCHED_BYTES
     )
-    key_id = hashlib.blake2b(key=stretched, person=KEY_ID_PERSON, digest_size=KEY_BYTES).digest()
+    key_id = hashlib.blake2b(key=stretched, person=NAMESPACE_KEY_ID_PERSON, digest_size=KEY_BYTES).digest()
     mac_key = hashlib.blake2b(key=stretched, person=MAC_KEY_PERSON, digest_size=MAC_KEY_BYTES).digest()
     return NamespaceKey(key_id, mac_key)
 
