@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.config import config_from_dict
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 from tiercache.tools.simulate import SessionWorkload, simulate, summary_table, timed_requests
 from tiercache.tools.workload import ChatWorkload
 

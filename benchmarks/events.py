@@ -1,6 +1,6 @@
 """KV events: what a store or an eviction pays on the engine's thread, and how fast batches go out.
 
-The engine-facing calls of tiercache.events.sink.EventSink (``stored`` for one
+The engine-facing calls of tiercache.telemetry.events.sink.EventSink (``stored`` for one
 request's 64 blocks, ``removed`` for one block) are timed on this thread while
 the background thread drains, encodes and publishes to a ZeroMQ PUB socket on
 loopback with a SUB connected. The ceiling measured in the same run is a bare
@@ -28,8 +28,8 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
-from tiercache.events.config import EventsConfig
-from tiercache.events.sink import EventSink
+from tiercache.telemetry.events.config import EventsConfig
+from tiercache.telemetry.events.sink import EventSink
 
 BLOCKS_PER_STORE = 64
 """One 1024-token prompt of 16-token blocks."""

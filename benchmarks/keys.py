@@ -15,7 +15,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
-from tiercache.keys import BlockHasher, Namespace
+from tiercache.blocks.keys import BlockHasher, Namespace
 
 TOKENS = 1 << 20
 REPEATS = 5

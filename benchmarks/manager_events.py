@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.config import config_from_dict
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 
 LAYOUT = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16", "block_size": 16}
 BLOCKS_PER_REQUEST = 4

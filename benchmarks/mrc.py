@@ -36,8 +36,8 @@ from common import write_result
 from mrc_reference import block_key, exact_lru_curve, zipf_keys
 from policy_traces import zipf, zipf_with_scans
 
-from tiercache.mrc import DEFAULT_MULTIPLES, MissRatioCurve
 from tiercache.policies.lru import LRUPolicy
+from tiercache.telemetry.mrc import DEFAULT_MULTIPLES, MissRatioCurve
 
 WIDE_TRACES: dict[str, dict[str, float]] = {
     "zipf0.9_wide": {"key_space": 2.0, "alpha": 0.9, "capacity": 0.05},

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.config import config_from_dict
-from tiercache.manager import CapacityError, TierManager
+from tiercache.manager.tier_manager import CapacityError, TierManager
 
 LAYOUT = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 16}
 STEPS = 150

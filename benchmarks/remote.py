@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 SIZES = {"64KiB": 64 * 1024, "2MiB": 2 * 1024 * 1024}

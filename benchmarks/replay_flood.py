@@ -34,8 +34,8 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
-from tiercache.events.config import EventsConfig
-from tiercache.events.sink import EventSink
+from tiercache.telemetry.events.config import EventsConfig
+from tiercache.telemetry.events.sink import EventSink
 
 BLOCKS_PER_STORE = 64
 BLOCK_SIZE = 16

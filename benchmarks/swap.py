@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_result
 
-from tiercache.layout import KVLayout, MemoryOrder
-from tiercache.swap import PathChoice, SwapPath, Swapper, TorchSwapper, build_swapper, make_swapper
+from tiercache.blocks.layout import KVLayout, MemoryOrder
+from tiercache.movement.swap import PathChoice, SwapPath, Swapper, TorchSwapper, build_swapper, make_swapper
 
 BLOCK_COUNTS = (64, 512)
 REPEATS = 7

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import write_result
 from redis_servers import RedisServer
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.redis import RedisOptions, RedisTier
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode

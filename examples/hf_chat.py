@@ -28,9 +28,9 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiercache import TierManager
+from tiercache.blocks.layout import KVLayout
 from tiercache.config import config_from_dict
 from tiercache.integrations.transformers import CachedModel, FirstTokenClock, Turn
-from tiercache.layout import KVLayout
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 1024

@@ -2,13 +2,15 @@
 
 A topology may also name a policy outside tiercache by module path (``policy:
 mypkg.policies:Mine``): any subclass of ``tiercache.policies.base.EvictionPolicy``.
+
+Imports from: ``common``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tiercache.plugins import PluginError, find_class
+from tiercache.common.plugins import PluginError, find_class
 from tiercache.policies.base import EvictionPolicy
 
 POLICIES: dict[str, str] = {

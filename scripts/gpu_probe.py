@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from tiercache.swap.dma import BATCH_API_VERSION, DRIVER_LIBRARY
+from tiercache.movement.swap.dma import BATCH_API_VERSION, DRIVER_LIBRARY
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from redis_servers import remote_context
 
-from tiercache.codec import HEADER_SIZE
+from tiercache.blocks.codec import HEADER_SIZE
 from tiercache.tiers.file import FileOptions, FileTier
 from tiercache.tiers.file.capacity import DirectoryLock, SegmentFile, list_segments
 from tiercache.tiers.file.entries import DirectoryEntries

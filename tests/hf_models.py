@@ -35,9 +35,9 @@ from transformers import (
 )
 
 from tiercache import TierManager
+from tiercache.blocks.layout import KVLayout
 from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.integrations.transformers import CachedModel, cache_argument
-from tiercache.layout import KVLayout
 
 VOCAB = 256
 BLOCK_SIZE = 4

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from tiercache.blocks.paged import PagedKV
 from tiercache.config import TierCacheConfig, config_from_dict
-from tiercache.manager import TierManager
-from tiercache.paged import PagedKV
+from tiercache.manager.tier_manager import TierManager
 
 TEST_DEVICE = os.getenv("TEST_TIERCACHE_DEVICE", "cpu")
 """The GPU tier's device in the manager tests: ``cpu`` stands in for it; ``cuda`` on a GPU machine.

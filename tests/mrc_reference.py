@@ -13,7 +13,7 @@ from pathlib import Path
 import libcachesim as lcs
 from policy_traces import Trace, write_oracle_general, zipf
 
-from tiercache.keys import KEY_BYTES
+from tiercache.blocks.keys import KEY_BYTES
 
 HASHPOWER = 20
 """libCacheSim's initial hash table (2**20 buckets): room for the traces' keys without resizing."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.base import RemoteContext
 
 START_TIMEOUT_S = 10.0

@@ -15,7 +15,7 @@ from typing import Any
 
 from redis_servers import RedisServer
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode
 

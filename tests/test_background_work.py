@@ -17,8 +17,8 @@ import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, topology
 
-from tiercache.manager import TierManager
-from tiercache.metrics import Metrics
+from tiercache.manager.tier_manager import TierManager
+from tiercache.telemetry.counters import Metrics
 
 BLOCK = TINY_LAYOUT["block_size"]
 WAIT_S = 10.0

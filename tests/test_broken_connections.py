@@ -18,8 +18,8 @@ from manager_helpers import block_kv, compute_and_store, read_block, topology, u
 from proxies import CutProxy
 from redis_servers import empty_dests, random_blocks, remote_context
 
-from tiercache.codec import HEADER_SIZE
-from tiercache.manager import TierManager
+from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.manager.tier_manager import TierManager
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 CUT_FRACTION = 0.05

@@ -18,7 +18,7 @@ import pytest
 from redis_servers import RedisServer
 from sync_sites import FAST_RETRIES, FINGERPRINT, Topology, eventually, key, payload, read
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
+from tiercache import cli
+from tiercache.cli import main
 from tiercache.config import ConfigError, config_from_dict
-from tiercache.manager import TierManager
-from tiercache.metrics import StatsServer, fetch_stats
-from tiercache.tools import cli
-from tiercache.tools.cli import main
+from tiercache.manager.tier_manager import TierManager
+from tiercache.telemetry.stats_server import StatsServer, fetch_stats
 from tiercache.tools.simulate import (
     PRESETS,
     Progress,

@@ -8,16 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tiercache.config import (
-    ConfigError,
-    PrefetchPolicy,
-    WritePolicy,
-    config_from_dict,
-    default_config_path,
-    load_config,
-    parse_size,
-)
-from tiercache.layout import MemoryOrder
+from tiercache.blocks.layout import MemoryOrder
+from tiercache.bookkeeping.admission import WritePolicy
+from tiercache.config import ConfigError, PrefetchPolicy, config_from_dict, default_config_path, load_config, parse_size
 
 GOOD = {
     "model": {"id": "m"},
@@ -158,7 +151,7 @@ def test_importing_the_config_imports_neither_torch_nor_the_tier_and_policy_regi
     import sys
 
     probe = (
-        "import sys, tiercache.config, tiercache.config.validate\n"
+        "import sys, tiercache.config, tiercache.common.fields\n"
         "heavy = [m for m in ('torch', 'tiercache.tiers', 'tiercache.policies') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
@@ -168,7 +161,7 @@ def test_importing_the_config_imports_neither_torch_nor_the_tier_and_policy_regi
 
 def test_redis_rules_live_with_the_redis_tier() -> None:
     """The core's validation helpers know nothing of Redis; the Redis tier's options module holds its rules."""
-    import tiercache.config.validate as core_checks
+    import tiercache.common.fields as core_checks
     from tiercache.tiers.redis import options as redis_options
 
     assert not [name for name in vars(core_checks) if "redis" in name.lower()]

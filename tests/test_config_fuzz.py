@@ -17,9 +17,9 @@ from config_mutations import CONFIG_DIR, NESTING_DEPTH, mutated_topologies
 from redis.connection import parse_url
 from redis_servers import FINGERPRINT
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.config import ConfigError, TierCacheConfig, load_config
-from tiercache.machine import host_memory_available
+from tiercache.config.machine import host_memory_available
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext
 

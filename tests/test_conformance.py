@@ -25,7 +25,7 @@ import yaml
 from file_tier_helpers import segments_in
 from redis_servers import RedisClusterNodes, RedisServer
 
-from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.blocks.codec import HEADER_SIZE, Codec
 from tiercache.config import load_config
 from tiercache.testing.conformance import RemoteTierContract
 from tiercache.testing.harness import StoreHarness

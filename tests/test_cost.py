@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.cost import STALE_FLOOR_WEIGHT, CostConfig, CostModel, Verdict
+from tiercache.config.cost import CostConfig
+from tiercache.manager.cost import STALE_FLOOR_WEIGHT, CostModel, Verdict
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 64 * 1024

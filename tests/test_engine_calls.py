@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from manager_helpers import TINY_LAYOUT, compute_and_store, topology
 
-from tiercache.manager import CapacityError, TierManager
+from tiercache.manager.tier_manager import CapacityError, TierManager
 
 BLOCK = TINY_LAYOUT["block_size"]
 WAIT_S = 10.0

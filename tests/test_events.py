@@ -12,9 +12,9 @@ import pytest
 import zmq
 from msgspec.msgpack import Decoder
 
-from tiercache.events.config import EventsConfig, EventWire
-from tiercache.events.sink import EventSink
-from tiercache.events.wire import block_hash
+from tiercache.telemetry.events.config import EventsConfig, EventWire
+from tiercache.telemetry.events.sink import EventSink
+from tiercache.telemetry.events.wire import block_hash
 
 TOPIC = "kv-events"
 BLOCK_SIZE = 4
@@ -334,7 +334,7 @@ def test_a_failing_subscriber_is_logged_and_counted_and_others_still_run(caplog:
     sink.subscribe(broken)
     unsubscribe = sink.subscribe(good)
     sink.start()
-    with caplog.at_level(logging.ERROR, logger="tiercache.events.sink"):
+    with caplog.at_level(logging.ERROR, logger="tiercache.telemetry.events.sink"):
         sink.cleared("cpu")
         assert sink.flush()
     unsubscribe()

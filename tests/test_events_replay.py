@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from tiercache.events.config import EventsConfig
-from tiercache.events.replay import MAX_PENDING_REPLAYS, REPLAY_PIPE_HWM, REPLAYS_PER_CLIENT
-from tiercache.events.sink import EventSink
+from tiercache.telemetry.events.config import EventsConfig
+from tiercache.telemetry.events.replay import MAX_PENDING_REPLAYS, REPLAY_PIPE_HWM, REPLAYS_PER_CLIENT
+from tiercache.telemetry.events.sink import EventSink
 
 KEPT = 2 * REPLAY_PIPE_HWM
 """Batches published before the flood: a replay of them is longer than a non-reading client's pipe holds."""

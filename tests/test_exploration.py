@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from manager_helpers import block_kv, compute_and_store, read_block, topology, until
 
-from tiercache.manager import Lookup, TierManager
+from tiercache.manager.tier_manager import Lookup, TierManager
 
 LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32", "block_size": 2}
 """2 KiB blocks: a 4-block prompt is 8 KiB on the link."""

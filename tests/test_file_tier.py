@@ -24,8 +24,8 @@ from file_tier_helpers import (
 )
 from redis_servers import OTHER_FINGERPRINT, empty_dests, random_blocks, remote_context
 
-from tiercache.breaker import BreakerState, CircuitBreaker
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
+from tiercache.common.breaker import BreakerState, CircuitBreaker
 from tiercache.config import ConfigError, build_dataclass
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import Presence

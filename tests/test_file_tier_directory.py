@@ -21,7 +21,7 @@ import pytest
 from file_tier_helpers import BLOCK, RECORD, TESTS, directory_bytes, open_tier, run_writers, with_tests_on_path
 from redis_servers import empty_dests, random_blocks, remote_context
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.base import Presence
 from tiercache.tiers.file.records import RecordKind, pack_header
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block, topology, until
 
-from tiercache.events.wire import block_hash
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
+from tiercache.telemetry.events.wire import block_hash
 
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
 from msgspec.msgpack import Decoder  # noqa: E402
@@ -121,7 +121,7 @@ def test_stats_carry_a_live_miss_ratio_curve_per_tier() -> None:
 
 
 def test_the_curve_reaches_prometheus() -> None:
-    from tiercache.metrics import render_prometheus
+    from tiercache.telemetry.prometheus import render_prometheus
 
     with TierManager(topology(8, 16, mrc={"enabled": True, "sample_rate": 1.0})) as manager:
         for prompt in range(20):

@@ -20,11 +20,11 @@ from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block
 from redis_servers import random_blocks, remote_context
 from sync_sites import eventually, holds
 
-from tiercache.manager import TierManager
-from tiercache.metrics import Metrics
+from tiercache.manager.tier_manager import TierManager
+from tiercache.movement.lanes import Lane
+from tiercache.telemetry.counters import Metrics
 from tiercache.tiers.base import Presence
 from tiercache.tiers.redis import RedisOptions, RedisTier
-from tiercache.transfer_queue import Lane
 
 SOCKET_TIMEOUT_S = 60.0
 """Far beyond every deadline below: a call that waits for the socket is still waiting at ``ANSWER_BY_S``."""

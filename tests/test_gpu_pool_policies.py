@@ -20,7 +20,7 @@ from policy_traces import TRACES, Trace, oracle_traces
 from test_policies import LIBCACHESIM, cache_size, libcachesim_miss_ratio
 
 from tiercache.config import config_from_dict
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 from tiercache.policies.arc import ARCPolicy
 
 TRACE_LENGTH = 6_000

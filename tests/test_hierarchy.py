@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.admission import FillRule
-from tiercache.config import WritePolicy
-from tiercache.hierarchy import Hierarchy
-from tiercache.local_tiers import LocalTiers, PinState, Place, Source
-from tiercache.metrics import Metrics
-from tiercache.moves import HostCopy, Reason, RemotePut
+from tiercache.bookkeeping.admission import FillRule, WritePolicy
+from tiercache.bookkeeping.hierarchy import Hierarchy
+from tiercache.bookkeeping.local_tiers import LocalTiers, PinState, Place, Source
+from tiercache.bookkeeping.moves import HostCopy, Reason, RemotePut
+from tiercache.bookkeeping.slots import CapacityError, SlotTable
 from tiercache.policies import make_policy
-from tiercache.slots import CapacityError, SlotTable
+from tiercache.telemetry.counters import Metrics
 
 THROUGH, SELECTIVE, BACK = WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tiercache.tools.cli import EXIT_UNAVAILABLE, main
+from tiercache.cli import EXIT_UNAVAILABLE, main
 
 SMALL_LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float16", "block_size": 8}
 FAST_REDIS = {"timeout_s": 0.5, "connect_timeout_s": 0.5}

@@ -20,13 +20,13 @@ from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, until
 from redis_servers import NOTHING_READ, RedisServer, empty_dests, random_blocks, reads, stored_values
 from test_manager_contract import WAIT_S, prompt, serve, settled
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.keys import BlockHasher, Namespace
 from tiercache.config import config_from_dict
 from tiercache.config.remote import remote_topology_from_dict
-from tiercache.events.wire import block_hash
-from tiercache.keys import BlockHasher, Namespace
-from tiercache.manager import TierManager
-from tiercache.remote_store import RemoteStore
+from tiercache.manager.tier_manager import TierManager
+from tiercache.remote.store import RemoteStore
+from tiercache.telemetry.events.wire import block_hash
 from tiercache.tiers.base import Presence
 
 """Environment variables of the two fleets' secrets (``model.secret_env`` names one)."""
@@ -208,7 +208,7 @@ def test_keyed_values_written_before_keys_depended_on_the_secret_are_misses_left
 
 def test_inspect_shows_the_key_id_never_the_secret(namespace_secrets: dict[str, str]) -> None:
     """Operators compare key ids to check two fleets share a secret; the secret itself is printed nowhere."""
-    from tiercache.tools.cli import inspect_topology
+    from tiercache.cli import inspect_topology
 
     keyed = config("TC_SECRET_A")
     with TierManager(keyed) as manager:

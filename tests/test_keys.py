@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tiercache.keys import KEY_BYTES, BlockHasher, Namespace
+from tiercache.blocks.keys import KEY_BYTES, BlockHasher, Namespace
 
 NS = Namespace("llama-3-8b", "abcd1234", tp_rank=1, tenant_salt="acme", lora_id="sql-adapter")
 
@@ -17,7 +17,7 @@ NS = Namespace("llama-3-8b", "abcd1234", tp_rank=1, tenant_salt="acme", lora_id=
 def test_keys_are_identical_in_another_process() -> None:
     tokens = list(range(1000, 1000 + 16 * 5 + 3))
     script = (
-        "from tiercache.keys import BlockHasher, Namespace\n"
+        "from tiercache.blocks.keys import BlockHasher, Namespace\n"
         "ns = Namespace('llama-3-8b', 'abcd1234', tp_rank=1, tenant_salt='acme', lora_id='sql-adapter')\n"
         f"print(','.join(k.hex() for k in BlockHasher(ns, 16).keys({tokens!r}, extra='img:42')))\n"
     )
@@ -82,7 +82,7 @@ SECRET = b"a namespace secret of 32 bytes.."
 
 def test_a_keyed_namespace_matches_an_independent_definition_and_hides_its_secret() -> None:
     """scrypt of the secret salted with the unkeyed root; key id and MAC key under it; the root keyed by the id."""
-    from tiercache.secret import keyed_namespace
+    from tiercache.remote.secret import keyed_namespace
 
     keyed, codec = keyed_namespace(NS, SECRET)
     stretched = hashlib.scrypt(
@@ -96,7 +96,7 @@ def test_a_keyed_namespace_matches_an_independent_definition_and_hides_its_secre
     assert BlockHasher(keyed, 16).keys(range(32))[0] == hashlib.blake2b(
         root + np.arange(16, dtype="<i8").tobytes(), digest_size=KEY_BYTES
     ).digest()
-    from tiercache.secret import namespace_key
+    from tiercache.remote.secret import namespace_key
 
     shown = repr(keyed_namespace(NS, SECRET)) + repr(namespace_key(SECRET, NS))
     assert SECRET.hex() not in shown and mac_key.hex() not in shown and repr(mac_key) not in shown
@@ -105,7 +105,7 @@ def test_a_keyed_namespace_matches_an_independent_definition_and_hides_its_secre
 
 
 def test_key_ids_separate_secrets_and_namespaces_and_agree_across_processes() -> None:
-    from tiercache.secret import keyed_namespace
+    from tiercache.remote.secret import keyed_namespace
 
     other_ns = Namespace("llama-3-8b", "abcd1234", tp_rank=0, tenant_salt="acme", lora_id="sql-adapter")
     roots = {
@@ -117,7 +117,7 @@ def test_key_ids_separate_secrets_and_namespaces_and_agree_across_processes() ->
     }
     assert len(roots) == 5
     script = (
-        "from tiercache.keys import Namespace\nfrom tiercache.secret import keyed_namespace\n"
+        "from tiercache.blocks.keys import Namespace\nfrom tiercache.remote.secret import keyed_namespace\n"
         "ns = Namespace('llama-3-8b', 'abcd1234', tp_rank=1, tenant_salt='acme', lora_id='sql-adapter')\n"
         f"print(keyed_namespace(ns, {SECRET!r})[0].root().hex())\n"
     )
@@ -126,7 +126,7 @@ def test_key_ids_separate_secrets_and_namespaces_and_agree_across_processes() ->
 
 
 def test_a_secret_of_the_wrong_length_is_refused() -> None:
-    from tiercache.secret import keyed_namespace
+    from tiercache.remote.secret import keyed_namespace
 
     for secret in (b"short", b"x" * 65):
         with pytest.raises(ValueError, match="16-64 bytes"):

@@ -14,9 +14,9 @@ from manager_helpers import TINY_LAYOUT, topology
 from plugin_tier import DictOptions, DictTier
 from redis_servers import random_blocks, remote_context
 
-from tiercache.manager import TierManager
-from tiercache.metrics import Metrics
-from tiercache.transfer_queue import Lane
+from tiercache.manager.tier_manager import TierManager
+from tiercache.movement.lanes import Lane
+from tiercache.telemetry.counters import Metrics
 
 BLOCK = 64
 DEADLINE_S = 0.05

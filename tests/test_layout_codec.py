@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from tiercache.codec import (
+from tiercache.blocks.codec import (
     CHECKSUM_OFFSET,
     FINGERPRINT_OFFSET,
     FLAG_MAC,
@@ -22,7 +22,7 @@ from tiercache.codec import (
     Codec,
     DecodeStatus,
 )
-from tiercache.layout import DTYPES, KVLayout, MemoryOrder
+from tiercache.blocks.layout import DTYPES, KVLayout, MemoryOrder
 
 FINGERPRINT = bytes(range(16))
 KEY = b"k" * 16

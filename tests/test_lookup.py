@@ -16,7 +16,7 @@ import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology
 
-from tiercache.manager import Lookup, TierManager
+from tiercache.manager.tier_manager import Lookup, TierManager
 
 BLOCK = TINY_LAYOUT["block_size"]
 BLOCKS = 4

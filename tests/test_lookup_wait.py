@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from manager_helpers import topology
 
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 from tiercache.tiers.simulated import SimulatedStore
 
 STORE = "lookup-wait"

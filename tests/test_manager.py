@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 
-from tiercache.manager import TierManager
+from tiercache.bookkeeping.slots import CapacityError
+from tiercache.manager.tier_manager import TierManager
 from tiercache.policies import POLICIES
-from tiercache.slots import CapacityError
 
 BLOCK = TINY_LAYOUT["block_size"]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block, topology, write_block
 
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 from tiercache.tiers.simulated import SimulatedTier
 
 BLOCK = TINY_LAYOUT["block_size"]

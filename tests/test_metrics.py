@@ -8,14 +8,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tiercache.metrics import (
-    LATENCY_BUCKETS_MS,
-    LatencyHistogram,
-    Metrics,
-    StatsServer,
-    fetch_stats,
-    render_prometheus,
-)
+from tiercache.telemetry.counters import LATENCY_BUCKETS_MS, LatencyHistogram, Metrics
+from tiercache.telemetry.prometheus import render_prometheus
+from tiercache.telemetry.stats_server import StatsServer, fetch_stats
 
 FAKE_STATS = {
     "tiers": {

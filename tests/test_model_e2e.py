@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
+from tiercache.blocks.layout import KVLayout
 from tiercache.config import TierCacheConfig, config_from_dict
-from tiercache.layout import KVLayout
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 from tiercache.tiers.simulated import SimulatedStore
 from tiercache.tools.reference_model import ModelSpec, PagedKV, ReferenceModel
 

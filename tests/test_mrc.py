@@ -9,7 +9,7 @@ import pytest
 from mrc_reference import block_key, exact_lru_curve, zipf_keys
 from policy_traces import Trace, zipf, zipf_with_scans
 
-from tiercache.mrc import DEFAULT_MAX_SAMPLES, DEFAULT_MULTIPLES, MissRatioCurve
+from tiercache.telemetry.mrc import DEFAULT_MAX_SAMPLES, DEFAULT_MULTIPLES, MissRatioCurve
 
 ACCESSES = 1_000_000
 KEY_SPACE = 2_000_000

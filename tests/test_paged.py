@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiercache import PagedKV, blocks_needed
-from tiercache.layout import DTYPES, KVLayout
+from tiercache.blocks.layout import DTYPES, KVLayout
 
 LAYERS, HEADS, DIM, BLOCK = 3, 2, 4, 4
 POOL_BLOCKS = 8

@@ -21,7 +21,7 @@ from plugin_policy import FifoPolicy
 from test_manager_contract import prompt, serve, until
 
 from tiercache.config import ConfigError, config_from_dict, load_config
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 
 TOPOLOGY: dict[str, Any] = {
     "model": {"id": "plugin-model"},

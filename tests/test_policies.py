@@ -18,10 +18,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from policy_traces import TRACES, Trace, oracle_traces
 
+from tiercache.bookkeeping.slots import SlotTable
 from tiercache.policies import POLICIES, EvictionPolicy, make_policy, policy_class
 from tiercache.policies.arc import ARCPolicy
 from tiercache.policies.base import Key
-from tiercache.slots import SlotTable
 
 TRACE_LENGTH = 60_000
 """Requests per exactness trace: long enough for every policy to adapt, a second or so each."""

@@ -16,8 +16,9 @@ import pytest
 import torch
 from manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 
-from tiercache.manager import TierManager
-from tiercache.queues import Priority, PriorityLimiter, prefetch_deadline_s
+from tiercache.manager.tier_manager import TierManager
+from tiercache.movement.limiter import Priority, PriorityLimiter
+from tiercache.movement.loads import prefetch_deadline_s
 from tiercache.tiers.simulated import SimulatedTier
 
 BLOCK = TINY_LAYOUT["block_size"]

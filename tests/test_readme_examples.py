@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from tiercache.blocks.paged import PagedKV
 from tiercache.config import TierCacheConfig, config_from_dict
-from tiercache.manager import TierManager
-from tiercache.paged import PagedKV
+from tiercache.manager.tier_manager import TierManager
 from tiercache.tiers.simulated import SimulatedStore
 from tiercache.tools.reference_model import ModelSpec, ReferenceModel
 

@@ -17,7 +17,7 @@ import pytest
 import redis
 from redis_servers import OTHER_FINGERPRINT, empty_dests, random_blocks, remote_context
 
-from tiercache.codec import HEADER_SIZE, Codec, DecodeStatus
+from tiercache.blocks.codec import HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 64 * 1024

@@ -9,7 +9,7 @@ import redis
 from redis.crc import key_slot as redis_key_slot
 from redis_servers import empty_dests, random_blocks, remote_context
 
-from tiercache.codec import HEADER_SIZE
+from tiercache.blocks.codec import HEADER_SIZE
 from tiercache.config import ConfigError, build_dataclass
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import Presence

@@ -14,7 +14,7 @@ import yaml
 from redis_servers import RedisServer
 from test_redis_tls import pki, tls_server
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.config import load_config
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode

@@ -17,7 +17,7 @@ from redis_servers import (
     remote_context,
 )
 
-from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.blocks.codec import HEADER_SIZE, Codec
 from tiercache.tiers.base import Presence, RemoteContext
 from tiercache.tiers.redis import RedisOptions, RedisTier
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from redis_servers import RedisServer, empty_dests, random_blocks
 
+from tiercache.blocks.keys import Namespace
 from tiercache.config import ConfigError
 from tiercache.config.remote import load_remote_topology, remote_topology_from_dict
-from tiercache.keys import Namespace
-from tiercache.remote_store import RemoteStore
+from tiercache.remote.store import RemoteStore
 from tiercache.tiers.base import Presence
 
 BLOCK_BYTES = 4096

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from manager_helpers import block_kv, compute_and_store, read_block, topology, write_block
 
-from tiercache.events.wire import block_hash
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
+from tiercache.telemetry.events.wire import block_hash
 from tiercache.tiers.base import Presence
 
 pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import redis
 from redis_servers import FINGERPRINT, empty_dests, random_blocks
 
-from tiercache.codec import HEADER_SIZE, Codec
+from tiercache.blocks.codec import HEADER_SIZE, Codec
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.redis import RedisOptions, RedisTier
 

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.config import ConfigError
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import Presence, RemoteContext

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiercache.bookkeeping.slots import CapacityError, SlotTable
 from tiercache.policies import make_policy
-from tiercache.slots import CapacityError, SlotTable
 
 
 def key(i: int) -> bytes:

@@ -14,7 +14,7 @@ import numpy as np
 from manager_helpers import TINY_LAYOUT, block_kv, topology, until, write_block
 from proxies import TrickleProxy
 
-from tiercache.manager import TierManager
+from tiercache.manager.tier_manager import TierManager
 
 BLOCK = TINY_LAYOUT["block_size"]
 WAIT_S = 20.0

@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from tiercache.layout import KVLayout, MemoryOrder
-from tiercache.swap import (
+from tiercache.blocks.layout import KVLayout, MemoryOrder
+from tiercache.movement.swap import (
     PathChoice,
     SwapPath,
     Swapper,

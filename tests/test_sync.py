@@ -25,12 +25,12 @@ from sync_sites import (
     read,
 )
 
-from tiercache.codec import Codec
-from tiercache.manager import TierManager
+from tiercache.blocks.codec import Codec
+from tiercache.cli import inspect_topology
+from tiercache.manager.tier_manager import TierManager
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, value_version
 from tiercache.tiers.shutdown import stop_tasks
-from tiercache.tools.cli import inspect_topology
 
 INSPECT_TIMEOUT_S = 10.0
 """Generous: a failure detector for a hung probe, not a speed requirement."""

@@ -9,7 +9,7 @@ import torch
 from manager_helpers import topology
 
 from tiercache import TierManager
-from tiercache.keys import BlockHasher, Namespace, token_array
+from tiercache.blocks.keys import BlockHasher, Namespace, token_array
 
 HASHER = BlockHasher(Namespace("model", "layout"), 4)
 TOKENS = [7, 150_000, 3, 9, 11, 2, 5, 1, 0, 42, 8]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiercache.written_keys import WrittenKeys
+from tiercache.bookkeeping.written_keys import WrittenKeys
 
 
 def test_the_least_recently_seen_key_is_forgotten_first() -> None:

@@ -6,13 +6,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BlockHasher": "tiercache.keys",
-    "Namespace": "tiercache.keys",
-    "KVLayout": "tiercache.layout",
-    "MemoryOrder": "tiercache.layout",
-    "UnsupportedModelError": "tiercache.layout",
-    "PagedKV": "tiercache.paged",
-    "blocks_needed": "tiercache.paged",
+    "BlockHasher": "tiercache.blocks.keys",
+    "Namespace": "tiercache.blocks.keys",
+    "KVLayout": "tiercache.blocks.layout",
+    "MemoryOrder": "tiercache.blocks.layout",
+    "UnsupportedModelError": "tiercache.blocks.layout",
+    "PagedKV": "tiercache.blocks.paged",
+    "blocks_needed": "tiercache.blocks.paged",
+    "RemoteStore": "tiercache.remote.store",
     "CapacityError": "tiercache.manager",
     "ConfigError": "tiercache.config",
     "TierCacheConfig": "tiercache.config",

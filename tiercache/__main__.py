@@ -2,6 +2,6 @@
 
 import sys
 
-from tiercache.tools.cli import main
+from tiercache.cli import main
 
 sys.exit(main())

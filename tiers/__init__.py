@@ -4,11 +4,13 @@ A topology may also name a remote tier outside tiercache by module path
 (``type: mypkg.tiers:S3Tier``): any subclass of ``tiercache.tiers.base.RemoteTier``
 (see ``tiers/base.py`` for the contract, and ``tiercache.testing.conformance``
 for the suite that checks it). Importing this package imports no tier.
+
+Imports from: ``common``, ``policies``, ``blocks``, ``bookkeeping`` (the local tiers' slot tables).
 """
 
 from __future__ import annotations
 
-from tiercache.plugins import PluginError, class_name, find_class, is_module_path
+from tiercache.common.plugins import PluginError, class_name, find_class, is_module_path
 
 TIER_TYPES: dict[str, str] = {
     "gpu": "tiercache.tiers.gpu:GpuTier",

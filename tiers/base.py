@@ -9,7 +9,7 @@ and what this base does for it:
   presence in the returned list, and is counted in ``stats()``.
 - **Presence is three-valued.** ``contains`` answers ``Presence.UNKNOWN`` where
   the tier could not tell (timeout, breaker open, error): never ``ABSENT``.
-- **Validation before use.** Values carry the ``tiercache.codec`` header; a read
+- **Validation before use.** Values carry the ``tiercache.blocks.codec`` header; a read
   reports True only for a value that passed the codec's checks (header, key,
   namespace, lengths, checksum or MAC). A False read leaves its buffer
   unspecified; the caller uses no byte of it, and the other keys of the batch
@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.invalid_values import InvalidValues
 
 CLEANUP_CLOSE_S = 1.0

@@ -2,7 +2,7 @@
 
 Pinned (page-locked) memory lets the GPU copy engines DMA straight into it; with
 no CUDA present it is ordinary memory. Slots hold a block's serialized bytes in
-the pool's order (see ``tiercache.layout``), so a remote read lands directly in a
+the pool's order (see ``tiercache.blocks.layout``), so a remote read lands directly in a
 slot and a slot is handed to a remote write without another copy.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.layout import KVLayout
+from tiercache.blocks.layout import KVLayout
+from tiercache.bookkeeping.slots import SlotTable
 from tiercache.policies import EvictionPolicy
-from tiercache.slots import SlotTable
 
 
 @dataclass(frozen=True)

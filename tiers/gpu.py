@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.config.validate import FieldError
-from tiercache.layout import KVLayout
+from tiercache.blocks.layout import KVLayout
+from tiercache.bookkeeping.slots import SlotTable
+from tiercache.common.fields import FieldError
 from tiercache.policies import EvictionPolicy
-from tiercache.slots import SlotTable
 
 AUTO_DEVICE = "auto"
 DEVICE_TYPES = ("cpu", "cuda")

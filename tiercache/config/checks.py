@@ -5,7 +5,7 @@ policies are looked up (by registered name or module path: the class must be a
 ``RemoteTier`` / ``EvictionPolicy``), local tiers get their block counts,
 ``policy_options`` are checked by constructing the policy, and the GPU pool and
 CPU tier must fit in the memory this machine has available
-(``tiercache.machine``) before anything is allocated. The registries, the tier
+(``tiercache.config.machine``) before anything is allocated. The registries, the tier
 modules and torch are imported only when a topology is checked, never when
 this module is.
 """
@@ -16,14 +16,14 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tiercache.common.fields import MAX_QUEUE_ITEMS, parse_size
+from tiercache.common.plugins import PluginError
+from tiercache.config.machine import HOST_MEMORY_SOURCE, host_memory_available
 from tiercache.config.typed import CONVERSION_ERRORS, ConfigError, build_dataclass
-from tiercache.config.validate import MAX_QUEUE_ITEMS, parse_size
-from tiercache.machine import HOST_MEMORY_SOURCE, host_memory_available
-from tiercache.plugins import PluginError
 
 if TYPE_CHECKING:
+    from tiercache.blocks.layout import KVLayout
     from tiercache.config.topology import TierCacheConfig, TierConfig
-    from tiercache.layout import KVLayout
 
 MAX_ADMIT_AFTER_HITS = 1 << 20
 """Largest ``admit_after_hits``: more hits than that never happen to one block."""
@@ -126,7 +126,7 @@ def _validate_local_memory(config: TierCacheConfig) -> None:
     device = _cuda_device(config)
     host_used = 0
     if device is not None:
-        from tiercache.machine import cuda_memory_available
+        from tiercache.config.machine import cuda_memory_available
 
         _check_fits(config, 0, 0, cuda_memory_available(device), f"free on {device} (torch.cuda.mem_get_info)")
     else:

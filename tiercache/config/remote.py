@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiercache.bookkeeping.admission import WritePolicy
 from tiercache.config.checks import validate_tier, validate_unique_names
 from tiercache.config.env import apply_env_overrides, apply_overrides
-from tiercache.config.topology import QueueConfig, TierConfig, WritePolicy, read_yaml
+from tiercache.config.topology import QueueConfig, TierConfig, read_yaml
 from tiercache.config.typed import ConfigError, build_dataclass
 from tiercache.tiers import LOCAL_TIER_TYPES, tier_class
 

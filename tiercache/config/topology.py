@@ -20,10 +20,9 @@ from typing import Any
 
 import yaml
 
-from tiercache.config.checks import validate_hierarchy, validate_tier
-from tiercache.config.env import ENV_PREFIX, apply_env_overrides
-from tiercache.config.typed import ConfigError, build_dataclass
-from tiercache.config.validate import (
+from tiercache.blocks.layout import KVLayout
+from tiercache.bookkeeping.admission import WritePolicy
+from tiercache.common.fields import (
     int_in_range,
     non_empty_string,
     number_in_range,
@@ -32,10 +31,12 @@ from tiercache.config.validate import (
     queue_size,
     worker_count,
 )
-from tiercache.cost import CostConfig
-from tiercache.events.config import EventsConfig
-from tiercache.layout import KVLayout
-from tiercache.mrc import MrcConfig
+from tiercache.config.checks import validate_hierarchy, validate_tier
+from tiercache.config.cost import CostConfig
+from tiercache.config.env import ENV_PREFIX, apply_env_overrides
+from tiercache.config.typed import ConfigError, build_dataclass
+from tiercache.telemetry.events.config import EventsConfig
+from tiercache.telemetry.mrc import MrcConfig
 
 MAX_TP_RANK = 1 << 16
 """Largest tensor-parallel rank accepted."""
@@ -43,17 +44,6 @@ MAX_PREFETCH_MS_PER_1K_TOKENS = 60_000.0
 """Largest per-1k-token growth of the prefetch deadline (a minute per 1k tokens)."""
 MAX_YAML_DEPTH_HINT = "a YAML document nested less deeply (the parser ran out of recursion)"
 """What a topology too deeply nested for the parser is told it should be."""
-
-
-class WritePolicy(enum.Enum):
-    """How a tier is filled from the tier above it."""
-
-    WRITE_THROUGH = "write_through"
-    """Copy down as soon as the block is in the tier above."""
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"
-    """Copy down once the block has been hit ``admit_after_hits`` times (admission control)."""
-    WRITE_BACK = "write_back"
-    """Copy down only when the tier above evicts the block."""
 
 
 class PrefetchPolicy(enum.Enum):

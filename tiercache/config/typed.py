@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from tiercache.config.validate import FieldError
+from tiercache.common.fields import FieldError
 
 CONVERSION_ERRORS = (ValueError, TypeError, OverflowError, ArithmeticError)
 """What a dataclass's or a policy's own validation raises for a bad value."""

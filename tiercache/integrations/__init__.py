@@ -4,4 +4,9 @@
 ``transformers`` cache whose K/V live in the tiercache pool, and a driver that
 serves a request the way an engine does (lookup, allocate, load, prefill the
 uncached suffix, store, decode, release).
+``tiercache.integrations.vllm`` (the ``vllm`` extra): a secondary tier for vLLM's
+offloading tiers, and eviction policies for its CPU tier.
+``tiercache.integrations.sglang`` (the ``sglang`` extra): a HiCache storage backend.
+
+Imports from: the core (every folder but ``tools`` and ``testing``).
 """

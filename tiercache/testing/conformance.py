@@ -31,7 +31,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from tiercache.codec import FORMAT_OFFSET, HEADER_SIZE
+from tiercache.blocks.codec import FORMAT_OFFSET, HEADER_SIZE
 from tiercache.testing.harness import (
     OTHER_FINGERPRINT,
     OTHER_SECRET,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tiercache.codec import Codec
+from tiercache.blocks.codec import Codec
 from tiercache.tiers.base import RemoteTier
 
 T = TypeVar("T")

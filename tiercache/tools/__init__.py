@@ -1,6 +1,8 @@
 """Tools built on the library, not part of it.
 
-The command line, the demo's toy engine, the simulator and its workload, and a
-reference transformer. No core module imports this package: ``import
-tiercache.manager`` pulls in none of it.
+The demo's toy engine, the simulator and its workload, and a reference
+transformer; the command line (``tiercache.cli``) runs them. No core module
+imports this package.
+
+Imports from: the core (every folder but ``integrations`` and ``testing``).
 """

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tiercache.manager import CapacityError, TierManager
-from tiercache.paged import PagedKV
+from tiercache.blocks.paged import PagedKV
+from tiercache.manager.tier_manager import CapacityError, TierManager
 from tiercache.tools.workload import ChatWorkload
 
 LOOKUP_RETRY_SECONDS = 0.0005

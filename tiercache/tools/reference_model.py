@@ -9,7 +9,8 @@ The architecture is a scaled-down Llama: token embedding, pre-norm blocks of
 RMSNorm -> grouped-query attention with rotary positions -> RMSNorm -> SwiGLU
 MLP, a final RMSNorm and an output projection. Weights are random from a seeded
 generator, so two instances with the same spec are identical. Attention is paged
-through ``tiercache.paged.PagedKV``: a block table maps the sequence's logical blocks to pool block ids, new tokens'
+through ``tiercache.blocks.paged.PagedKV``: a block table maps the sequence's
+logical blocks to pool block ids, new tokens'
 K/V are written into those blocks (both memory orders of ``KVLayout``) and the
 keys and values of all positions so far are gathered back from the pool.
 """
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.layout import KVLayout
-from tiercache.paged import PagedKV
+from tiercache.blocks.layout import KVLayout
+from tiercache.blocks.paged import PagedKV
 
 __all__ = ["ModelSpec", "PagedKV", "ReferenceModel", "prefill_seconds_per_token"]
 

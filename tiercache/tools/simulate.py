@@ -20,13 +20,13 @@ from typing import Any, TextIO
 import numpy as np
 import yaml
 
+from tiercache.blocks.layout import KVLayout
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.config import ConfigError, build_dataclass
-from tiercache.layout import KVLayout
-from tiercache.manager import CapacityError, TierManager
+from tiercache.manager.tier_manager import CapacityError, TierManager
 from tiercache.tools.demo import serve
 from tiercache.tools.reference_model import ModelSpec, PagedKV, ReferenceModel, prefill_seconds_per_token
 from tiercache.tools.workload import ChatWorkload
-from tiercache.units import MS_PER_SECOND
 
 ALLOCATE_ATTEMPTS = 200
 """A full GPU pool may be waiting for write-through copies to unpin blocks: retry a while, then reject."""

@@ -3,7 +3,7 @@
 Layout: append-only segment files ``<path>/<writer>.<seq>.seg`` (one writer
 per tier instance: host, pid and a random id), each a sequence of records (a
 48-byte record header with key, version, length and its own checksum, then the
-``tiercache.codec`` value). Small blocks are cheap: a batch is one reservation,
+``tiercache.blocks.codec`` value). Small blocks are cheap: a batch is one reservation,
 one ``pwritev`` of its bodies and its record headers, not a file and a rename
 per block; a read is one ``preadv`` from a cached descriptor. Every process
 keeps an index of key -> (segment, offset, length) from its own writes and from

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiercache.config.validate import (
+from tiercache.common.fields import (
     FieldError,
     fraction,
     int_in_range,

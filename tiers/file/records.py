@@ -5,7 +5,7 @@ its body. The header (little-endian): magic ``TCSG``, kind (value or
 tombstone), 3 reserved bytes, the block key (16 bytes), a version (u64,
 nanoseconds since the epoch at write time: the newest record of a key wins), the
 body length (u64), and an xxh3-64 of those 40 bytes. A value's body is a
-``tiercache.codec`` value (its own header, key and payload checksum); a
+``tiercache.blocks.codec`` value (its own header, key and payload checksum); a
 tombstone has no body.
 
 Crash safety: a torn or never-finished write leaves a header that fails its

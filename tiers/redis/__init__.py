@@ -3,12 +3,12 @@
 Why its own RESP client. A block is tens of KiB to MiBs; redis-py builds a
 Python ``bytes`` per reply and the caller copies it again, which on loopback
 reads at a fraction of what the server can send. Here each node has
-``connections`` lanes (``lane.py``): a blocking socket driven by one long-lived
+``connections`` lanes (``pipelined.py``): a blocking socket driven by one long-lived
 I/O thread fed by a job queue, which pipelines requests continuously across
 calls (up to ``pipeline_bytes`` / at most 32 requests in flight, topped up as
 replies come in) and parses replies in place; coroutines await a future the
 thread completes with ``call_soon_threadsafe`` (the event loop never blocks).
-The modules: ``resp`` (RESP connection and parsing), ``lane`` (the I/O thread),
+The modules: ``resp`` (RESP connection and parsing), ``pipelined`` (the I/O thread),
 ``commands`` (GET/SET/EXISTS/UNLINK as jobs), ``node`` (one server: breaker,
 lanes, TLS/AUTH, capacity check; the regional tier's data path too), ``cluster``
 (slot routing), ``control`` (a redis-py client for what the data path does not

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
+from tiercache.blocks.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.base import Presence
-from tiercache.tiers.redis.lane import Job
+from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF, Connection, ConnectionFailed, ServerError, command
 
 GET_REQUEST = b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n"
@@ -61,7 +61,7 @@ class ReadPlan:
         return cls(codec, block_bytes, stage_reads, b"$%d\r\n" % (HEADER_SIZE + block_bytes))
 
 
-class GetJob(Job):
+class GetJob(RedisJob):
     """GET of ``keys[i]`` into ``dests[i]`` for ``i`` in ``indices``; ``results[i]`` True where filled."""
 
     def __init__(
@@ -186,7 +186,7 @@ def read_value(
     return _status_outcome(codec.verify(conn.header, dest, header.checksum))
 
 
-class PutJob(Job):
+class PutJob(RedisJob):
     """SET of ``payloads[i]`` under ``keys[i]`` for ``i`` in ``indices`` (one command per value)."""
 
     def __init__(
@@ -281,7 +281,7 @@ class PutJob(Job):
             self.outcomes[BYTES] += self._stored_bytes
 
 
-class KeysJob(Job):
+class KeysJob(RedisJob):
     """One small command per key (EXISTS, UNLINK): ``results[i]`` is the key's presence where it was answered."""
 
     def __init__(
@@ -315,7 +315,7 @@ class KeysJob(Job):
             self.outcomes[UNEXPECTED_REPLY] += 1
 
 
-class ControlJob(Job):
+class ControlJob(RedisJob):
     """One control command (PING, CLUSTER SLOTS, ...); ``reply`` holds its answer."""
 
     def __init__(self, *parts: bytes) -> None:

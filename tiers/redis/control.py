@@ -1,6 +1,6 @@
 """A redis-py client for a Redis tier's control plane: CONFIG, pub/sub and Lua scripts.
 
-The data path has its own RESP client (``lane``, ``node``); commands it does
+The data path has its own RESP client (``pipelined``, ``node``); commands it does
 not speak go through redis-py, to the same server with the same credentials and
 TLS (``Endpoint``), and without client-side retries, so a failure reaches the
 caller at once (a miss upstream). The Redis tier's eviction watcher and the

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from urllib.parse import urlparse, urlunparse
 
 from tiercache.tiers.redis.options import RedisOptions
-from tiercache.tiers.subscription import Subscription
+from tiercache.tiers.redis.subscription import Subscription
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
-from tiercache.breaker import CircuitBreaker
-from tiercache.codec import HEADER_SIZE
-from tiercache.tiers.redis.lane import Job, Lane
+from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.common.breaker import CircuitBreaker
 from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions
+from tiercache.tiers.redis.pipelined import PipelinedConnection, RedisJob
 from tiercache.tiers.redis.resp import Connection, ConnectionFailed, ServerError
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,8 @@ class Node:
             options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s
         )
         self.lanes = [
-            Lane(f"{tier.name}-{self.address}-{i}", self._open, tier.window) for i in range(tier.connections)
+            PipelinedConnection(f"{tier.name}-{self.address}-{i}", self._open, tier.window)
+            for i in range(tier.connections)
         ]
         self._capacity_logged = False
         self._cause_logged: str | None = None
@@ -186,7 +187,7 @@ class Node:
             sock.close()
             raise
 
-    async def call(self, job: Job, lane: int = 0) -> Job:
+    async def call(self, job: RedisJob, lane: int = 0) -> RedisJob:
         """Run ``job`` on lane ``lane`` (modulo the lanes); failures become its outcomes, never raise.
 
         While the breaker is open the job is not sent and fails as ``breaker_open``.

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlparse
 
-from tiercache.config.validate import (
+from tiercache.common.fields import (
     MAX_RETRIES,
     FieldError,
     int_in_range,

@@ -11,15 +11,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, outcome_stats
 from tiercache.tiers.redis.cluster import key_slot, slot_map
 from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
 from tiercache.tiers.redis.evictions import EvictionWatcher
-from tiercache.tiers.redis.lane import Job
 from tiercache.tiers.redis.node import Endpoint, Node
 from tiercache.tiers.redis.options import RedisOptions
+from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF
-from tiercache.units import MS_PER_SECOND
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ class RedisTier(RemoteTier):
     # -- batched operations ---------------------------------------------
 
     async def _run(
-        self, op: str, keys: Sequence[bytes], make_job: Callable[[list[int]], Job], spread: bool
-    ) -> list[Job]:
+        self, op: str, keys: Sequence[bytes], make_job: Callable[[list[int]], RedisJob], spread: bool
+    ) -> list[RedisJob]:
         """Route, split per node (and over its lanes), run, count outcomes; the jobs run."""
         groups, unrouted = self._route(keys)
         calls = []
@@ -218,7 +218,7 @@ class RedisTier(RemoteTier):
             rkeys = self.redis_keys(keys)
             allow = self.options.allow_unbounded
 
-            def make(chunk: list[int]) -> Job:
+            def make(chunk: list[int]) -> RedisJob:
                 return PutJob(self.codec, chunk, keys, rkeys, payloads, results, self._set_tail, allow)
 
             # One lane per call: a server reading one query buffer at a time stores MiB-sized

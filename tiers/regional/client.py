@@ -18,7 +18,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from tiercache.breaker import BreakerState, CircuitBreaker
+from tiercache.common.breaker import BreakerState, CircuitBreaker
 from tiercache.tiers.regional.diagnosis import Diagnosis
 
 T = TypeVar("T")

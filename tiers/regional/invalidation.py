@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
+from tiercache.tiers.redis.subscription import Subscription
 from tiercache.tiers.regional.stores import RegionStore
 from tiercache.tiers.regional.versions import U64
-from tiercache.tiers.subscription import Subscription
 
 KEY_BYTES = 16
 """Length of a block key in an update message (followed by the u64 version)."""

@@ -28,7 +28,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 
-from tiercache.config.validate import (
+from tiercache.common.fields import (
     MAX_RETRIES,
     FieldError,
     int_in_range,
@@ -36,8 +36,8 @@ from tiercache.config.validate import (
     queue_size,
     worker_count,
 )
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.tiers.redis.options import RedisOptions, RedisServerOptions, redis_url
-from tiercache.units import MS_PER_SECOND
 
 log = logging.getLogger(__name__)
 DEPRECATED_NAMES = {"socket_timeout_ms": "timeout_s"}

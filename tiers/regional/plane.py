@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiercache.breaker import CircuitBreaker
-from tiercache.codec import CHECKSUM_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec, DecodeStatus
+from tiercache.blocks.codec import CHECKSUM_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec, DecodeStatus
+from tiercache.common.breaker import CircuitBreaker
 from tiercache.tiers.base import Presence
 from tiercache.tiers.redis.commands import (
     BYTES,
@@ -31,9 +31,9 @@ from tiercache.tiers.redis.commands import (
     PutJob,
     ReadPlan,
 )
-from tiercache.tiers.redis.lane import Job
 from tiercache.tiers.redis.node import BREAKER_OPEN, Endpoint, Node
 from tiercache.tiers.redis.options import RedisOptions
+from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF, Connection, ServerError, command
 from tiercache.tiers.redis.tier import MIN_KEYS_PER_CONNECTION
 from tiercache.tiers.regional.diagnosis import Diagnosis
@@ -79,7 +79,7 @@ class EncodedPutJob(PutJob):
         return bytes(value[:HEADER_SIZE]), value[HEADER_SIZE:]
 
 
-class ValuesJob(Job):
+class ValuesJob(RedisJob):
     """GET of every name; ``values[i]`` the reply's bytes (None: absent, or an error reply)."""
 
     def __init__(self, names: Sequence[bytes]) -> None:
@@ -145,7 +145,7 @@ class Plane:
         """``NodeOwner``: the most recent error, with its cause."""
         self.last_error = error
 
-    async def _call(self, op: str, job: Job, lane: int | None = None) -> Job:
+    async def _call(self, op: str, job: RedisJob, lane: int | None = None) -> RedisJob:
         """Run ``job``; count its outcomes and diagnose its failures."""
         if lane is None:
             lane = self._next_lane

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.tiers.regional.stores import CentralStore, RegionStore
 from tiercache.tiers.shutdown import stop_tasks
-from tiercache.units import MS_PER_SECOND
 
 log = logging.getLogger(__name__)
 GIVE_UP_LOG_INTERVAL_S = 10.0

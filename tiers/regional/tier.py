@@ -46,7 +46,8 @@ import time
 from collections.abc import Sequence
 from typing import ClassVar
 
-from tiercache.codec import Decoded, DecodeStatus
+from tiercache.blocks.codec import Decoded, DecodeStatus
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.redis.control import connect
 from tiercache.tiers.regional.client import GuardedClient
@@ -61,7 +62,6 @@ from tiercache.tiers.regional.retention import Retention, check_retention
 from tiercache.tiers.regional.stores import CentralStore, Damaged, RegionStore, discard_damaged
 from tiercache.tiers.regional.versions import value_checksum
 from tiercache.tiers.shutdown import stop_tasks
-from tiercache.units import MS_PER_SECOND
 
 
 class RegionalTier(RemoteTier):

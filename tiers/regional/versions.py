@@ -1,6 +1,6 @@
 """Central versions: where they live in a value, the central clock, and the Lua scripts that move them.
 
-Every value carries its version in the ``tiercache.codec`` header (a u64, 0 for a
+Every value carries its version in the ``tiercache.blocks.codec`` header (a u64, 0 for a
 write not yet committed at central). The byte offsets of the version and of the
 payload checksum are the codec's own (``codec.VERSION_OFFSET``,
 ``codec.CHECKSUM_OFFSET``), checked against an encoded header at import, so a
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 
-from tiercache.codec import CHECKSUM_OFFSET, HEADER, HEADER_SIZE, VERSION_OFFSET, Codec
+from tiercache.blocks.codec import CHECKSUM_OFFSET, HEADER, HEADER_SIZE, VERSION_OFFSET, Codec
 
 U64 = struct.Struct("<Q")
 """A version or checksum as stored in the header (little-endian u64)."""

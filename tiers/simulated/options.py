@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tiercache.config.validate import MAX_TIMEOUT_MS, MAX_TIMEOUT_S, FieldError, number_in_range, queue_size
+from tiercache.common.fields import MAX_TIMEOUT_MS, MAX_TIMEOUT_S, FieldError, number_in_range, queue_size
 
 
 @dataclass

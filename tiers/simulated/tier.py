@@ -2,7 +2,7 @@
 
 It lets the transfer queue, the prefetch policies and the manager be tested
 (and benchmarked) against a slow or failing remote without a server. Values are
-stored exactly as a real tier stores them, with the ``tiercache.codec`` header,
+stored exactly as a real tier stores them, with the ``tiercache.blocks.codec`` header,
 so a garbage value really fails header or checksum validation on the way back.
 All randomness comes from one seeded ``random.Random``: a run is reproducible.
 
@@ -20,11 +20,11 @@ import time
 from collections.abc import Sequence
 from typing import ClassVar
 
-from tiercache.codec import HEADER_SIZE
+from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
 from tiercache.tiers.simulated.options import SimulatedOptions
 from tiercache.tiers.simulated.store import SimulatedStore
-from tiercache.units import MS_PER_SECOND
 
 KEY_BYTES_ON_WIRE = 64
 """Bytes a ``contains`` request costs on the link per key."""

@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from tiercache.integrations.sglang.namespace import model_identity, page_namespace
 from tiercache.integrations.sglang.options import BackendOptions
 from tiercache.integrations.sglang.pages import HostPages
-from tiercache.remote_store import RemoteStore
+from tiercache.remote.store import RemoteStore
 from tiercache.tiers.base import Presence
 
 log = logging.getLogger(__name__)

@@ -7,15 +7,15 @@ SGLang's own file backend does), the pipeline stage and the attention context-pa
 registered host pool: the memory layout (each stores a page's elements in its own order), dtype, page
 size, the model's KV geometry and how a page splits into pieces. A page key is then
 ``RemoteStore.key(page hash + piece number)``; the topology's ``model.secret_env`` keys the namespace there
-(``tiercache.secret``), so instances with different secrets never share a page.
+(``tiercache.remote.secret``), so instances with different secrets never share a page.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tiercache.blocks.keys import Namespace
 from tiercache.integrations.sglang.pages import HostPages
-from tiercache.keys import Namespace
 
 FORMAT = "sglang-hicache-1"
 """Changes when the way pages become blocks changes, so older blocks stop matching."""

@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiercache import CapacityError
+from tiercache.blocks.keys import Tokens, token_array
+from tiercache.blocks.layout import KVLayout
+from tiercache.blocks.paged import PagedKV, blocks_needed
+from tiercache.bookkeeping.slots import CapacityError
 from tiercache.integrations.transformers.identity import ModelIdentity
 from tiercache.integrations.transformers.paged_cache import PagedCache, cache_argument
 from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
-from tiercache.keys import Tokens, token_array
-from tiercache.layout import KVLayout
-from tiercache.paged import PagedKV, blocks_needed
 
 if TYPE_CHECKING:
-    from tiercache import Lookup, TierManager
+    from tiercache.manager import Lookup, TierManager
 
 __all__ = ["CachedModel"]
 

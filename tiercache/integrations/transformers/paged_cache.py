@@ -2,7 +2,7 @@
 
 A Hugging Face model calls ``cache.update(key, value, layer)`` once per layer and
 forward pass; here that writes the new positions' K/V straight into the pool
-blocks of the request's block table (through ``tiercache.paged.PagedKV``) and
+blocks of the request's block table (through ``tiercache.blocks.paged.PagedKV``) and
 returns the K/V of every position so far, gathered from the pool. A cache made
 with ``cached_tokens=n`` starts as if positions ``0 .. n-1`` had been computed:
 their K/V are whatever tiercache left in those blocks (a GPU hit or a load), so
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from tiercache.paged import BlockTable, PagedKV
+from tiercache.blocks.paged import BlockTable, PagedKV
 
 __all__ = ["PagedCache", "PagedLayer", "cache_argument"]
 

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from tiercache.blocks.keys import token_array
 from tiercache.integrations.transformers.paged_cache import PagedCache
-from tiercache.keys import token_array
 
 if TYPE_CHECKING:
-    from tiercache import TierManager, Transfer
+    from tiercache.manager import TierManager
+    from tiercache.movement.transfers import Transfer
 
 __all__ = ["FirstTokenClock", "Turn"]
 

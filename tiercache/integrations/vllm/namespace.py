@@ -7,7 +7,7 @@ layers, the parallel sizes (TP, PP, PCP, DCP, world) and the rank, and vLLM's
 layout choices (replicated, canonical). ``engine_id`` differs per instance and
 the data-parallel index per replica: neither is part of it, so replicas and
 restarts share entries. The topology's ``model.secret_env`` keys it (in
-``RemoteStore``, ``tiercache.secret``): instances with different secrets never share.
+``RemoteStore``, ``tiercache.remote.secret``): instances with different secrets never share.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from tiercache.keys import Namespace
+from tiercache.blocks.keys import Namespace
 
 FINGERPRINT_HEX = 32
 """Hex digits of the layout fingerprint (128 bits of SHA-256 over the fields)."""

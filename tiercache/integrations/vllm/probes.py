@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 
-from tiercache.remote_answers import ABSENT, UNKNOWN, Found
-from tiercache.remote_store import RemoteStore
+from tiercache.remote.answers import ABSENT, UNKNOWN, Found
+from tiercache.remote.store import RemoteStore
 from tiercache.tiers.base import Presence
 
 GIVE_UP_FACTOR = 5.0

@@ -52,14 +52,14 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.config.remote import remote_topology
 from tiercache.integrations.vllm.jobs import Job, JobBook
 from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
 from tiercache.integrations.vllm.namespace import vllm_namespace
 from tiercache.integrations.vllm.probes import GIVE_UP_FACTOR, ProbeBook
-from tiercache.remote_answers import resolved
-from tiercache.remote_store import RemoteStore
-from tiercache.units import MS_PER_SECOND
+from tiercache.remote.answers import resolved
+from tiercache.remote.store import RemoteStore
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats

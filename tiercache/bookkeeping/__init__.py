@@ -1,0 +1,12 @@
+"""The local tiers' bookkeeping: pure, no threads, no I/O, no bytes; tested step by step.
+
+``slots`` (``SlotTable``: one tier's slots, keys and ref counts under DESIGN's
+entry-state protocol, its policy choosing victims), ``local_tiers`` (the GPU pool
+and CPU tier read and pinned together; a lookup's pins; the engine's holds),
+``hierarchy`` (write policies, admission, ``exclusive``, demotions and
+promotions turned into moves), ``admission`` (write policies and hit counts),
+``moves`` (the moves as values: ``HostCopy``, ``RemotePut``) and ``written_keys``
+(what each remote was told to hold).
+
+Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``.
+"""

@@ -1,0 +1,17 @@
+"""The engine-facing facade: ``TierManager`` over one topology's parts.
+
+``tier_manager`` (the API calls of DESIGN's contract), ``stack`` (every part of
+a topology wired from its config, started, closed and described), ``lookup``
+(which tier serves each block of a prompt, and the ``Lookup`` handle) and
+``cost`` (the cost model: fetch or recompute).
+
+Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
+``config``, ``remote``.
+"""
+
+from tiercache.bookkeeping.slots import CapacityError
+from tiercache.manager.lookup import Lookup
+from tiercache.manager.tier_manager import TierManager
+from tiercache.movement.transfers import Transfer
+
+__all__ = ["CapacityError", "Lookup", "TierManager", "Transfer"]

@@ -1,0 +1,201 @@
+"""The stack: every part of one topology, wired from its config, with their start, close and stats.
+
+The facade (``TierManager``) holds one and runs the API calls against it. The
+parts: the GPU pool and CPU tier (``tiers/``), the remote tiers and their
+transfer lanes and probes, the pure bookkeeping (``LocalTiers``, ``Hierarchy``),
+the lookup (``PrefixLookup``), the swap queue, the load runner, the mover, the
+cost model's explorer, and the background runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.keys import BlockHasher, Namespace
+from tiercache.bookkeeping.admission import FillRule
+from tiercache.bookkeeping.hierarchy import Hierarchy
+from tiercache.bookkeeping.local_tiers import LocalTiers
+from tiercache.config import TierCacheConfig, TierConfig
+from tiercache.manager.cost import CostModel
+from tiercache.manager.lookup import PrefixLookup, TierNames
+from tiercache.movement.explorer import Explorer
+from tiercache.movement.loads import FillWaiters, LoadRunner
+from tiercache.movement.mover import Mover
+from tiercache.movement.probes import RemoteProbes
+from tiercache.movement.runtime import Runtime
+from tiercache.movement.swap import make_swapper
+from tiercache.movement.swap.queue import SwapQueue
+from tiercache.policies import make_policy
+from tiercache.remote.build import build_remotes, close_remotes, lane_stats, topology_namespace
+from tiercache.telemetry.counters import Metrics
+from tiercache.telemetry.mrc import MissRatioCurve
+from tiercache.telemetry.observer import FleetObserver
+from tiercache.tiers.cpu import CpuTier
+from tiercache.tiers.gpu import GpuTier
+
+CLOSE_DRAIN_SECONDS = 5.0
+"""How long ``close`` lets transfers in flight finish before cancelling them."""
+REMEMBER_FACTOR = 8
+"""Keys remembered (hit counts, written to a remote) per local slot."""
+
+
+def _rule(tier: TierConfig) -> FillRule:
+    return FillRule(tier.name or tier.type, tier.write_policy, tier.admit_after_hits)
+
+
+def _policy(tier: TierConfig):
+    return make_policy(tier.policy, tier.capacity_blocks, **tier.policy_options)
+
+
+class Stack:
+    """The parts of one topology (see the module docstring)."""
+
+    def __init__(self, config: TierCacheConfig, gpu_tensors: list[torch.Tensor] | None = None) -> None:
+        self.config, self.layout = config, config.layout
+        self.block_size = config.layout.block_size
+        model = config.model
+        self.namespace, codec = model_namespace(config)
+        self.hasher = BlockHasher(self.namespace, self.block_size)
+        self.metrics = Metrics()
+        self.lock = threading.RLock()
+        first, *lower = config.tiers
+        self.gpu = GpuTier(first.name, self.layout, first.capacity_blocks, _policy(first), first.options,
+                           tensors=gpu_tensors)
+        cpu_config = lower.pop(0) if lower and lower[0].type == "cpu" else None
+        self.cpu = None if cpu_config is None else CpuTier(
+            cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options
+        )
+        queues = config.queues
+        self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
+        self.runtime = Runtime()
+        self.probes = RemoteProbes(self.lanes, self.runtime)
+        self.local = LocalTiers(self.gpu.table, self.cpu.table if self.cpu else None)
+        self.events = _event_sink(config)
+        self.curves = {
+            tier.name: MissRatioCurve(config.mrc.sample_rate, config.mrc.max_samples)
+            for tier in config.tiers
+            if config.mrc.enabled
+        }
+        self.cost = CostModel(config.cost) if config.cost.enabled else None
+        if self.cost is not None:
+            for lane in self.lanes:
+                lane.on_probe = self._observe_probe
+        lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
+        remember = REMEMBER_FACTOR * (self.gpu.num_blocks + (self.cpu.num_slots if self.cpu else 0))
+        self.hierarchy = Hierarchy(
+            self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
+            gpu_name=self.gpu.name, block_size=self.block_size, max_pending_stores=queues.max_pending_stores,
+            remember_keys=remember,
+            observer=FleetObserver(
+                self.events, self.curves, self.block_size, lora_id, [t.name for t in self.remotes]
+            )
+            if self.events is not None or self.curves
+            else None,
+        )
+        self.tier_names = TierNames(
+            self.gpu.name, self.cpu.name if self.cpu else None, tuple(tier.name for tier in self.remotes)
+        )
+        self.waiters = FillWaiters()
+        self.swap = None if self.cpu is None else SwapQueue(
+            make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
+        )
+        self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
+                            self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
+        self.explorer = None if self.cost is None or self.cpu is None or not self.lanes else Explorer(
+            self.lock, self.local, self.hierarchy, self.lanes, self.cost, self.runtime, self.cpu.view, self.waiters,
+            self.metrics, bytes_per_block=self.layout.bytes_per_block, batch_blocks=queues.batch_blocks,
+            dispatch=self.mover.dispatch,
+        )
+        self.lookup = PrefixLookup(self.local, self.probes, self.hierarchy, self.cost, self.tier_names,
+                                   self.block_size, self.explorer.start if self.explorer else None)
+        self.loads = None if self.cpu is None or self.swap is None else LoadRunner(
+            self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,
+            self.metrics, batch_blocks=queues.batch_blocks, exclusive=config.exclusive, cpu_name=self.cpu.name,
+            gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block, cost=self.cost,
+            dispatch=self.mover.dispatch,
+        )
+        for lane in self.lanes:
+            lane.tier.on_evicted(functools.partial(self.mover.evicted, lane.index))
+
+        self.names = self.tier_names.all
+        """Every tier's name, fastest first."""
+
+    def _observe_probe(self, tier: str, seconds: float) -> None:
+        """A remote's probe answered in ``seconds`` (on the transfer loop): the cost model's round trip."""
+        with self.lock:
+            self.cost.observe_probe(tier, seconds)  # type: ignore[union-attr]
+
+    async def start_remotes(self) -> None:
+        if self.events is not None:
+            self.events.start()
+            self.events.cleared()
+        await asyncio.gather(*(tier.start() for tier in self.remotes))
+
+    def close(self) -> None:
+        """Cancel explorations, finish or drop other work in flight within ``CLOSE_DRAIN_SECONDS``, close the
+        remotes, stop the loop."""
+        if self.explorer is not None:
+            self.explorer.close()
+        self.runtime.submit(self.runtime.drain(CLOSE_DRAIN_SECONDS), track=False).result()
+        if self.swap is not None:
+            self.swap.close()
+        self.runtime.submit(close_remotes(self.runtime, self.remotes), track=False).result()
+        self.runtime.stop()
+        if self.events is not None:
+            self.events.close()
+
+    def stats(self) -> dict[str, Any]:
+        """See ``TierManager.stats``; call under the lock."""
+        tiers: dict[str, Any] = {}
+        for local in (self.gpu, self.cpu):
+            if local is not None:
+                tiers[local.name] = local.table.occupancy()
+        for lane in self.lanes:
+            tiers[lane.name] = lane_stats(lane)
+        for name, values in self.metrics.snapshot().items():
+            tiers.setdefault(name, {}).update(values)
+        capacities = {tier.name: tier.capacity_blocks for tier in self.config.tiers}
+        for name, curve in self.curves.items():
+            tiers[name]["mrc"] = curve.summary(capacities[name] or curve.stats()["tracked_keys"] or 1)
+        if self.cost is not None:
+            for name, values in self.cost.stats()["tiers"].items():  # type: ignore[union-attr]
+                tiers.setdefault(name, {}).update(values)
+        extra = {"events": self.events.stats()} if self.events is not None else {}
+        return {
+            **extra,
+            "tiers": tiers,
+            "queues": {
+                "pending_stores": self.hierarchy.pending_stores,
+                "waiting": {lane.name: lane.limiter.waiting for lane in self.lanes},
+                "active": {lane.name: lane.limiter.active for lane in self.lanes},
+                "in_flight_cpu_writes": len(self.waiters),
+                "in_flight_copies": self.swap.in_flight if self.swap else 0,
+            },
+        }
+
+
+def model_namespace(config: TierCacheConfig) -> tuple[Namespace, Codec]:
+    """A topology's namespace (model, layout, rank, tenant, LoRA; keyed with ``model.secret_env``'s secret
+    when set, so its keys depend on it) and the codec of its values."""
+    model = config.model
+    namespace = Namespace(model.id, config.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+    return topology_namespace(namespace, model.secret_env, config.source)
+
+
+def _event_sink(config: TierCacheConfig) -> Any:
+    """The EventSink of an ``events: {enabled: true}`` topology (the ``events`` extra), else None."""
+    if not config.events.enabled:
+        return None
+    from tiercache.telemetry.events.sink import EventSink  # msgspec (and pyzmq for an endpoint): the 'events' extra
+
+    return EventSink.from_config(config.events, lora_name=config.model.lora)
+
+
+def _no_cpu(slot: int) -> memoryview:
+    raise RuntimeError("no CPU tier: remote tiers need one (the configuration requires it)")

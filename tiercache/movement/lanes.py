@@ -1,0 +1,218 @@
+"""The transfer queue: one lane per remote tier, between the pinned-CPU slots and the store.
+
+A lane bounds the operations in flight to its tier (``PriorityLimiter``: loads
+before stores, a slot kept for loads), turns any exception or wrong-sized answer
+into failures of the keys involved, times every call, and keeps a breaker of its
+own fed by what the engine feels: a lookup or a read that passes its deadline
+counts as a failure exactly like a refused connection. The deadline bounds what
+the engine waits for whatever the tier's sockets do: the lane stops waiting and
+the late call runs out by itself; a late read hands its call to the caller, who
+keeps the read's buffers reserved until it is done. After
+``LANE_BREAKER_FAILURES`` failures in a row the lane answers misses at once
+until its back-off has passed; then one call probes the tier again.
+
+Remote lookups in flight are remembered per prefix (``RemoteProbes``), keyed on
+every key asked, so two prompts never share an answer; the lookup
+(``tiercache.manager.lookup``) is the one reader of their answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from tiercache.common.breaker import CircuitBreaker
+from tiercache.common.units import MS_PER_SECOND
+from tiercache.movement.limiter import Priority, PriorityLimiter
+from tiercache.telemetry.counters import Metrics
+from tiercache.tiers.base import Presence, RemoteTier
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+LANE_BREAKER_FAILURES = 3
+"""Consecutive failed or late operations after which a lane stops asking its tier for a while."""
+LANE_BACKOFF_SECONDS = 0.5
+"""First back-off of an open lane; it doubles per failed probe up to ``LANE_BACKOFF_MAX_SECONDS``."""
+LANE_BACKOFF_MAX_SECONDS = 30.0
+LOAD_DEADLINE_FACTOR = 20
+"""A read may take this many remote-lookup timeouts before it counts as late (and fails)."""
+
+
+class Lane:
+    """One remote tier with its limiter, breaker and counters."""
+
+    def __init__(
+        self, index: int, tier: RemoteTier, concurrency: int, metrics: Metrics, lookup_timeout_s: float
+    ) -> None:
+        self.index = index
+        self.tier = tier
+        self.name = tier.name
+        self.limiter = PriorityLimiter(concurrency)
+        self.metrics = metrics
+        self.lookup_timeout_s = lookup_timeout_s
+        self.breaker = CircuitBreaker(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
+        self.on_probe: Callable[[str, float], None] | None = None
+        """Told (tier name, seconds) of every answered ``contains``: the cost model's live round trip."""
+
+    async def _call(
+        self,
+        priority: Priority,
+        operation: Callable[[], Awaitable[list[T]]],
+        count: int,
+        deadline_s: float | None,
+        on_late: Callable[[asyncio.Future[Any]], None] | None = None,
+    ) -> list[T] | None:
+        """Run a tier operation inside the lane's limit and deadline; None when it failed as a whole.
+
+        At the deadline the lane stops waiting, whatever the tier's sockets or threads
+        do: the call fails now and, once the tier was asked, goes on by itself (never
+        cancelled: a tier's cancel may return before its threads let go of the
+        caller's buffers). ``on_late`` gets that call; it is done once the tier no
+        longer touches what it was given. A call still waiting for a slot is dropped.
+        """
+        if not self.breaker.allow():
+            self.metrics.add(self.name, "lane_open_skips")
+            return None
+        started = time.perf_counter()
+        asked = False
+
+        def ask() -> Awaitable[list[T]]:
+            nonlocal asked
+            asked = True
+            return operation()
+
+        call = asyncio.ensure_future(self.limiter.run(priority, ask))
+        try:
+            done, _ = await asyncio.wait({call}, timeout=deadline_s)
+        except asyncio.CancelledError:
+            call.cancel()
+            self.breaker.abandon()
+            raise
+        if not done:
+            if not asked:  # still waiting for a slot: the tier was never asked, nothing of the caller's is in use
+                call.cancel()
+                if priority is Priority.EXPLORE:  # starved by the lane's other work: says nothing of the tier
+                    self.metrics.add(self.name, "explorations_starved")
+                    self.breaker.abandon()
+                    return None
+            self.metrics.add(self.name, "deadline_misses")
+            self.breaker.failure()
+            if asked:
+                self._leave_late(call, on_late)
+            return None
+        try:
+            result = call.result()
+        except Exception:
+            log.exception("tier %s raised; counting its keys as failed", self.name)
+            self.metrics.add(self.name, "exceptions")
+            self.breaker.failure()
+            return None
+        if len(result) != count:
+            log.error("tier %s returned %d results for %d keys", self.name, len(result), count)
+            self.breaker.failure()
+            return None
+        self.breaker.success()
+        self.metrics.observe(self.name, "call", (time.perf_counter() - started) * MS_PER_SECOND)
+        return result
+
+    def _leave_late(
+        self, call: asyncio.Future[Any], on_late: Callable[[asyncio.Future[Any]], None] | None
+    ) -> None:
+        """Let a call past its deadline run out on its own (``late_calls_in_flight`` until it has)."""
+        self.metrics.add(self.name, "late_calls_in_flight")
+
+        def ended(_: asyncio.Future[Any]) -> None:
+            self.metrics.add(self.name, "late_calls_in_flight", -1)
+            if not call.cancelled() and call.exception() is not None:
+                log.warning("tier %s: a call past its deadline raised: %r", self.name, call.exception())
+
+        call.add_done_callback(ended)
+        if on_late is not None:
+            on_late(call)
+
+    @property
+    def read_deadline_s(self) -> float:
+        """How long a read (a load's or an exploration's) may take before the lane gives up on it."""
+        return self.lookup_timeout_s * LOAD_DEADLINE_FACTOR
+
+    async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
+        """Per key, whether the tier holds it; ``UNKNOWN`` where the lane or the tier could not tell."""
+        started = time.perf_counter()
+        found = await self._call(Priority.LOAD, lambda: self.tier.contains(keys), len(keys), self.lookup_timeout_s)
+        if found is None:
+            return [Presence.UNKNOWN] * len(keys)
+        if self.on_probe is not None:
+            self.on_probe(self.name, time.perf_counter() - started)
+        return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
+
+    async def read(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        force_latest: bool,
+        *,
+        on_late: Callable[[asyncio.Future[Any]], None],
+    ) -> list[bool] | None:
+        """Read ``keys`` into ``views``: per key, whether its value arrived; None when the call failed as a
+        whole (deadline, open breaker, exception: the tier told nothing about any key). At the deadline
+        ``on_late`` gets the read, which may still write into ``views`` until it is done: keep them
+        reserved till then."""
+        started = time.perf_counter()
+        oks = await self._call(
+            Priority.LOAD,
+            lambda: self.tier.get_into(keys, views, force_latest=force_latest),
+            len(keys),
+            self.read_deadline_s,
+            on_late,
+        )
+        self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
+        return None if oks is None else [bool(ok) for ok in oks]
+
+    async def explore(
+        self, keys: Sequence[bytes], views: Sequence[memoryview]
+    ) -> tuple[list[bool] | None, float | None]:
+        """``read`` at the lowest priority, for the cost model: per key whether it arrived (None: the call
+        failed as a whole, or waited past its deadline for a slot), and the seconds the tier took from the
+        moment it was asked (None: never asked, or it failed before its deadline: an exception or an
+        open breaker says nothing of the link's speed). ``views`` must be the caller's own: a call past
+        its deadline may still write into them."""
+        asked_at: list[float] = []
+
+        def get() -> Awaitable[list[bool]]:
+            asked_at.append(time.perf_counter())
+            return self.tier.get_into(keys, views)
+
+        oks = await self._call(Priority.EXPLORE, get, len(keys), self.read_deadline_s)
+        seconds = time.perf_counter() - asked_at[0] if asked_at else None
+        if oks is None and seconds is not None and seconds < self.read_deadline_s:
+            seconds = None
+        return (None if oks is None else [bool(ok) for ok in oks]), seconds
+
+    async def get_into(
+        self,
+        keys: Sequence[bytes],
+        views: Sequence[memoryview],
+        force_latest: bool,
+        *,
+        on_late: Callable[[asyncio.Future[Any]], None],
+    ) -> list[bool]:
+        """``read``, with a failed call as a miss of every key."""
+        return _booleans(await self.read(keys, views, force_latest, on_late=on_late), len(keys))
+
+    async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
+        started = time.perf_counter()
+        oks = await self._call(Priority.STORE, lambda: self.tier.put(keys, views), len(keys), None)
+        self.metrics.observe(self.name, "put", (time.perf_counter() - started) * MS_PER_SECOND)
+        return _booleans(oks, len(keys))
+
+
+def _booleans(results: list[bool] | None, count: int) -> list[bool]:
+    """A tier's per-key results as booleans; every key failed when the call failed as a whole."""
+    return [False] * count if results is None else [bool(ok) for ok in results]
+
+

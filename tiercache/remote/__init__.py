@@ -1,0 +1,11 @@
+"""The remote half: a topology's remote tiers built for a namespace, and the API for engines that keep their own
+GPU and CPU tiers.
+
+``build`` (each remote tier with its codec and lane, keyed by ``secret`` when the
+namespace has one; closed and described the same way by every owner),
+``store`` (``RemoteStore``: probes, reads and writes by the engine's own keys
+into and from its own buffers), ``answers`` (what a probe answers per key, what a
+tier stored) and ``secret`` (a keyed namespace's keys and MAC key).
+
+Imports from: ``common``, ``blocks``, ``telemetry``, ``tiers``, ``movement``, ``config``.
+"""

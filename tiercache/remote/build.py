@@ -1,0 +1,76 @@
+"""The remote tiers of a topology: built, closed and described the same way by every owner.
+
+``Stack`` (the ``TierManager``'s parts) and ``RemoteStore`` (the remote-only API
+for engines with their own GPU and CPU tiers) both key the namespace with
+``model.secret_env``'s secret when one is named (its keys and values then depend
+on it), build each remote tier with its options and the namespace's codec, give
+each one transfer-queue lane (limiter, breaker, deadlines), report a tier's
+counters the same way and close them within a deadline, through these functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.keys import Namespace
+from tiercache.common.units import MS_PER_SECOND
+from tiercache.config.topology import QueueConfig, TierConfig
+from tiercache.config.typed import ConfigError
+from tiercache.movement.lanes import Lane
+from tiercache.movement.runtime import Runtime
+from tiercache.remote.secret import keyed_namespace
+from tiercache.telemetry.counters import Metrics
+from tiercache.tiers import tier_class
+from tiercache.tiers.base import RemoteContext, RemoteTier
+
+CLOSE_REMOTE_SECONDS = 2.0
+"""How long the remote tiers' own ``close`` may take before they are abandoned."""
+
+
+def topology_namespace(namespace: Namespace, secret_env: str | None, source: str) -> tuple[Namespace, Codec]:
+    """``namespace`` keyed with the secret in ``$secret_env`` when one is named, and the codec of its values.
+
+    A keyed namespace's keys depend on its secret (``tiercache.remote.secret``); a missing
+    or malformed secret is a ``ConfigError`` naming ``model.secret_env``.
+    """
+    if secret_env is None:
+        return keyed_namespace(namespace, None)
+    try:
+        return keyed_namespace(namespace, os.environ.get(secret_env, "").encode())
+    except ValueError as error:
+        expected = f"environment variable {secret_env} set to a secret"
+        raise ConfigError(source, "model.secret_env", expected, str(error)) from None
+
+
+def build_remotes(
+    tiers: Sequence[TierConfig], codec: Codec, block_bytes: int, queues: QueueConfig, metrics: Metrics
+) -> tuple[list[RemoteTier], list[Lane]]:
+    """The remote tiers of a topology and one lane each (limiter, breaker, deadlines), fastest first."""
+    remotes = [tier_class(t.type)(RemoteContext(t.name, codec, block_bytes), t.options) for t in tiers]
+    timeout_s = queues.remote_lookup_timeout_ms / MS_PER_SECOND
+    lanes = [Lane(i, tier, queues.transfer_concurrency, metrics, timeout_s) for i, tier in enumerate(remotes)]
+    return remotes, lanes
+
+
+async def close_remotes(
+    runtime: Runtime, remotes: Sequence[RemoteTier], drain_s: float = CLOSE_REMOTE_SECONDS
+) -> None:
+    """On the loop: let tracked work finish within ``drain_s``, then close every tier within
+    ``CLOSE_REMOTE_SECONDS``."""
+    await runtime.drain(drain_s)
+    closing = [asyncio.ensure_future(tier.close()) for tier in remotes]
+    if closing:
+        await asyncio.wait(closing, timeout=CLOSE_REMOTE_SECONDS)
+
+
+def lane_stats(lane: Lane) -> dict[str, Any]:
+    """A remote tier's lane breaker openings and the tier's own counters (empty when it fails to say)."""
+    try:
+        own = dict(lane.tier.stats())
+    except Exception:
+        own = {}
+    return {"lane_breaker_opened": lane.breaker.opened, "store": own}
