@@ -75,7 +75,7 @@ def watch_loads(manager: TierManager) -> list[tuple[str | None, bool]]:
     """Per request, in order: the cost model's verdict on the remote (None: not weighed) and whether the
     request's load asked the remote for blocks. Each load commits its lookup once (the manager's lookup
     part); the list grows as the run goes."""
-    lookup = manager._stack.lookup
+    lookup = manager.parts.lookup
     seen: list[tuple[str | None, bool]] = []
     commit = lookup.commit
 
@@ -101,7 +101,7 @@ def run(requests: list[Any], name: str, cost: bool, recovery: str | None) -> tup
 
         def recover(done: int) -> None:
             if switch_at is not None and done >= switch_at and not at_switch:
-                remote = manager.remotes[0].options
+                remote = manager.parts.remotes[0].options
                 remote.latency_ms, remote.bandwidth_mb_s = RECOVERED_REMOTE_MS, 0.0
                 at_switch.update(request=done, load=len(loads))
 

@@ -95,7 +95,7 @@ async def load_latencies(storm: bool) -> dict[str, Any]:
     block = LAYOUT["block_size"]
     mgr = manager(1024, 8192, transfer_concurrency=8, max_pending_stores=512)
     async with mgr:
-        sim = mgr.remotes[0]
+        sim = mgr.parts.remotes[0]
         prompts = [np.arange(LOAD_BLOCKS * block) + (i + 1) * 10_000_000 for i in range(LOADS)]
         for tokens in prompts:
             for key in mgr.hasher.keys(tokens):

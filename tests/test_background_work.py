@@ -31,7 +31,7 @@ def test_a_block_read_from_a_slower_remote_reaches_the_faster_one_without_anothe
     with TierManager(topology(8, 8, remotes=[fast, slow])) as manager:
         tokens = np.arange(4 * BLOCK) + 500
         keys = manager.hasher.keys(tokens)
-        fast_tier, slow_tier = manager.remotes
+        fast_tier, slow_tier = manager.parts.remotes
         for key in keys:
             payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
             slow_tier.store.save(key, slow_tier.codec.encode_value(key, payload))

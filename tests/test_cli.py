@@ -157,7 +157,7 @@ def test_inspect_bad_config_names_the_field(tmp_path: Path, capsys: pytest.Captu
 
 def test_stats_from_a_running_server(capsys: pytest.CaptureFixture[str]) -> None:
     config = config_from_dict(small_topology(), environ={})
-    with TierManager(config) as manager, StatsServer(manager.stats, manager.metrics) as server:
+    with TierManager(config) as manager, StatsServer(manager.stats, manager.parts.metrics) as server:
         manager.lookup(list(range(32)))
         assert main(["stats", "--url", server.url]) == 0
         assert "lookups" in capsys.readouterr().out

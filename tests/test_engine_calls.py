@@ -139,8 +139,8 @@ def test_poll_after_close_with_best_effort_loads_in_flight() -> None:
         time.sleep(0.001)
     manager.release(manager.allocate(8))  # GPU emptied: demoted to the CPU tier
     for key in manager.hasher.keys(tokens):  # only the remote's copies are left
-        assert manager.cpu.table.discard(key)
-    manager.remotes[0].hold("get")  # the best-effort load stays in flight through close
+        assert manager.parts.cpu.table.discard(key)
+    manager.parts.remotes[0].hold("get")  # the best-effort load stays in flight through close
     hit = manager.lookup(tokens)
     while hit.pending:
         time.sleep(0.001)

@@ -52,7 +52,7 @@ def engine(
 
 def seed(manager: TierManager, prompts: int) -> list[np.ndarray]:
     """Distinct prompts held by the remote only (so every request starts from it)."""
-    tier = manager.remotes[0]
+    tier = manager.parts.remotes[0]
     seeded = []
     for index in range(prompts):
         tokens = np.arange(PROMPT_BLOCKS * BLOCK) + 1000 * (index + 1)
@@ -92,7 +92,7 @@ def test_a_link_that_recovers_is_used_again_without_a_request_waiting_on_an_expl
     """Bandwidth drops then recovers, the round trip stays: explorations run beside the requests, never in them."""
     with engine() as manager:
         prompts = iter(seed(manager, 40))
-        link = manager.remotes[0].options
+        link = manager.parts.remotes[0].options
         fast = [request(manager, next(prompts)) for _ in range(3)]
         assert fast == [(PROMPT_BLOCKS, PROMPT_BLOCKS)] * 3, "a fast remote is used"
 
@@ -121,7 +121,7 @@ def slow_fit(manager: TierManager) -> None:
     """Teach the cost model that the remote is far slower than recomputing (one observed 10 s fetch)."""
     with manager._lock:
         nbytes = PROMPT_BLOCKS * manager.layout.bytes_per_block
-        manager._stack.cost.observe_fetch("sim", PROMPT_BLOCKS, nbytes, 10.0)
+        manager.parts.cost.observe_fetch("sim", PROMPT_BLOCKS, nbytes, 10.0)
 
 
 def test_an_exploration_never_evicts_pinned_blocks_and_is_dropped_when_the_cpu_tier_is_full() -> None:
@@ -138,7 +138,7 @@ def test_an_exploration_never_evicts_pinned_blocks_and_is_dropped_when_the_cpu_t
         stats = remote_stats(manager)
         assert stats["explored"] == 1 and stats["explore_dropped_blocks"] == PROMPT_BLOCKS
         assert stats.get("explored_blocks", 0) == 0
-        cpu = manager.cpu.table
+        cpu = manager.parts.cpu.table
         assert all(cpu.readable(key) is not None for key in pinned.keys), "the pinned blocks stay"
         assert not any(key in cpu for key in manager.hasher.keys(explored))
         manager.release(pinned)
@@ -154,7 +154,7 @@ def test_an_exploration_waits_behind_stores_and_is_dropped_at_its_deadline() -> 
     """A lane of two slots: a put in flight holds the one slot background work may take; the exploration
     waits behind it, passes its deadline unasked, and is dropped without counting against the remote."""
     with engine(explore_every=1, writes=True, transfer_concurrency=2, remote_lookup_timeout_ms=20) as manager:
-        sim = manager.remotes[0]
+        sim = manager.parts.remotes[0]
         (explored,) = seed(manager, 1)
         sim.hold("put")
         compute_and_store(manager, np.arange(PROMPT_BLOCKS * BLOCK))  # written through: a put in the lane
@@ -171,7 +171,7 @@ def test_an_exploration_waits_behind_stores_and_is_dropped_at_its_deadline() -> 
 
 def test_close_with_an_exploration_in_flight_cancels_it() -> None:
     with engine(explore_every=1) as manager:
-        sim = manager.remotes[0]
+        sim = manager.parts.remotes[0]
         (explored,) = seed(manager, 1)
         slow_fit(manager)
         sim.hold("get")

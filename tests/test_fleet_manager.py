@@ -32,12 +32,12 @@ def test_a_vllm_subscriber_decodes_what_the_manager_stores_and_evicts() -> None:
     context = zmq.Context()
     try:
         with TierManager(config) as manager:
-            sub, _ = joined_subscriber(manager._stack.events, context)
+            sub, _ = joined_subscriber(manager.parts.events, context)
             tokens = np.arange(4 * BLOCK) + 7
             keys = manager.hasher.keys(tokens)
             compute_and_store(manager, tokens)
             manager.release(manager.allocate(4))
-            assert manager._stack.events.flush()
+            assert manager.parts.events.flush()
             decoder = Decoder(type=KVEventBatch)
             seen: list[Any] = []
             deadline = time.monotonic() + WAIT_S
@@ -70,7 +70,7 @@ def test_a_remote_slower_than_recomputing_is_bypassed_until_it_recovers() -> Non
     cost = {"enabled": True, "prefill_tokens_per_s": 100.0, "explore_fraction": 0.25}
     config = topology(4, 4, remotes=[remote], cost=cost, queues={"remote_lookup_timeout_ms": 1000})
     with TierManager(config) as manager:
-        sim = manager.remotes[0]
+        sim = manager.parts.remotes[0]
         tokens = np.arange(4 * BLOCK) + 11
         keys = manager.hasher.keys(tokens)
         for key in keys:
@@ -141,7 +141,7 @@ def test_a_batch_of_one_prompt_stores_with_events_and_curves_on(batch: Any) -> N
         ids = manager.allocate(3)
         assert manager.store(batch(tokens), ids).result(WAIT_S) == 3 * BLOCK
         manager.release(ids)
-        assert manager._stack.events.flush()
+        assert manager.parts.events.flush()
         (stored,) = [event for event in seen if type(event).__name__ == "BlockStored" and event.medium == "gpu"]
         assert stored.token_ids == tokens[0]
         assert stored.block_hashes == [block_hash(key) for key in manager.hasher.keys(tokens[0])]
@@ -161,7 +161,7 @@ def test_a_demotion_is_told_head_first_with_the_parent_of_its_first_block() -> N
         while manager.stats()["tiers"]["cpu"]["cached_blocks"] < 4:
             assert time.monotonic() < deadline, "the demotion never landed"
             time.sleep(0.002)
-        assert manager._stack.events.flush()
+        assert manager.parts.events.flush()
         (demoted,) = [e for e in seen if type(e).__name__ == "BlockStored" and e.medium == "cpu"]
         assert demoted.block_hashes == [block_hash(key) for key in manager.hasher.keys(tokens)]
         assert demoted.parent_block_hash is None and demoted.token_ids == [int(t) for t in tokens]
@@ -175,9 +175,9 @@ def test_the_map_wire_names_the_models_lora() -> None:
     context = zmq.Context()
     try:
         with TierManager(config) as manager:
-            sub, _ = joined_subscriber(manager._stack.events, context)
+            sub, _ = joined_subscriber(manager.parts.events, context)
             compute_and_store(manager, np.arange(2 * BLOCK) + 90)
-            assert manager._stack.events.flush()
+            assert manager.parts.events.flush()
             decoded = Decoder(type=NewerKVEventBatch).decode(receive(sub)[2])
             stored = [e for e in decoded.events if isinstance(e, NewerBlockStored)]
             assert stored and all(e.lora_name == "sql-adapter" for e in stored)

@@ -42,6 +42,7 @@ def build(
         Metrics(),
         gpu_name="gpu",
         block_size=2,
+        bytes_per_block=64,
         max_pending_stores=max_pending_stores,
         remember_keys=remember_keys,
     )

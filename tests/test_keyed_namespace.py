@@ -171,7 +171,7 @@ def stored_hashes(secret_env: str | None) -> list[int]:
         seen: list[Any] = []
         manager.subscribe(lambda got: seen.extend(got.events))
         compute_and_store(manager, PROMPTS[0])
-        assert manager._stack.events.flush()
+        assert manager.parts.events.flush()
     (stored,) = [event for event in seen if type(event).__name__ == "BlockStored" and event.medium == "gpu"]
     return list(stored.block_hashes)
 
@@ -194,7 +194,7 @@ def test_keyed_values_written_before_keys_depended_on_the_secret_are_misses_left
     namespace = Namespace("test-model", layout.fingerprint())
     old_codec = Codec(namespace.root(), secret=namespace_secrets["TC_SECRET_A"].encode())
     with TierManager(config("TC_SECRET_A", redis_tier(redis_server))) as manager:
-        tier = manager.remotes[0]
+        tier = manager.parts.remotes[0]
         for key in BlockHasher(namespace, layout.block_size).keys(tokens):
             payload = block_kv(manager, key).contiguous().numpy().tobytes()
             redis_client.set(tier.redis_key(key), old_codec.encode_value(key, payload))

@@ -16,6 +16,7 @@ from redis_servers import random_blocks, remote_context
 
 from tiercache.manager.tier_manager import TierManager
 from tiercache.movement.lanes import Lane
+from tiercache.movement.reads import RemoteReader
 from tiercache.telemetry.counters import Metrics
 
 BLOCK = 64
@@ -37,14 +38,35 @@ def lane_over(tier: DictTier) -> Lane:
     return Lane(0, tier, 2, Metrics(), DEADLINE_S)  # a lane of one slot keeps it for loads: it never explores
 
 
+class Explorations:
+    """A ``LinkObserver`` that keeps what explorations told it: (tier, blocks, seconds)."""
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, int, float | None]] = []
+
+    def probed(self, tier: str, seconds: float) -> None:
+        pass
+
+    def fetched(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
+        pass
+
+    def explored(self, tier: str, blocks: int, nbytes: int, seconds: float | None) -> None:
+        self.ended.append((tier, blocks, seconds))
+
+
 async def test_an_exploration_that_raised_gives_no_time_and_one_that_answered_does() -> None:
-    keys, _ = random_blocks(2, BLOCK)
+    keys, payloads = random_blocks(2, BLOCK)
     views = [memoryview(bytearray(BLOCK)) for _ in keys]
+    seen = Explorations()
     raising = lane_over(RaisingTier(remote_context(BLOCK), DictOptions(store="raising")))
-    assert await raising.explore(keys, views) == (None, None)
-    answering = lane_over(DictTier(remote_context(BLOCK), DictOptions(store="answering")))
-    oks, seconds = await answering.explore(keys, views)
-    assert oks == [False, False] and seconds is not None
+    assert await RemoteReader([raising], BLOCK, seen).explore(raising, keys, views) is None
+    answering_tier = DictTier(remote_context(BLOCK), DictOptions(store="answering"))
+    assert await answering_tier.put(keys, payloads) == [True, True]
+    answering = lane_over(answering_tier)
+    assert await RemoteReader([answering], BLOCK, seen).explore(answering, keys, views) == [True, True]
+    (_, _, raised_seconds), (_, answered_blocks, answered_seconds) = seen.ended
+    assert raised_seconds is None, "a read that raised timed the link"
+    assert answered_blocks == 2 and answered_seconds is not None
 
 
 def test_loads_from_a_tier_whose_reads_raise_teach_the_cost_model_nothing() -> None:
@@ -52,7 +74,7 @@ def test_loads_from_a_tier_whose_reads_raise_teach_the_cost_model_nothing() -> N
     cost = {"enabled": True, "prefill_tokens_per_s": 1000.0}
     with TierManager(topology(8, 8, remotes=[remote], cost=cost)) as manager:
         tokens = np.arange(4 * TINY_LAYOUT["block_size"]) + 300
-        tier = manager.remotes[0]
+        tier = manager.parts.remotes[0]
         for key in manager.hasher.keys(tokens):
             tier.data[key] = b"held"  # what a probe sees; the read raises before looking
         for _ in range(3):

@@ -34,7 +34,7 @@ def engine(**remote_options: Any) -> TierManager:
 
 def seed(manager: TierManager, tokens: np.ndarray) -> list[bytes]:
     """The prompt's blocks are in the remote only."""
-    tier = manager.remotes[0]
+    tier = manager.parts.remotes[0]
     keys = manager.hasher.keys(tokens)
     for key in keys:
         payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
@@ -78,7 +78,7 @@ def one_request(manager: TierManager, tokens: np.ndarray, keys: list[bytes], loo
         time.sleep(0.001)
     for key in keys:  # next request starts from the remote again
         manager.gpu.table.discard(key)
-        manager.cpu.table.discard(key)
+        manager.parts.cpu.table.discard(key)
     return "remote" if hit.tier_blocks["sim"] else "recompute"
 
 
@@ -91,7 +91,7 @@ def test_retried_lookups_move_no_counter_and_no_cost_schedule() -> None:
         seed(retried, tokens)
         for manager in (once, retried):
             with manager._lock:
-                manager._stack.cost.observe_fetch("sim", BLOCKS, BLOCKS * manager.layout.bytes_per_block, SLOW_FETCH_S)
+                manager.parts.cost.observe_fetch("sim", BLOCKS, BLOCKS * manager.layout.bytes_per_block, SLOW_FETCH_S)
         served_once, served_retried = [], []
         for _ in range(10):
             served_once.append(one_request(once, tokens, keys, lookups=1))
@@ -111,10 +111,10 @@ def test_a_remote_answer_of_not_held_is_forgotten_once_at_load() -> None:
     with engine() as manager:
         tokens = np.arange(BLOCKS * BLOCK) + 9
         keys = seed(manager, tokens)
-        hierarchy = manager.hierarchy
+        hierarchy = manager.parts.hierarchy
         with manager._lock:
             hierarchy.fetched(0, keys, [0] * BLOCKS)  # remembered as written to the remote
-        del manager.remotes[0].store.data[keys[2]]  # the remote lost block 2
+        del manager.parts.remotes[0].store.data[keys[2]]  # the remote lost block 2
         for _ in range(3):
             hit = settled(manager, tokens)
             assert hit.tier_blocks["sim"] == 2
@@ -130,13 +130,13 @@ def test_a_remote_that_cannot_tell_serves_nothing_and_forgets_nothing() -> None:
         tokens = np.arange(BLOCKS * BLOCK) + 21
         keys = seed(manager, tokens)
         with manager._lock:
-            manager.hierarchy.fetched(0, keys, [0] * BLOCKS)
-        manager.remotes[0].hold("contains")  # the probe times out: UNKNOWN
+            manager.parts.hierarchy.fetched(0, keys, [0] * BLOCKS)
+        manager.parts.remotes[0].hold("contains")  # the probe times out: UNKNOWN
         hit = settled(manager, tokens)
         assert hit.tier_blocks["sim"] == 0 and hit.num_blocks == 0
         manager.load(hit, [])
-        assert all(manager.hierarchy.written(0, key) for key in keys)
-        manager.remotes[0].unhold("contains")
+        assert all(manager.parts.hierarchy.written(0, key) for key in keys)
+        manager.parts.remotes[0].unhold("contains")
         deadline = time.monotonic() + WAIT_S
         while (hit := settled(manager, tokens)).tier_blocks["sim"] != BLOCKS:  # the lane's breaker may be open
             manager.release(hit)

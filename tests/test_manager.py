@@ -113,9 +113,9 @@ class ManagerMachine(RuleBasedStateMachine):
         manager.poll()  # lets go of the pins of lookups dropped unused
         assert self.engine.mismatches == 0
         manager.gpu.table.check_invariants()
-        manager.cpu.table.check_invariants()
+        manager.parts.cpu.table.check_invariants()
         assert manager.gpu.table.num_cached <= self.gpu_blocks
-        assert manager.cpu.table.num_cached <= self.cpu_blocks
+        assert manager.parts.cpu.table.num_cached <= self.cpu_blocks
         pins: dict[int, int] = {}
         for blocks in self.active:
             for block in blocks:
@@ -123,7 +123,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for block in range(self.gpu_blocks):
             assert manager.gpu.table.ref(block) == pins.get(block, 0), f"block {block} ref count drifted"
         for slot in range(self.cpu_blocks):
-            assert manager.cpu.table.ref(slot) == 0, "a CPU slot stayed pinned after its transfer"
+            assert manager.parts.cpu.table.ref(slot) == 0, "a CPU slot stayed pinned after its transfer"
 
     def teardown(self) -> None:
         for blocks in self.active:
@@ -176,7 +176,7 @@ def test_scheduler_simulation_with_overlapping_prefixes(
         for blocks, _ in running:
             manager.release(blocks)
         manager.gpu.table.check_invariants()
-        manager.cpu.table.check_invariants()
+        manager.parts.cpu.table.check_invariants()
         assert engine.mismatches == 0
         assert reused > 0, "shared system prompts must be reused"
         assert all(manager.gpu.table.ref(b) == 0 for b in range(12))

@@ -37,7 +37,7 @@ def sim(**options: Any) -> dict[str, Any]:
 
 
 def sim_of(manager: TierManager) -> SimulatedTier:
-    tier = manager.remotes[0]
+    tier = manager.parts.remotes[0]
     assert isinstance(tier, SimulatedTier)
     return tier
 
@@ -227,7 +227,7 @@ def test_a_write_through_store_crosses_at_most_three_threads() -> None:
     config = topology(4, 8, remotes=[{**sim(), "write_policy": "write_through"}])
     with TierManager(config) as manager:
         seen: list[str] = []
-        hierarchy = manager.hierarchy
+        hierarchy = manager.parts.hierarchy
         for name in ("store", "copy_done", "put", "put_done"):
             method = getattr(hierarchy, name)
 
@@ -271,7 +271,7 @@ def test_a_block_read_from_a_slower_remote_is_written_into_the_faster_one() -> N
     slow = {"type": "simulated", "name": "slow", "write_policy": "write_back", "options": {"latency_ms": 0}}
     with TierManager(topology(8, 8, remotes=[fast, slow])) as manager:
         tokens = prompt(4, 15)
-        slow_tier = manager.remotes[1]
+        slow_tier = manager.parts.remotes[1]
         for key in manager.hasher.keys(tokens):
             payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
             slow_tier.store.save(key, slow_tier.codec.encode_value(key, payload))
@@ -280,7 +280,7 @@ def test_a_block_read_from_a_slower_remote_is_written_into_the_faster_one() -> N
         manager.release(hit)
         assert serve(manager, tokens) == 4
         until(lambda: manager.stats()["queues"]["pending_stores"] == 0)
-        assert all(key in manager.remotes[0].store.data for key in manager.hasher.keys(tokens))
+        assert all(key in manager.parts.remotes[0].store.data for key in manager.hasher.keys(tokens))
 
 
 def test_a_namespace_secret_from_the_environment_rejects_forged_kv(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,7 +47,7 @@ def make_manager(
 
 
 def sim_of(manager: TierManager) -> SimulatedTier:
-    tier = manager.remotes[0]
+    tier = manager.parts.remotes[0]
     assert isinstance(tier, SimulatedTier)
     return tier
 
@@ -391,7 +391,7 @@ async def test_failing_remote_is_a_miss_not_an_error() -> None:
         hit = await settled_lookup(manager, tokens)
         assert hit.num_blocks == 0
         sim_of(manager).options.error_rate = 0.0
-        manager.remotes[0].store.data.clear()
+        manager.parts.remotes[0].store.data.clear()
         keys = seed_remote(manager, tokens)
         sim_of(manager).corrupt(keys[1])
         hit, ids, load = await start_load(manager, prompt(3, 8))

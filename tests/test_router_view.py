@@ -52,7 +52,7 @@ class RouterProcess:
     """The subscriber process and the one question it answers: its view through the last published batch."""
 
     def __init__(self, manager: TierManager) -> None:
-        publisher = manager._stack.events._publisher
+        publisher = manager.parts.events._publisher
         self.manager = manager
         self.process = subprocess.Popen(
             [sys.executable, str(HERE / "router_subscriber.py"), publisher.endpoint, publisher.replay_endpoint, TOPIC],
@@ -69,7 +69,7 @@ class RouterProcess:
         return self.process.stdout.readline().strip()
 
     def view(self) -> dict[str, set[int]]:
-        events = self.manager._stack.events
+        events = self.manager.parts.events
         assert events.flush()
         last = events.stats()["published"] - 1
         assert self.process.stdin is not None
@@ -92,12 +92,12 @@ class RouterProcess:
 def residency(manager: TierManager, keys: list[bytes]) -> dict[str, set[int]]:
     """What every tier really holds, as wire hashes: slot tables, and each remote asked about ``keys``."""
     truth: dict[str, set[int]] = {}
-    for tier in (manager.gpu, manager.cpu):
+    for tier in (manager.gpu, manager.parts.cpu):
         table = tier.table
         bound = (table.key_of(slot) for slot in range(table.num_slots))
         truth[tier.name] = {block_hash(key) for key in bound if key is not None and table.readable(key) is not None}
-    for remote in manager.remotes:
-        held = manager._stack.runtime.submit(remote.contains(keys)).result(WAIT_S)
+    for remote in manager.parts.remotes:
+        held = manager.parts.runtime.submit(remote.contains(keys)).result(WAIT_S)
         assert Presence.UNKNOWN not in held, f"{remote.name} could not tell what it holds"
         truth[remote.name] = {block_hash(key) for key, found in zip(keys, held, strict=True) if found is Presence.HELD}
     return {medium: hashes for medium, hashes in truth.items() if hashes}
@@ -190,7 +190,7 @@ def test_probes_and_reads_that_time_out_remove_nothing_from_the_view(router_of: 
         router = router_of(manager)
         prompts, keys = computed(manager, 3)  # the first prompt is now only in the remote
         assert_view_is_true(router, manager, keys)
-        tier = manager.remotes[0]
+        tier = manager.parts.remotes[0]
 
         tier.hold("contains")  # probes time out, then the lane's breaker opens: UNKNOWN, not "not held"
         for _ in range(4):
@@ -239,7 +239,7 @@ def test_a_file_tier_clean_up(router_of: Any, tmp_path: Path) -> None:
         _, keys = computed(manager, 5, BIG_LAYOUT["block_size"])
         truth = assert_view_is_true(router, manager, keys)
         assert 0 < len(truth["disk"]) <= 8
-        assert manager.remotes[0].stats()["gc_removed_segments"] > 0
+        assert manager.parts.remotes[0].stats()["gc_removed_segments"] > 0
 
 
 @pytest.mark.parametrize(
@@ -283,7 +283,7 @@ def test_a_redis_cluster_whose_nodes_expire_their_keys(router_of: Any, redis_clu
     remote = {"type": "redis", "name": "cluster", "options": {"url": redis_cluster.url, "cluster": True, "ttl_s": 0.5}}
     with TierManager(topology(4, 4, layout=BIG_LAYOUT, remotes=[remote], events=EVENTS)) as manager:
         router = router_of(manager)
-        assert manager.remotes[0]._watcher.subscribed == len(redis_cluster.nodes)
+        assert manager.parts.remotes[0]._watcher.subscribed == len(redis_cluster.nodes)
         _, keys = computed(manager, 6, BIG_LAYOUT["block_size"])
         time.sleep(1.0)
         truth = assert_view_is_true(router, manager, keys)

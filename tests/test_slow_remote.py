@@ -95,10 +95,10 @@ def test_the_cost_model_uses_a_remote_again_within_two_lookups_after_it_is_fast_
             manager.release(hit.gpu_block_ids + ids)
             return loaded > 0 and hit.tier_blocks["remote"] == PROMPT_BLOCKS
 
-        manager.remotes[0].options.latency_ms = SLOW_MS
+        manager.parts.remotes[0].options.latency_ms = SLOW_MS
         slow = [served_by_remote(tokens) for tokens in prompts[2:8]]
         assert slow[1:] == [False] * 5, "slower to fetch than to recompute: bypassed"
-        manager.remotes[0].options.latency_ms = FAST_MS
+        manager.parts.remotes[0].options.latency_ms = FAST_MS
         fast = [served_by_remote(tokens) for tokens in prompts[8:]]
         assert fast[2:] == [True] * 6, f"the remote is used again from the second or third lookup on: {fast}"
         stats = manager.stats()["tiers"]["remote"]

@@ -169,7 +169,7 @@ async def test_manager_force_latest_bypasses_its_cpu_copy(sites: Topology) -> No
             write_block(manager, b, block_kv(manager, k))
         await manager.store(tokens, ids)
         manager.release(ids)
-        tier = manager.remotes[0]
+        tier = manager.parts.remotes[0]
         assert isinstance(tier, RegionalTier)
 
         async def replicated() -> bool:
@@ -436,7 +436,7 @@ async def test_manager_close_with_a_regional_tier_is_bounded_under_publish_traff
         for i in range(MANAGER_CLOSES):
             manager = TierManager(topology(4, 16, remotes=[remote]))
             await manager.start()
-            tier = manager.remotes[0]
+            tier = manager.parts.remotes[0]
             assert isinstance(tier, RegionalTier) and tier.invalidator is not None
             await eventually(lambda tier=tier: holds(tier.invalidator.received > 0))
             tokens = np.arange(block) + i * block

@@ -47,6 +47,7 @@ class Hierarchy:
         *,
         gpu_name: str,
         block_size: int,
+        bytes_per_block: int,
         max_pending_stores: int,
         remember_keys: int,
         observer: TierObserver | None = None,
@@ -57,13 +58,21 @@ class Hierarchy:
         self.metrics = metrics
         self.gpu_name = gpu_name
         self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
         self.max_pending_stores = max_pending_stores
         self.pending_stores = 0
         self.observer: TierObserver = observer or NullObserver()
         self.outbox: list[Move] = []
         self._hits = HitCounts(remember_keys)
         self.written_keys = WrittenKeys(len(self.lanes), remember_keys)
+        self._putting: list[dict[bytes, bool]] = [{} for _ in self.lanes]
+        """Per lane, the keys with a put in flight, and whether the remote reported dropping them meanwhile."""
         """Per lane, the keys known written there (``written_keys.landings`` is its clock)."""
+
+    @property
+    def cpu_name(self) -> str:
+        """The CPU tier's name (counters and events are kept under it)."""
+        return self.cpu_rule.name if self.cpu_rule is not None else "cpu"
 
     # ---- admission ------------------------------------------------------------------
     def _admits(self, rule: FillRule, key: bytes, *, evicted: bool) -> bool:
@@ -249,7 +258,7 @@ class Hierarchy:
                 cpu.pin(victim.slot)
             for lane in lanes:
                 self.pending_stores += 1
-                self.outbox.append(RemotePut(lane, (victim.key,), (victim.slot,), Reason.DEMOTION))
+                self._queue_put(RemotePut(lane, (victim.key,), (victim.slot,), Reason.DEMOTION))
         return slot
 
     def _write_back_lanes(self, key: bytes) -> list[int]:
@@ -304,12 +313,22 @@ class Hierarchy:
         for slot in slots:
             cpu.pin(slot)
         self.pending_stores += len(keys)
-        self.outbox.append(RemotePut(lane, tuple(keys), tuple(slots), reason))
+        self._queue_put(RemotePut(lane, tuple(keys), tuple(slots), reason))
+
+    def _queue_put(self, move: RemotePut) -> None:
+        """A put for the outbox; its keys are in flight to the lane until ``put_done``."""
+        putting = self._putting[move.lane]
+        for key in move.keys:
+            putting[key] = False
+        self.outbox.append(move)
 
     def put_done(self, move: RemotePut, oks: Sequence[bool]) -> None:
-        """A put landed: unpin its slots (a write-back victim's slot frees), remember what was written."""
+        """A put landed: unpin its slots (a write-back victim's slot frees), remember what was written; a key the
+        remote reported dropping while its put was in flight is forgotten now."""
         cpu = self.local.cpu
         assert cpu is not None
+        putting = self._putting[move.lane]
+        dropped = [key for key in move.keys if putting.pop(key, False)]
         for slot in move.cpu_slots:
             cpu.unpin(slot)
         self.pending_stores -= len(move.keys)
@@ -319,8 +338,23 @@ class Hierarchy:
         self.observer.accessed(name, move.keys)
         self.observer.stored(name, landed, None, None)
         stored = len(landed)
-        self._count_move(self.cpu_rule.name if self.cpu_rule else "cpu", name, stored)
+        self._count_move(self.cpu_name, name, stored)
         self.metrics.add(name, "store_failures", len(move.keys) - stored)
+        self.metrics.add(name, "bytes_written", stored * self.bytes_per_block)
+        if dropped:
+            self.forget(move.lane, dropped)
+
+    def evicted(self, lane: int, keys: Sequence[bytes]) -> None:
+        """The remote at ``lane`` dropped ``keys`` by itself: forget them (those with a put in flight once it
+        has landed, or the put's landing would remember them again)."""
+        putting = self._putting[lane]
+        settled = []
+        for key in keys:
+            if key in putting:
+                putting[key] = True
+            else:
+                settled.append(key)
+        self.forget(lane, settled)
 
     def fetched(self, lane: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Blocks read from ``lane`` into CPU slots: known there; written into the faster remotes above it."""

@@ -75,6 +75,11 @@ class SlotTable:
     def slot_of(self, key: bytes) -> int | None:
         return self._slot.get(key)
 
+    def writing(self, key: bytes) -> bool:
+        """Whether ``key`` is bound to a slot being written."""
+        slot = self._slot.get(key)
+        return slot is not None and self._ref[slot] == WRITING
+
     def key_of(self, slot: int) -> bytes | None:
         return self._key[slot]
 

@@ -27,8 +27,7 @@ from typing import Any
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.local_tiers import LocalTiers, LookupPins, Place, Source
 from tiercache.manager.cost import CostModel, Verdict
-from tiercache.movement.probes import RemoteProbes
-from tiercache.remote.answers import first_holder
+from tiercache.movement.probes import ProbeCache, first_holder
 from tiercache.tiers.base import Presence
 
 
@@ -88,12 +87,11 @@ class PrefixLookup:
     def __init__(
         self,
         local: LocalTiers,
-        probes: RemoteProbes | None,
+        probes: ProbeCache | None,
         hierarchy: Hierarchy,
         cost: CostModel | None,
         names: TierNames,
         block_size: int,
-        explore: Callable[[int, Sequence[bytes]], None] | None = None,
     ) -> None:
         self.local = local
         self.probes = probes
@@ -101,7 +99,7 @@ class PrefixLookup:
         self.cost = cost
         self.names = names
         self.block_size = block_size
-        self.explore = explore
+        self.explore: Callable[[int, Sequence[bytes]], None] | None = None
         """Starts an exploration of (lane, keys) in the background (``Explorer.start``)."""
 
     def find(self, keys: Sequence[bytes], *, local_only: bool = False) -> Found | None:

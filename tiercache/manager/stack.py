@@ -10,8 +10,8 @@ cost model's explorer, and the background runtime.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
-import threading
 from typing import Any
 
 import torch
@@ -20,17 +20,21 @@ from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import BlockHasher, Namespace
 from tiercache.bookkeeping.admission import FillRule
 from tiercache.bookkeeping.hierarchy import Hierarchy
+from tiercache.bookkeeping.load_plan import LoadItem, LoadPlanner
 from tiercache.bookkeeping.local_tiers import LocalTiers
 from tiercache.config import TierCacheConfig, TierConfig
+from tiercache.manager.books import Books
 from tiercache.manager.cost import CostModel
 from tiercache.manager.lookup import PrefixLookup, TierNames
 from tiercache.movement.explorer import Explorer
-from tiercache.movement.loads import FillWaiters, LoadRunner
+from tiercache.movement.loads import LoadRunner
 from tiercache.movement.mover import Mover
-from tiercache.movement.probes import RemoteProbes
+from tiercache.movement.probes import ProbeCache
+from tiercache.movement.reads import RemoteReader
 from tiercache.movement.runtime import Runtime
 from tiercache.movement.swap import make_swapper
 from tiercache.movement.swap.queue import SwapQueue
+from tiercache.movement.transfers import Transfer
 from tiercache.policies import make_policy
 from tiercache.remote.build import build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.telemetry.counters import Metrics
@@ -63,7 +67,6 @@ class Stack:
         self.namespace, codec = model_namespace(config)
         self.hasher = BlockHasher(self.namespace, self.block_size)
         self.metrics = Metrics()
-        self.lock = threading.RLock()
         first, *lower = config.tiers
         self.gpu = GpuTier(first.name, self.layout, first.capacity_blocks, _policy(first), first.options,
                            tensors=gpu_tensors)
@@ -74,7 +77,7 @@ class Stack:
         queues = config.queues
         self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
         self.runtime = Runtime()
-        self.probes = RemoteProbes(self.lanes, self.runtime)
+        self.probes = ProbeCache(self.lanes, self.runtime)
         self.local = LocalTiers(self.gpu.table, self.cpu.table if self.cpu else None)
         self.events = _event_sink(config)
         self.curves = {
@@ -83,15 +86,12 @@ class Stack:
             if config.mrc.enabled
         }
         self.cost = CostModel(config.cost) if config.cost.enabled else None
-        if self.cost is not None:
-            for lane in self.lanes:
-                lane.on_probe = self._observe_probe
         lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
         remember = REMEMBER_FACTOR * (self.gpu.num_blocks + (self.cpu.num_slots if self.cpu else 0))
         self.hierarchy = Hierarchy(
             self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
-            gpu_name=self.gpu.name, block_size=self.block_size, max_pending_stores=queues.max_pending_stores,
-            remember_keys=remember,
+            gpu_name=self.gpu.name, block_size=self.block_size, bytes_per_block=self.layout.bytes_per_block,
+            max_pending_stores=queues.max_pending_stores, remember_keys=remember,
             observer=FleetObserver(
                 self.events, self.curves, self.block_size, lora_id, [t.name for t in self.remotes]
             )
@@ -101,35 +101,33 @@ class Stack:
         self.tier_names = TierNames(
             self.gpu.name, self.cpu.name if self.cpu else None, tuple(tier.name for tier in self.remotes)
         )
-        self.waiters = FillWaiters()
+        views = self.cpu.view if self.cpu else _no_cpu
         self.swap = None if self.cpu is None else SwapQueue(
             make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
         )
-        self.mover = Mover(self.lock, self.hierarchy, self.swap, self.lanes, self.runtime, self.waiters,
-                            self.cpu.view if self.cpu else _no_cpu, self.metrics, self.layout.bytes_per_block)
-        self.explorer = None if self.cost is None or self.cpu is None or not self.lanes else Explorer(
-            self.lock, self.local, self.hierarchy, self.lanes, self.cost, self.runtime, self.cpu.view, self.waiters,
-            self.metrics, bytes_per_block=self.layout.bytes_per_block, batch_blocks=queues.batch_blocks,
-            dispatch=self.mover.dispatch,
+        self.mover = Mover(self.hierarchy, self.swap, self.lanes, self.runtime, views)
+        planner = None if self.cpu is None else LoadPlanner(
+            self.local, self.hierarchy, self.metrics, exclusive=config.exclusive, has_remotes=bool(self.lanes),
+            versioned_remotes=any(lane.tier.capabilities.versioned for lane in self.lanes),
         )
         self.lookup = PrefixLookup(self.local, self.probes, self.hierarchy, self.cost, self.tier_names,
-                                   self.block_size, self.explorer.start if self.explorer else None)
-        self.loads = None if self.cpu is None or self.swap is None else LoadRunner(
-            self.lock, self.local, self.hierarchy, self.swap, self.lanes, self.cpu.view, self.waiters,
-            self.metrics, batch_blocks=queues.batch_blocks, exclusive=config.exclusive, cpu_name=self.cpu.name,
-            gpu_name=self.gpu.name, bytes_per_block=self.layout.bytes_per_block, cost=self.cost,
-            dispatch=self.mover.dispatch,
+                                   self.block_size)
+        self.books = Books(self.local, self.hierarchy, planner, self.lookup, self.cost, self.mover, self.metrics)
+        self.reader = RemoteReader(self.lanes, self.layout.bytes_per_block, self.books)
+        self.loads = None if self.swap is None else LoadRunner(
+            self.books, self.swap, self.reader, views, self.metrics, batch_blocks=queues.batch_blocks
         )
+        self.explorer = None if self.cost is None or self.cpu is None or not self.lanes else Explorer(
+            self.books, self.reader, self.books, self.runtime, views, self.metrics,
+            bytes_per_block=self.layout.bytes_per_block, batch_blocks=queues.batch_blocks,
+        )
+        self.lookup.explore = self.explorer.start if self.explorer else None
         for lane in self.lanes:
-            lane.tier.on_evicted(functools.partial(self.mover.evicted, lane.index))
+            lane.link = self.books
+            lane.tier.on_evicted(functools.partial(self.books.evicted, lane.index))
 
         self.names = self.tier_names.all
         """Every tier's name, fastest first."""
-
-    def _observe_probe(self, tier: str, seconds: float) -> None:
-        """A remote's probe answered in ``seconds`` (on the transfer loop): the cost model's round trip."""
-        with self.lock:
-            self.cost.observe_probe(tier, seconds)  # type: ignore[union-attr]
 
     async def start_remotes(self) -> None:
         if self.events is not None:
@@ -150,8 +148,20 @@ class Stack:
         if self.events is not None:
             self.events.close()
 
+    def run_load(
+        self, transfer: Transfer, plan: list[LoadItem], force_latest: bool, deadline_s: float | None
+    ) -> concurrent.futures.Future[int]:
+        """Run a planned load on the background loop (a plan exists only where the topology has a CPU tier)."""
+        if self.loads is None:
+            raise RuntimeError("a load plan without a CPU tier")
+        return self.runtime.submit(self.loads.run(transfer, plan, force_latest, deadline_s))
+
     def stats(self) -> dict[str, Any]:
-        """See ``TierManager.stats``; call under the lock."""
+        """See ``TierManager.stats``."""
+        with self.books.lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
         tiers: dict[str, Any] = {}
         for local in (self.gpu, self.cpu):
             if local is not None:
@@ -164,7 +174,7 @@ class Stack:
         for name, curve in self.curves.items():
             tiers[name]["mrc"] = curve.summary(capacities[name] or curve.stats()["tracked_keys"] or 1)
         if self.cost is not None:
-            for name, values in self.cost.stats()["tiers"].items():  # type: ignore[union-attr]
+            for name, values in self.cost.stats()["tiers"].items():
                 tiers.setdefault(name, {}).update(values)
         extra = {"events": self.events.stats()} if self.events is not None else {}
         return {
@@ -174,7 +184,7 @@ class Stack:
                 "pending_stores": self.hierarchy.pending_stores,
                 "waiting": {lane.name: lane.limiter.waiting for lane in self.lanes},
                 "active": {lane.name: lane.limiter.active for lane in self.lanes},
-                "in_flight_cpu_writes": len(self.waiters),
+                "in_flight_cpu_writes": len(self.books.waiters),
                 "in_flight_copies": self.swap.in_flight if self.swap else 0,
             },
         }

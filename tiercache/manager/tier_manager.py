@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from tiercache.blocks.keys import token_array
-from tiercache.bookkeeping.local_tiers import LookupPins, PinState
+from tiercache.bookkeeping.local_tiers import PinState
 from tiercache.bookkeeping.slots import CapacityError
 from tiercache.config import PrefetchPolicy, TierCacheConfig, load_config
 from tiercache.manager.lookup import Lookup
@@ -46,14 +47,17 @@ class TierManager:
     ) -> None:
         """``config``: a validated topology or a YAML path; ``gpu_tensors``: the engine's own pool, if any."""
         stack = Stack(config if isinstance(config, TierCacheConfig) else load_config(config), gpu_tensors)
-        self._stack, self._lock = stack, stack.lock
+        self.parts = stack
+        """Every part of the topology (``tiercache.manager.stack``), for tools and tests that look inside."""
+        self._books = stack.books
         self.config, self.layout, self.block_size = stack.config, stack.layout, stack.block_size
-        self.namespace, self.hasher, self.metrics = stack.namespace, stack.hasher, stack.metrics
-        self.gpu, self.cpu, self.remotes = stack.gpu, stack.cpu, stack.remotes
-        self.local, self.hierarchy, self.swap = stack.local, stack.hierarchy, stack.swap
+        self.namespace, self.hasher = stack.namespace, stack.hasher
+        self.gpu = stack.gpu
+        """The GPU pool: ``gpu.tensors`` are the paged KV tensors the model's attention reads."""
+        self._lock = threading.Lock()
+        """Guards the facade's own state: transfers completed since the last poll, best-effort loads."""
         self._completed: deque[Transfer] = deque()
         self._best_effort: list[Transfer] = []
-        self._abandoned: deque[LookupPins] = deque()
         self._started = self._closed = False
 
     @classmethod
@@ -65,9 +69,9 @@ class TierManager:
     def _begin(self) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise RuntimeError("TierManager is closed")
-        self._stack.runtime.start()
+        self.parts.runtime.start()
         self._started = True
-        return self._stack.runtime.submit(self._stack.start_remotes(), track=False)
+        return self.parts.runtime.submit(self.parts.start_remotes(), track=False)
 
     async def start(self) -> None:
         """Start the background loop and connect the remote tiers."""
@@ -86,7 +90,7 @@ class TierManager:
         closing, self._closed = self._started and not self._closed, True
         if closing:
             self._settle_best_effort()
-            self._stack.close()
+            self.parts.close()
 
     async def close(self) -> None:
         """``close_blocking`` off the caller's event loop."""
@@ -117,15 +121,12 @@ class TierManager:
         """
         self._require_running()
         keys = self.hasher.keys(tokens, extra)
-        with self._lock:
-            self._reap_abandoned()
-            self.metrics.add("all", "lookups")
-            found = self._stack.lookup.find(keys, local_only=local_only)
+        found = self._books.find(keys, local_only=local_only)
         if found is None:
-            return Lookup(keys, self.block_size, dict.fromkeys(self._stack.names, 0), [], pending=True)
+            return Lookup(keys, self.block_size, dict.fromkeys(self.parts.names, 0), [], pending=True)
         counts = dict(found.tier_blocks)  # the engine's copy: what the load counts as hits stays as found
         hit = Lookup(keys, self.block_size, counts, list(found.pins.gpu_run), tiers=found.tiers, found=found)
-        weakref.finalize(hit, self._abandoned.append, found.pins).atexit = False
+        weakref.finalize(hit, self._books.abandon, found.pins).atexit = False
         return hit
 
     def allocate(
@@ -142,12 +143,7 @@ class TierManager:
         """
         self._require_running()
         chain = None if tokens is None else self.hasher.keys(tokens, extra)
-        with self._lock:
-            self._reap_abandoned()
-            ids = self.hierarchy.allocate(count, chain)
-            self.local.holds.give(ids)
-            self._stack.mover.dispatch()
-            return ids
+        return self._books.allocate(count, chain)
 
     def store(self, tokens: Sequence[int] | np.ndarray, ids: Sequence[int], extra: bytes | str | None = None
               ) -> Transfer:
@@ -159,12 +155,9 @@ class TierManager:
         self._require_running()
         array = token_array(tokens)
         keys = self.hasher.keys(array, extra)
-        with self._lock:
-            ids = self.local.holds.checked("store", ids)[: len(keys)]
-            keys = keys[: len(ids)]
-            transfer = Transfer(TransferKind.STORE, len(keys), self.block_size, ids)
-            fresh = self.hierarchy.store(keys, ids, array)
-            copies = self._stack.mover.dispatch()
+        fresh, copies = self._books.store(keys, ids, array)
+        stored = min(len(keys), len(ids))
+        transfer = Transfer(TransferKind.STORE, stored, self.block_size, [int(block) for block in ids[:stored]])
         work = [c for c in copies if not c.done()]
         self._finish(transfer, fresh * self.block_size, work)
         return transfer
@@ -181,18 +174,8 @@ class TierManager:
         found = hit.found
         if hit.pending or found is None or found.pins.state is not PinState.HELD:
             raise ValueError("load: needs a Lookup that is not pending and was neither loaded nor released")
-        pins = found.pins
         queues = self.config.queues
-        with self._lock:
-            ids = self.local.holds.checked("load", ids)
-            for block in ids:
-                if self.gpu.table.key_of(block) is not None:
-                    raise ValueError(f"load: GPU block {block} already holds KV (not a block fresh from allocate())")
-            pins.state = PinState.LOADED
-            self._stack.lookup.commit(found, hit.keys)
-            lower_keys = hit.keys[len(pins.gpu_run) : hit.num_blocks]
-            plan = self._stack.loads.plan(lower_keys, list(ids), pins.lower, force_latest) if self._stack.loads else []
-            self._stack.mover.dispatch()
+        ids, plan = self._books.plan_load(found, hit.keys, ids, force_latest)
         transfer = Transfer(TransferKind.LOAD, len(plan), self.block_size, list(ids[: len(plan)]))
         if not plan:
             self._finish(transfer, 0, [])
@@ -202,8 +185,7 @@ class TierManager:
             deadline = prefetch_deadline_s(
                 queues.prefetch_timeout_ms, queues.prefetch_timeout_ms_per_1k_tokens, len(plan) * self.block_size
             )
-        assert self._stack.loads is not None
-        running = self._stack.runtime.submit(self._stack.loads.run(transfer, plan, force_latest, deadline))
+        running = self.parts.run_load(transfer, plan, force_latest, deadline)
         running.add_done_callback(lambda f: self._complete(transfer, _loaded_tokens(f, self.block_size)))
         if queues.prefetch is PrefetchPolicy.BEST_EFFORT:
             with self._lock:
@@ -216,19 +198,17 @@ class TierManager:
         Raises ValueError, releasing nothing, when an id is duplicated, out of range
         or not held by the caller. Works after ``close`` too.
         """
-        with self._lock:
-            self._reap_abandoned()
-            if isinstance(ids_or_hit, Lookup):
-                if ids_or_hit.found is not None:
-                    self.local.drop(ids_or_hit.found.pins, with_run=True)
-                return
-            self.local.holds.take_back(self.local.holds.checked("release", ids_or_hit))
+        if isinstance(ids_or_hit, Lookup):
+            if ids_or_hit.found is not None:
+                self._books.release_lookup(ids_or_hit.found)
+            return
+        self._books.release_blocks(ids_or_hit)
 
     def poll(self) -> list[Transfer]:
         """Transfers finished since the last poll (and best-effort loads settled now)."""
         self._settle_best_effort()
+        self._books.reap()
         with self._lock:
-            self._reap_abandoned()
             finished = list(self._completed)
             self._completed.clear()
         return finished
@@ -251,16 +231,14 @@ class TierManager:
 
     def subscribe(self, callback: Any) -> Any:
         """``callback(batch)`` gets every ``KVEventBatch``, off the engine's thread (needs ``events.enabled``)."""
-        if self._stack.events is None:
+        if self.parts.events is None:
             raise RuntimeError("KV events are off: set events.enabled in the topology")
-        return self._stack.events.subscribe(callback)
+        return self.parts.events.subscribe(callback)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` of prefill in ``seconds``: the cost model's recompute rate."""
         self._require_running()
-        if self._stack.cost is not None:
-            with self._lock:
-                self._stack.cost.observe_prefill(tokens, seconds)
+        self._books.observe_prefill(tokens, seconds)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier occupancy and counters, queue depths and latencies.
@@ -268,8 +246,7 @@ class TierManager:
         A remote tier's own counters are under ``tiers[name]["store"]``; every
         other per-tier number is the manager's.
         """
-        with self._lock:
-            return self._stack.stats()
+        return self.parts.stats()
 
     # ---- internals -----------------------------------------------------------------------
     def _require_running(self) -> None:
@@ -284,12 +261,6 @@ class TierManager:
             settle, self._best_effort = self._best_effort, []
         for transfer in settle:
             transfer.cancel()
-
-    def _reap_abandoned(self) -> None:
-        """Drop the lower pins of Lookups the engine let go of without loading or releasing them."""
-        while self._abandoned:
-            if self.local.drop(self._abandoned.popleft(), with_run=False):
-                self.metrics.add("all", "lookups_abandoned")
 
     def _finish(self, transfer: Transfer, tokens: int, work: list[concurrent.futures.Future[bool]]) -> None:
         """Complete ``transfer`` with ``tokens`` once every future in ``work`` is done."""

@@ -11,9 +11,8 @@ keeps the read's buffers reserved until it is done. After
 ``LANE_BREAKER_FAILURES`` failures in a row the lane answers misses at once
 until its back-off has passed; then one call probes the tier again.
 
-Remote lookups in flight are remembered per prefix (``RemoteProbes``), keyed on
-every key asked, so two prompts never share an answer; the lookup
-(``tiercache.manager.lookup``) is the one reader of their answers.
+A lane reads one tier; ``reads`` walks the lanes of a read fastest first, and
+``probes`` remembers the lookups in flight.
 """
 
 from __future__ import annotations
@@ -22,10 +21,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tiercache.common.breaker import CircuitBreaker
 from tiercache.common.units import MS_PER_SECOND
+from tiercache.movement.base import LinkObserver
 from tiercache.movement.limiter import Priority, PriorityLimiter
 from tiercache.telemetry.counters import Metrics
 from tiercache.tiers.base import Presence, RemoteTier
@@ -43,6 +44,22 @@ LOAD_DEADLINE_FACTOR = 20
 """A read may take this many remote-lookup timeouts before it counts as late (and fails)."""
 
 
+@dataclass(frozen=True)
+class LaneRead:
+    """One lane's answer to a read."""
+
+    oks: list[bool] | None
+    """Per key, whether its value arrived (validated); None when the call failed as a whole (deadline, open
+    breaker, exception, a wrong-sized answer): the tier told nothing about any key."""
+    asked_s: float | None
+    """Seconds from the moment the tier was asked (after the lane's queue) to its answer or the deadline; None
+    when it was never asked."""
+    waited_s: float
+    """Seconds the caller waited, the lane's queue included."""
+    timed_out: bool
+    """The call ran to its deadline."""
+
+
 class Lane:
     """One remote tier with its limiter, breaker and counters."""
 
@@ -56,8 +73,8 @@ class Lane:
         self.metrics = metrics
         self.lookup_timeout_s = lookup_timeout_s
         self.breaker = CircuitBreaker(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
-        self.on_probe: Callable[[str, float], None] | None = None
-        """Told (tier name, seconds) of every answered ``contains``: the cost model's live round trip."""
+        self.link: LinkObserver | None = None
+        """Told how long every answered ``contains`` took (the cost model's live round trip)."""
 
     async def _call(
         self,
@@ -146,63 +163,35 @@ class Lane:
         found = await self._call(Priority.LOAD, lambda: self.tier.contains(keys), len(keys), self.lookup_timeout_s)
         if found is None:
             return [Presence.UNKNOWN] * len(keys)
-        if self.on_probe is not None:
-            self.on_probe(self.name, time.perf_counter() - started)
+        if self.link is not None:
+            self.link.probed(self.name, time.perf_counter() - started)
         return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
 
     async def read(
         self,
         keys: Sequence[bytes],
         views: Sequence[memoryview],
-        force_latest: bool,
         *,
-        on_late: Callable[[asyncio.Future[Any]], None],
-    ) -> list[bool] | None:
-        """Read ``keys`` into ``views``: per key, whether its value arrived; None when the call failed as a
-        whole (deadline, open breaker, exception: the tier told nothing about any key). At the deadline
-        ``on_late`` gets the read, which may still write into ``views`` until it is done: keep them
-        reserved till then."""
+        force_latest: bool = False,
+        priority: Priority = Priority.LOAD,
+        on_late: Callable[[asyncio.Future[Any]], None] | None = None,
+    ) -> LaneRead:
+        """Read ``keys`` into ``views`` (see ``LaneRead``). At the deadline ``on_late`` gets the read, which may
+        still write into ``views`` until it is done: keep them reserved till then (an exploration's buffers are
+        its own, so it passes none)."""
         started = time.perf_counter()
-        oks = await self._call(
-            Priority.LOAD,
-            lambda: self.tier.get_into(keys, views, force_latest=force_latest),
-            len(keys),
-            self.read_deadline_s,
-            on_late,
-        )
-        self.metrics.observe(self.name, "get", (time.perf_counter() - started) * MS_PER_SECOND)
-        return None if oks is None else [bool(ok) for ok in oks]
-
-    async def explore(
-        self, keys: Sequence[bytes], views: Sequence[memoryview]
-    ) -> tuple[list[bool] | None, float | None]:
-        """``read`` at the lowest priority, for the cost model: per key whether it arrived (None: the call
-        failed as a whole, or waited past its deadline for a slot), and the seconds the tier took from the
-        moment it was asked (None: never asked, or it failed before its deadline: an exception or an
-        open breaker says nothing of the link's speed). ``views`` must be the caller's own: a call past
-        its deadline may still write into them."""
         asked_at: list[float] = []
 
         def get() -> Awaitable[list[bool]]:
             asked_at.append(time.perf_counter())
-            return self.tier.get_into(keys, views)
+            return self.tier.get_into(keys, views, force_latest=force_latest)
 
-        oks = await self._call(Priority.EXPLORE, get, len(keys), self.read_deadline_s)
-        seconds = time.perf_counter() - asked_at[0] if asked_at else None
-        if oks is None and seconds is not None and seconds < self.read_deadline_s:
-            seconds = None
-        return (None if oks is None else [bool(ok) for ok in oks]), seconds
-
-    async def get_into(
-        self,
-        keys: Sequence[bytes],
-        views: Sequence[memoryview],
-        force_latest: bool,
-        *,
-        on_late: Callable[[asyncio.Future[Any]], None],
-    ) -> list[bool]:
-        """``read``, with a failed call as a miss of every key."""
-        return _booleans(await self.read(keys, views, force_latest, on_late=on_late), len(keys))
+        oks = await self._call(priority, get, len(keys), self.read_deadline_s, on_late)
+        ended = time.perf_counter()
+        self.metrics.observe(self.name, "get", (ended - started) * MS_PER_SECOND)
+        asked_s = ended - asked_at[0] if asked_at else None
+        return LaneRead(None if oks is None else [bool(ok) for ok in oks], asked_s, ended - started,
+                        ended - started >= self.read_deadline_s)
 
     async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
         started = time.perf_counter()

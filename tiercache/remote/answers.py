@@ -1,9 +1,11 @@
-"""What a ``RemoteStore`` answers: a probe's ``Found`` per key, the ``StoreEvent``s of what tiers stored.
+"""What a ``RemoteStore`` answers: a probe's ``ProbeAnswer`` per key, the ``StoreEvent``s of what tiers stored.
 
 A probe's presence is DESIGN's three-valued one: ``HELD`` (with the fastest tier
 holding the key), ``ABSENT`` (every tier answered and none holds it) or
 ``UNKNOWN`` (some tier could not tell), which is neither a hit nor evidence of
-removal. Answers known without asking a tier come as futures already resolved.
+removal (``tiercache.movement.probes.first_holder`` and ``combined`` read the
+tiers' answers). Answers known without asking a tier come as futures already
+resolved.
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tiercache.movement.probes import combined, first_holder
 from tiercache.tiers.base import Presence
 
 
 @dataclass(frozen=True, slots=True)
-class Found:
+class ProbeAnswer:
     """A probe's answer for one key: its presence, and the fastest tier holding it (index) when ``HELD``."""
 
     presence: Presence
     tier: int | None = None
 
 
-UNKNOWN = Found(Presence.UNKNOWN)
-ABSENT = Found(Presence.ABSENT)
+UNKNOWN = ProbeAnswer(Presence.UNKNOWN)
+ABSENT = ProbeAnswer(Presence.ABSENT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,20 +39,10 @@ class StoreEvent:
     keys: tuple[bytes, ...]
 
 
-def first_holder(answers: Sequence[Sequence[Presence]], position: int) -> int | None:
-    """The first (fastest) tier whose answer says it holds the key at ``position``, or None."""
-    for tier, answer in enumerate(answers):
-        if answer[position] is Presence.HELD:
-            return tier
-    return None
-
-
-def first_found(answers: Sequence[Sequence[Presence]], position: int) -> Found:
-    """A key's ``Found`` from every tier's answer: the first holder, else ABSENT only if every tier said so."""
-    tier = first_holder(answers, position)
-    if tier is not None:
-        return Found(Presence.HELD, tier)
-    return ABSENT if all(answer[position] is Presence.ABSENT for answer in answers) else UNKNOWN
+def probe_answer(answers: Sequence[Sequence[Presence]], position: int) -> ProbeAnswer:
+    """A key's ``ProbeAnswer`` from every tier's answer."""
+    presence = combined(answers, position)
+    return ProbeAnswer(presence, first_holder(answers, position) if presence is Presence.HELD else None)
 
 
 def resolved(value: Any) -> concurrent.futures.Future[Any]:

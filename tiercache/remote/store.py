@@ -18,11 +18,13 @@ deadlines) and a background runtime. Nothing here touches GPU or CPU tiers.
   one model share entries and different models, dtypes, ranks or secrets
   (``model.secret_env``: ``tiercache.remote.secret``) never do, nor touch each other's
   values; the codec's fingerprint makes a value of another namespace a miss.
-- **Probes** (``contains``) are non-blocking: a future of one ``Found`` (``remote_answers``) per key,
+- **Probes** are non-blocking: ``contains`` a future of one ``ProbeAnswer`` (``answers``) per key,
   the fastest tier that holds it, with DESIGN's three-valued presence: ``HELD``,
   ``ABSENT`` (every tier answered and none holds it) or ``UNKNOWN`` (some tier
   could not tell: timeout, breaker open, garbage), which is neither a hit nor
-  evidence of removal.
+  evidence of removal. ``probe`` answers the same from memory, by the engine's
+  own keys, for a scheduler that asks every step (the probe cache,
+  ``tiercache.movement.probes``): None while a probe is in flight.
 - **Reads** (``read``) fill the caller's buffers (memoryviews of exactly the
   block bytes), trying the tiers fastest first; a block found in a slower tier
   is written back into the faster ones (from a copy, off the read's path).
@@ -54,14 +56,16 @@ import logging
 import os
 import threading
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from tiercache.blocks.keys import KEY_BYTES, Namespace
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
 from tiercache.movement.lanes import Lane
+from tiercache.movement.probes import ProbeCache
+from tiercache.movement.reads import RemoteReader
 from tiercache.movement.runtime import Runtime
-from tiercache.remote.answers import UNKNOWN, Found, StoreEvent, first_found, resolved
+from tiercache.remote.answers import UNKNOWN, ProbeAnswer, StoreEvent, probe_answer, resolved
 from tiercache.remote.build import build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.telemetry.counters import Metrics
 
@@ -96,8 +100,10 @@ class RemoteStore:
         self.tiers, self.lanes = build_remotes(topology.tiers, codec, block_bytes, topology.queues, self.metrics)
         self.names = [tier.name for tier in self.tiers]
         """Every tier's name, fastest first."""
-        self.versioned = [lane for lane in self.lanes if lane.tier.capabilities.versioned]
+        self.reader = RemoteReader(self.lanes, block_bytes)
         self.runtime = Runtime(name="tiercache-remote")
+        self.probes = ProbeCache(self.lanes, self.runtime, key_map=self.keys)
+        """Remote lookups by the engine's own keys, answered from memory (``probe``); not thread-safe."""
         self._max_pending_writes = topology.queues.max_pending_stores
         self._pending_writes = 0
         self._counts: Counter[str] = Counter()
@@ -195,9 +201,27 @@ class RemoteStore:
 
     def contains(
         self, keys: Sequence[bytes], *, engine_keys: bool = False
-    ) -> concurrent.futures.Future[list[Found]]:
-        """Per key, which tier holds it (``Found``); never raises, never waits."""
+    ) -> concurrent.futures.Future[list[ProbeAnswer]]:
+        """Per key, which tier holds it (``ProbeAnswer``); never raises, never waits."""
         return self._submit(self._contains(list(keys), engine_keys), [UNKNOWN] * len(keys))
+
+    def probe(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = False) -> list[ProbeAnswer] | None:
+        """Per engine key, which tier holds it, from the probe cache (None while any is in flight); keys not
+        asked before are sent at the next ``flush_probes`` (or now with ``send``). Answers are kept until
+        ``forget_probes(asker)``. Call from one thread (the engine's scheduler)."""
+        if not self._started or self._closed:
+            return [UNKNOWN] * len(keys)
+        answers = self.probes.answer(keys, asker, send=send)
+        return None if answers is None else [probe_answer(answers, position) for position in range(len(keys))]
+
+    def flush_probes(self) -> None:
+        """Send the keys ``probe`` was asked about since the last flush, as one probe per tier."""
+        if self._started and not self._closed:
+            self.probes.flush()
+
+    def forget_probes(self, asker: Hashable) -> None:
+        """``asker`` (a request) is done: drop the probe answers only it kept."""
+        self.probes.forget(asker)
 
     def read(
         self,
@@ -260,10 +284,10 @@ class RemoteStore:
             return resolved(failed)
         return self.runtime.submit(coroutine)
 
-    async def _contains(self, keys: list[bytes], engine_keys: bool) -> list[Found]:
+    async def _contains(self, keys: list[bytes], engine_keys: bool) -> list[ProbeAnswer]:
         stored = self.keys(keys) if engine_keys else keys
         answers = await asyncio.gather(*(lane.contains(stored) for lane in self.lanes))
-        found = [first_found(answers, position) for position in range(len(keys))]
+        found = [probe_answer(answers, position) for position in range(len(keys))]
         for presence, count in Counter(answer.presence for answer in found).items():
             self._count(f"probe_{presence.value}", count)
         return found
@@ -272,29 +296,19 @@ class RemoteStore:
         self, names: list[bytes], views: list[memoryview], force_latest: bool, engine_keys: bool
     ) -> list[bool]:
         keys = self.keys(names) if engine_keys else names
-        filled = [False] * len(keys)
-        remaining = list(range(len(keys)))
-        lanes = self.versioned if force_latest and self.versioned else self.lanes
-        late: list[asyncio.Future[Any]] = []
-        for depth, lane in enumerate(lanes):
-            if not remaining or late:  # a late read may still write into the buffers: no other tier may
-                break
-            oks = await lane.get_into(
-                [keys[i] for i in remaining], [views[i] for i in remaining], force_latest, on_late=late.append
-            )
-            got = [i for i, ok in zip(remaining, oks, strict=True) if ok]
-            remaining = [i for i, ok in zip(remaining, oks, strict=True) if not ok]
-            for i in got:
-                filled[i] = True
-            self._count(f"read_hits_{lane.name}", len(got))
+        read = await self.reader.read(keys, views, force_latest=force_latest)
+        for tried in read.tried:
+            got = [i for i in tried.positions if read.sources[i] == tried.lane.index]
+            self._count(f"read_hits_{tried.lane.name}", len(got))
+            depth = self.lanes.index(tried.lane)
             if got and depth > 0 and not force_latest:
                 picked = [keys[i] for i in got], [views[i] for i in got], [names[i] for i in got]
-                self._write_back(lanes[:depth], *picked)
-        self._count("read_misses", len(remaining))
-        if late:  # the caller may reuse its buffers once this resolves: not before the late read is done
-            self._count("reads_late", len(remaining))
-            await asyncio.wait(late)
-        return filled
+                self._write_back(self.lanes[:depth], *picked)
+        self._count("read_misses", read.sources.count(None))
+        if read.late is not None:  # the caller may reuse its buffers once this resolves: not before the late read
+            self._count("reads_late", len(read.unsettled))
+            await asyncio.wait([read.late])
+        return read.filled
 
     def _write_back(
         self, lanes: Sequence[Lane], keys: list[bytes], views: list[memoryview], names: list[bytes]
@@ -338,7 +352,10 @@ class RemoteStore:
     def counters(self) -> dict[str, int]:
         """This store's own counts (probes by presence, read hits per tier, misses, writes); cheap, any thread."""
         with self._lock:
-            return dict(self._counts)
+            counts = Counter(self._counts)
+        for presence, count in list(self.probes.counts.items()):
+            counts[f"probe_{presence.value}"] += count
+        return dict(counts)
 
     def stats(self) -> dict[str, Any]:
         """``counters`` plus, per tier, its lane (breaker, latencies) and its own counters."""

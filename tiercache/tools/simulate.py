@@ -257,7 +257,7 @@ def simulate(
     A GPU hit costs nothing. A request that finds no room in the GPU pool (longer than it, or pinned by copies
     for longer than about ``ALLOCATE_ATTEMPTS`` retries) is counted as rejected.
     """
-    tiers = [manager.gpu.name] + ([manager.cpu.name] if manager.cpu else []) + [t.name for t in manager.remotes]
+    tiers = manager.parts.names
     records: list[RequestRecord] = []
     mismatched = rejected = 0
     started = time.perf_counter()

@@ -10,8 +10,9 @@ the config keys are the constructor's keyword arguments.
 
 - Keys: vLLM's ``OffloadKey`` (block hash + KV group) inside the namespace of
   ``namespace.vllm_namespace`` (model, dtype, chunk bytes, parallel sizes and rank).
-- ``lookup`` answers from memory (``probes.ProbeBook``): RETRY while a probe is in
-  flight, never a wait. A HIT makes vLLM reserve a primary row; ``submit_load``
+- ``lookup`` answers from memory (the store's probe cache, ``RemoteStore.probe``):
+  RETRY while a probe is in flight, never a wait; a step's new keys go out as one
+  probe at ``on_schedule_end``. A HIT makes vLLM reserve a primary row; ``submit_load``
   later reads straight into ``primary_kv_view`` rows, ``submit_store`` writes
   straight from them (no copy in Python); ``get_finished_jobs`` reports each job
   once, a failed load with the keys that did arrive (their neighbours are MISS
@@ -52,14 +53,13 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.common.units import MS_PER_SECOND
 from tiercache.config.remote import remote_topology
 from tiercache.integrations.vllm.jobs import Job, JobBook
 from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
 from tiercache.integrations.vllm.namespace import vllm_namespace
-from tiercache.integrations.vllm.probes import GIVE_UP_FACTOR, ProbeBook
 from tiercache.remote.answers import resolved
 from tiercache.remote.store import RemoteStore
+from tiercache.tiers.base import Presence
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -130,8 +130,6 @@ class TierCacheTier(SecondaryTierManager):
         key_id = self.store.namespace.key_id
         self._ownership_suffix = f"@{key_id[:OWNERSHIP_KEY_ID_BYTES].hex()}" if key_id else ""
         self._rows = primary_kv_view.cast("B")
-        give_up_s = GIVE_UP_FACTOR * remote.queues.remote_lookup_timeout_ms / MS_PER_SECOND
-        self._probes = ProbeBook(self.store, give_up_s)
         self._jobs = JobBook()
         self._stats = StatsDelta()
         self.store.start()
@@ -146,7 +144,10 @@ class TierCacheTier(SecondaryTierManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return self._probes.lookup(key, req_context.req_id)
+        answer = self.store.probe([key], req_context.req_id)
+        if answer is None:
+            return LookupResult.RETRY  # vLLM's manager treats a secondary tier's HIT_PENDING like a miss
+        return LookupResult.HIT if answer[0].presence is Presence.HELD else LookupResult.MISS
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -154,11 +155,11 @@ class TierCacheTier(SecondaryTierManager):
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._probes.finished(req_context.req_id)
+        self.store.forget_probes(req_context.req_id)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._probes.flush()
+        self.store.flush_probes()
 
     # -- jobs ----------------------------------------------------------------
 
@@ -201,13 +202,14 @@ class TierCacheTier(SecondaryTierManager):
             return JobResult(job.job_id, True, **timing)
         if not job.is_promotion:
             return JobResult(job.job_id, False, **timing)
-        self._probes.mark_miss([key for key, ok in zip(job.keys, oks, strict=True) if not ok])
+        # marked not held while their requests run, or vLLM would promote them again forever
+        self.store.probes.mark_absent([key for key, ok in zip(job.keys, oks, strict=True) if not ok])
         arrived = tuple(key for key, ok in zip(job.keys, oks, strict=True) if ok)
         return JobResult(job.job_id, False, successful_keys=arrived or None, **timing)
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(len(self._jobs)) or self._probes.busy
+        return bool(len(self._jobs)) or self.store.probes.busy
 
     @override
     def drain_jobs(self) -> None:
