@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
+from tiercache import Lookup
 from tiercache.blocks.paged import PagedKV
 from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.manager.tier_manager import TierManager
@@ -17,6 +19,8 @@ TEST_DEVICE = os.getenv("TEST_TIERCACHE_DEVICE", "cpu")
 """The GPU tier's device in the manager tests: ``cpu`` stands in for it; ``cuda`` on a GPU machine.
 (Not ``TIERCACHE_*``: the config applies those variables as overrides.)"""
 TINY_LAYOUT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "block_size": 2}
+BLOCK = TINY_LAYOUT["block_size"]
+"""Tokens per block of ``TINY_LAYOUT``."""
 
 
 def topology(
@@ -77,3 +81,43 @@ def until(condition: Callable[[], Any], wait_s: float = UNTIL_WAIT_S) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.005)
+
+
+WAIT_S = 10.0
+"""Upper bound on waiting for background work (a hang detector, never a speed judgement)."""
+
+
+def prompt(blocks: int, salt: int, head: int = 0) -> np.ndarray:
+    """``blocks`` blocks of tokens; the first ``head`` blocks are shared by every salt."""
+    tokens = np.arange(blocks * BLOCK) + salt * 100_000
+    tokens[: head * BLOCK] = np.arange(head * BLOCK)
+    return tokens
+
+
+def settled(manager: TierManager, tokens: np.ndarray) -> Lookup:
+    """Retry a pending lookup as a scheduler does (keeps the hit's pins: the caller releases it)."""
+    hit = manager.lookup(tokens)
+    deadline = time.monotonic() + WAIT_S
+    while hit.pending:
+        assert time.monotonic() < deadline, "the remote lookup never answered"
+        time.sleep(0.001)
+        hit = manager.lookup(tokens)
+    return hit
+
+
+def serve(manager: TierManager, tokens: np.ndarray) -> int:
+    """Lookup -> allocate -> load -> check -> compute the rest -> store -> release; returns blocks reused."""
+    hit = settled(manager, tokens)
+    fresh = manager.allocate(len(hit.keys) - len(hit.gpu_block_ids))
+    loaded = manager.load(hit, fresh[: hit.num_lower_blocks]).result(WAIT_S) // BLOCK
+    table = hit.gpu_block_ids + fresh
+    reused = len(hit.gpu_block_ids) + loaded
+    for position, block in enumerate(table):
+        expected = block_kv(manager, hit.keys[position])
+        if position < reused:
+            assert torch.equal(read_block(manager, block), expected), f"block {position} is wrong KV"
+        else:
+            write_block(manager, block, expected)
+    manager.store(tokens, table).result(WAIT_S)
+    manager.release(table)
+    return reused

@@ -8,7 +8,7 @@ keeps, per medium, the set of block hashes the engine said it holds. On stdin,
 ``view N`` waits until it has applied every batch up to sequence N and answers
 one JSON line on stdout: ``{medium: [hashes...]}``. ``quit`` ends it.
 
-It reads only what is on the wire, with the message structs ``test_events``
+It reads only what is on the wire, with the message structs ``vllm_kv_events``
 declares the way vLLM does (not tiercache's own).
 """
 
@@ -20,7 +20,7 @@ import sys
 
 import msgspec
 import zmq
-from test_events import BlockRemoved, BlockStored, KVEventBatch
+from vllm_kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 WAIT_MS = 50
 """Poll step while waiting for batches (the caller bounds the whole wait)."""

@@ -19,7 +19,7 @@ from tiercache.telemetry.events.wire import block_hash
 
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
 from msgspec.msgpack import Decoder  # noqa: E402
-from test_events import BlockRemoved, BlockStored, KVEventBatch, joined_subscriber, receive  # noqa: E402
+from vllm_kv_events import BlockRemoved, BlockStored, KVEventBatch, joined_subscriber, receive  # noqa: E402
 
 BLOCK = TINY_LAYOUT["block_size"]
 WAIT_S = 10.0
@@ -168,7 +168,7 @@ def test_a_demotion_is_told_head_first_with_the_parent_of_its_first_block() -> N
 
 
 def test_the_map_wire_names_the_models_lora() -> None:
-    from test_events import NewerBlockStored, NewerKVEventBatch
+    from vllm_kv_events import NewerBlockStored, NewerKVEventBatch
 
     events = {"enabled": True, "endpoint": "tcp://127.0.0.1:*", "topic": "kv-events", "wire": "map"}
     config = topology(4, 8, events=events, model={"id": "test-model", "lora": "sql-adapter"})

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from manager_helpers import TEST_DEVICE, TINY_LAYOUT
+from policy_reference import LIBCACHESIM, cache_size, libcachesim_miss_ratio
 from policy_traces import TRACES, Trace, oracle_traces
-from test_policies import LIBCACHESIM, cache_size, libcachesim_miss_ratio
 
 from tiercache.config import config_from_dict
 from tiercache.manager.tier_manager import TierManager

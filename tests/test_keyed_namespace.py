@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import redis
-from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, until
+from manager_helpers import TINY_LAYOUT, WAIT_S, block_kv, compute_and_store, prompt, serve, settled, until
 from redis_servers import NOTHING_READ, RedisServer, empty_dests, random_blocks, reads, stored_values
-from test_manager_contract import WAIT_S, prompt, serve, settled
 
 from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import BlockHasher, Namespace

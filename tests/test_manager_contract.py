@@ -9,27 +9,28 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from manager_helpers import TINY_LAYOUT, block_kv, compute_and_store, read_block, topology, write_block
+from manager_helpers import (
+    TINY_LAYOUT,
+    WAIT_S,
+    block_kv,
+    compute_and_store,
+    prompt,
+    read_block,
+    serve,
+    settled,
+    topology,
+    until,
+)
 
 from tiercache.manager.tier_manager import TierManager
 from tiercache.tiers.simulated import SimulatedTier
 
 BLOCK = TINY_LAYOUT["block_size"]
-WAIT_S = 10.0
-"""Upper bound on waiting for background work (a hang detector, never a speed judgement)."""
-
-
-def prompt(blocks: int, salt: int, head: int = 0) -> np.ndarray:
-    """``blocks`` blocks of tokens; the first ``head`` blocks are shared by every salt."""
-    tokens = np.arange(blocks * BLOCK) + salt * 100_000
-    tokens[: head * BLOCK] = np.arange(head * BLOCK)
-    return tokens
 
 
 def sim(**options: Any) -> dict[str, Any]:
@@ -42,47 +43,11 @@ def sim_of(manager: TierManager) -> SimulatedTier:
     return tier
 
 
-def until(condition: Any) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, "background work did not finish"
-        time.sleep(0.001)
-
-
-def settled(manager: TierManager, tokens: np.ndarray):
-    """Retry a pending lookup as a scheduler does (keeps the hit's pins: the caller releases it)."""
-    hit = manager.lookup(tokens)
-    deadline = time.monotonic() + WAIT_S
-    while hit.pending:
-        assert time.monotonic() < deadline, "the remote lookup never answered"
-        time.sleep(0.001)
-        hit = manager.lookup(tokens)
-    return hit
-
-
 def seed_remote(manager: TierManager, tokens: np.ndarray, blocks: int) -> None:
     tier = sim_of(manager)
     for key in manager.hasher.keys(tokens)[:blocks]:
         payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
         tier.store.save(key, tier.codec.encode_value(key, payload))
-
-
-def serve(manager: TierManager, tokens: np.ndarray) -> int:
-    """Lookup -> allocate -> load -> check -> compute the rest -> store -> release; returns blocks reused."""
-    hit = settled(manager, tokens)
-    fresh = manager.allocate(len(hit.keys) - len(hit.gpu_block_ids))
-    loaded = manager.load(hit, fresh[: hit.num_lower_blocks]).result(WAIT_S) // BLOCK
-    table = hit.gpu_block_ids + fresh
-    reused = len(hit.gpu_block_ids) + loaded
-    for position, block in enumerate(table):
-        expected = block_kv(manager, hit.keys[position])
-        if position < reused:
-            assert torch.equal(read_block(manager, block), expected), f"block {position} is wrong KV"
-        else:
-            write_block(manager, block, expected)
-    manager.store(tokens, table).result(WAIT_S)
-    manager.release(table)
-    return reused
 
 
 def test_pending_remote_lookups_are_never_shared_between_prompts() -> None:

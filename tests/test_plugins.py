@@ -16,9 +16,8 @@ from typing import Any
 import plugin_tier
 import pytest
 import yaml
-from manager_helpers import TINY_LAYOUT, compute_and_store
+from manager_helpers import TINY_LAYOUT, compute_and_store, prompt, serve, until
 from plugin_policy import FifoPolicy
-from test_manager_contract import prompt, serve, until
 
 from tiercache.config import ConfigError, config_from_dict, load_config
 from tiercache.manager.tier_manager import TierManager

@@ -16,6 +16,7 @@ import libcachesim as lcs
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from policy_reference import LIBCACHESIM, cache_size, libcachesim_miss_ratio
 from policy_traces import TRACES, Trace, oracle_traces
 
 from tiercache.bookkeeping.slots import SlotTable
@@ -29,29 +30,7 @@ TRACE_LENGTH = 60_000
 SIZE_FRACTIONS = (0.01, 0.05, 0.2)
 """Cache sizes as fractions of a trace's distinct keys."""
 
-MIN_CACHE_SIZE = 20
-"""libCacheSim's S3FIFO admits nothing when its small FIFO holds <= 1 object (c < 20)."""
-
-HASHPOWER = 16
-"""libCacheSim's initial hash table is 2**hashpower buckets; the default 24 costs ~0.1 s per cache."""
-
 EXACT = 1e-9
-
-LIBCACHESIM: dict[str, Callable[..., lcs.CacheBase]] = {
-    "lru": lambda c: lcs.LRU(c, hashpower=HASHPOWER),
-    "arc": lambda c: lcs.ARC(c, hashpower=HASHPOWER),
-    "s3fifo": lambda c, small_ratio=0.1, ghost_ratio=0.9, move_to_main_threshold=2: lcs.S3FIFO(
-        c,
-        hashpower=HASHPOWER,
-        small_size_ratio=small_ratio,
-        ghost_size_ratio=ghost_ratio,
-        move_to_main_threshold=move_to_main_threshold,
-    ),
-    "twoq": lambda c, in_ratio=0.25, out_ratio=0.5: lcs.TwoQ(
-        c, hashpower=HASHPOWER, a_in_size_ratio=in_ratio, a_out_size_ratio=out_ratio
-    ),
-}
-"""libCacheSim's implementation of each policy, taking our option names."""
 
 NON_DEFAULT_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("s3fifo", {"small_ratio": 0.2, "ghost_ratio": 0.5, "move_to_main_threshold": 1}),
@@ -77,16 +56,6 @@ def simulate(policy: EvictionPolicy, trace: Iterable[Key]) -> list[bool]:
 def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Trace, Path]]:
     """Each named trace and its oracleGeneral file."""
     return oracle_traces(tmp_path_factory.mktemp("traces"), TRACE_LENGTH)
-
-
-def cache_size(trace: Trace, fraction: float) -> int:
-    return max(MIN_CACHE_SIZE, int(len(set(trace)) * fraction))
-
-
-def libcachesim_miss_ratio(cache: lcs.CacheBase, path: Path) -> float:
-    reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
-    miss_ratio, _byte_miss_ratio = cache.process_trace(reader)
-    return miss_ratio
 
 
 def assert_same_miss_ratio(name: str, options: dict[str, Any], trace: Trace, path: Path, size: int) -> None:
