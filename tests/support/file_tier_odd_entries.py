@@ -1,6 +1,6 @@
 """A process that runs a file tier over a directory holding an odd entry, then exits.
 
-Run by tests/test_file_tier_directory.py: ``python file_tier_odd_entries.py DIR ROUNDS``. Each round
+Run by tests/tiers/test_file_tier_directory.py: ``python -m support.file_tier_odd_entries DIR ROUNDS``. Each round
 puts a batch (the directory is bounded at a few batches, so capacity GC runs), reads it back, asks for
 a key nobody wrote (a miss rescans the directory) and runs a GC pass. Prints one JSON line: blocks
 offered, stored and read back intact, the answers "cannot tell" to the lookups, and the tier's stats. Logs go to stderr.

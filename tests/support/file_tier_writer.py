@@ -1,6 +1,7 @@
 """A separate process writing (and reading back) batches into a shared file-tier directory.
 
-Run by tests/test_file_tier*.py: ``python file_tier_writer.py DIR MAX_BYTES BATCHES BATCH SEED [SEGMENT_BYTES]``
+Run by tests/tiers/test_file_tier*.py:
+``python -m support.file_tier_writer DIR MAX_BYTES BATCHES BATCH SEED [SEGMENT_BYTES]``
 (SEGMENT_BYTES 0: the tier's default; absent: four batches).
 It writes ``ready-SEED`` next to DIR, waits for ``go`` (so all writers start
 together), writes its batches, then prints how many blocks were stored.

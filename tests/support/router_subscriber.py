@@ -1,8 +1,8 @@
 """A KV-aware router's view of one engine, rebuilt from its KV events in a process of its own.
 
-Run as ``python router_subscriber.py PUB_ENDPOINT REPLAY_ENDPOINT TOPIC``. It
-declares vLLM's message structs itself (array form, as vLLM's example
-subscriber does), subscribes, fills every gap in the sequence numbers from the
+Run as ``python -m support.router_subscriber PUB_ENDPOINT REPLAY_ENDPOINT TOPIC``. It
+decodes with vLLM's message structs (array form, as vLLM's example
+subscriber declares them), subscribes, fills every gap in the sequence numbers from the
 replay socket (a DEALER: one request streams every kept batch from there), and
 keeps, per medium, the set of block hashes the engine said it holds. On stdin,
 ``view N`` waits until it has applied every batch up to sequence N and answers

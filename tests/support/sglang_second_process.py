@@ -1,7 +1,7 @@
 """A second SGLang process: attaches the backend to a host pool of its own and reads pages another wrote.
 
-Usage: ``python second_process.py '{"topology": ..., "layout": ..., "mla": ..., "keys": [...]}'``; prints a
-JSON object: the matching prefix ``batch_exists`` reports, the per-page results of ``batch_get_v1`` and the
+Usage: ``python -m support.sglang_second_process '{"topology": ..., "layout": ..., "mla": ..., "keys": [...]}'``;
+prints a JSON object: the matching prefix ``batch_exists`` reports, the per-page results of ``batch_get_v1`` and the
 sha256 of every page read (SGLang's ``get_data_page``).
 """
 

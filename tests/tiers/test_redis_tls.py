@@ -2,66 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
+from support.redis_tls import tls_server
 
-import pytest
-
-from tiercache.testing.redis_servers import _free_port, empty_dests, random_blocks, remote_context
+from tiercache.testing.redis_servers import empty_dests, random_blocks, remote_context
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 16 * 1024
 SHORT = {"timeout_s": 0.5, "connect_timeout_s": 0.5, "breaker_failures": 100}
-CERT_DAYS = "1"
-
-
-def openssl(*args: str | Path) -> None:
-    binary = shutil.which("openssl")
-    if binary is None:
-        raise RuntimeError("openssl is needed to make the test certificates (Debian package openssl)")
-    subprocess.run([binary, *map(str, args)], check=True, capture_output=True)
-
-
-def issue(directory: Path, name: str, ca: tuple[Path, Path] | None, extensions: str) -> tuple[Path, Path]:
-    """A key and certificate for ``name``: self-signed when ``ca`` is None, else signed by it."""
-    key, cert, request, ext = (directory / f"{name}.{s}" for s in ("key", "crt", "csr", "ext"))
-    ext.write_text(extensions)
-    if ca is None:
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                "-days", CERT_DAYS, "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE")
-        return key, cert
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request, "-subj", f"/CN={name}")
-    openssl("x509", "-req", "-in", request, "-CA", ca[1], "-CAkey", ca[0], "-CAcreateserial",
-            "-out", cert, "-days", CERT_DAYS, "-extfile", ext)
-    return key, cert
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    directory = tmp_path_factory.mktemp("pki")
-    ca = issue(directory, "test-ca", None, "")
-    other_ca = issue(directory, "other-ca", None, "")
-    server = issue(directory, "server", ca, "subjectAltName=IP:127.0.0.1\n")
-    client = issue(directory, "client", ca, "extendedKeyUsage=clientAuth\n")
-    return {
-        "ca": ca[1], "other_ca": other_ca[1],
-        "server_key": server[0], "server_cert": server[1],
-        "client_key": client[0], "client_cert": client[1],
-    }
-
-
-def tls_server(redis_factory, pki: dict[str, Path], mutual: bool):
-    """A server with a plain port (for the fixture's readiness check) and a TLS port."""
-    tls_port = _free_port()
-    server = redis_factory(extra_args=[
-        "--tls-port", str(tls_port),
-        "--tls-cert-file", str(pki["server_cert"]),
-        "--tls-key-file", str(pki["server_key"]),
-        "--tls-ca-cert-file", str(pki["ca"]),
-        "--tls-auth-clients", "yes" if mutual else "no",
-    ])
-    return server, f"rediss://127.0.0.1:{tls_port}"
 
 
 async def round_trip(url: str, **options: object) -> tuple[list[bool], list[bool], dict[str, float]]:

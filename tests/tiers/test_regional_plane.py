@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from support import REPO
-from test_redis_tls import pki, tls_server
+from support.redis_tls import tls_server
 
 from tiercache.blocks.codec import Codec
 from tiercache.config import load_config
@@ -20,8 +20,6 @@ from tiercache.testing.redis_servers import RedisServer
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode
 from tiercache.tiers.regional import options as regional_options
-
-__all__ = ["pki"]  # the module-scoped fixture of the TLS tests (a CA, server and client certificates)
 
 BLOCK_BYTES = 4096
 FINGERPRINT = bytes(range(16, 32))

@@ -1,4 +1,4 @@
-"""The reference side of the miss-ratio-curve checks, shared by tests/test_mrc.py and benchmarks/mrc.py.
+"""The reference side of the miss-ratio-curve checks, shared by the MRC tests and benchmarks/mrc.py.
 
 A Zipf trace of tiercache-like keys, and libCacheSim's exact LRU hit ratio of
 the same trace at each multiple of a capacity.

@@ -1,4 +1,4 @@
-"""Synthetic block-key traces shared by the policy tests and benchmarks/policies.py.
+"""Synthetic block-key traces shared by the policy tests and the policy, multi-turn and MRC benchmarks.
 
 Each generator is deterministic for a given seed and returns a list of positive
 ints (libCacheSim object ids), so the same trace can be replayed by our policies

@@ -1,4 +1,4 @@
-"""Real ``redis-server`` processes for tests: single servers and a 3-node cluster.
+"""Real ``redis-server`` processes for tests and benchmarks: single servers and a 3-node cluster.
 
 Every server listens on a free loopback port, keeps its files in its own
 temporary directory, persists nothing (``--save '' --appendonly no``) and dies
@@ -60,7 +60,7 @@ MAX_CLUSTER_PORT = 55535
 """A cluster node also listens on its port + 10000 (the bus), so its port must be at most this."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free loopback port low enough for a cluster node (port + 10000 must exist too)."""
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -164,7 +164,7 @@ class RedisServer:
         last_error = ""
         for _ in range(START_ATTEMPTS):
             if not fixed_port:
-                self.port = _free_port()
+                self.port = free_port()
             self.process = subprocess.Popen(
                 self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 preexec_fn=_die_with_parent,

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own parts, built on CPU for the backend's tests: KV pools, the storage config, the factory.
+"""SGLang 0.5.23's own parts, built on CPU for the backend's tests and benchmarks: KV pools, storage config, factory.
 
 The host pools are SGLang's ``MHATokenToKVPoolHost``/``MLATokenToKVPoolHost`` over SGLang's device pools
 (``device="cpu"``, unpinned: pinning needs CUDA), built the way SGLang's own storage unit tests build them;

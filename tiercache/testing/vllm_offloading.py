@@ -6,7 +6,8 @@ the tiercache tier is loaded by module path exactly as a vLLM user's
 ``kv_connector_extra_config`` loads it. Every manager call holds the manager's
 lock; a step ends with ``on_schedule_end``; lookups follow the scheduler's
 prefix loop (keep scanning past RETRY, stop at the first MISS, ask again next
-step). It also runs as a script: the "second process" of the tests.
+step). It also runs as a script (``python -m tiercache.testing.vllm_offloading REQUEST``): the
+"second process" of the tests.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 if TYPE_CHECKING:
-    from tiercache.testing.redis_servers import RedisServer  # the script runs without tests/ on its path
+    from tiercache.testing.redis_servers import RedisServer
 
 KV_BYTES_PER_BLOCK = 16384
 """One worker's KV bytes per block (four pages: a row of the primary without padding)."""

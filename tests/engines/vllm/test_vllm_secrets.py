@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import pytest
 import redis
-from test_vllm_tier import COUNT, engine_over, tier_of
+from support.vllm_tiers import engine_over, tier_of
 
 from tiercache.testing.redis_servers import NOTHING_READ, RedisServer, reads, stored_values
 from tiercache.testing.vllm_offloading import Engine, chunk_keys, payloads, redis_topology
 
 pytestmark = pytest.mark.usefixtures("namespace_secrets")
+COUNT = 6
+"""Chunks each fleet stores."""
 
 
 def keyed(server: RedisServer, secret_env: str | None) -> dict:

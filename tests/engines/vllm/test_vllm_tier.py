@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.vllm_tiers import engine_over, tier_of
 from vllm.v1.kv_offload.base import LookupResult, Medium
 
-from tiercache.integrations.vllm import TierCacheTier
 from tiercache.integrations.vllm.metrics import PROBES, READ_HITS, WRITES
 from tiercache.integrations.vllm.version import UnsupportedVllmError, require_vllm
 from tiercache.testing.redis_servers import RedisServer
@@ -34,19 +34,6 @@ from tiercache.testing.vllm_offloading import (
 
 COUNT = 6
 CHILD_TIMEOUT_S = 120
-
-
-def engine_over(engines: list[Engine], topology: dict, **config: object) -> Engine:
-    options = config.pop("tier_options", {})
-    engine = Engine(offloading_config([tier_config(topology, **options)], **config))  # type: ignore[arg-type]
-    engines.append(engine)
-    return engine
-
-
-def tier_of(engine: Engine) -> TierCacheTier:
-    (tier,) = engine.tiers
-    assert isinstance(tier, TierCacheTier)
-    return tier
 
 
 def read_in_another_process(topology: dict, prompt: str, count: int, **config: object) -> list[str | None]:
