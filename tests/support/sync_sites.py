@@ -4,7 +4,8 @@ A ``Topology`` is central, region A and region B, and a factory of regional
 tiers over them (the ``sites`` fixture in ``conftest`` closes them after the
 test); ``read`` returns what a tier
 serves per key (None for a miss); ``eventually`` polls a condition for background
-work (a hang detector, never a timing assertion).
+work (a hang detector, never a timing assertion); ``hold_writes`` makes a server
+hold every write while it still answers reads, so a region's replication waits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ WAIT_STEP_S = 0.005
 WAIT_STEPS = 2000
 """``eventually`` gives background work up to 10 s before failing (never a timing assertion)."""
 FAST_RETRIES = {"replication_retries": 2, "retry_backoff_ms": 5.0, "timeout_s": 0.3, "connect_timeout_s": 0.3}
+HOLD_MS = 60_000
+"""How long ``hold_writes`` holds at most (``release_writes`` ends it sooner)."""
+PATIENT = {"timeout_s": HOLD_MS / 1000}
+"""Options of a tier whose replication must wait out held writes rather than time out and retry."""
 
 
 async def eventually(condition: Callable[[], Any]) -> None:
@@ -44,6 +49,17 @@ def payload(tag: int) -> memoryview:
 
 def buffers(count: int) -> list[memoryview]:
     return [memoryview(bytearray(BLOCK_BYTES)) for _ in range(count)]
+
+
+def hold_writes(server: RedisServer) -> None:
+    """The server holds every write command until ``release_writes`` (``CLIENT PAUSE ... WRITE``, as a
+    failover does) and goes on answering reads: a region's replication to it waits, its versions stay."""
+    server.cli("CLIENT", "PAUSE", str(HOLD_MS), "WRITE")
+
+
+def release_writes(server: RedisServer) -> None:
+    """The writes ``hold_writes`` held go through."""
+    server.cli("CLIENT", "UNPAUSE")
 
 
 class Topology:

@@ -15,7 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from support.sync_sites import FAST_RETRIES, FINGERPRINT, Topology, eventually, key, payload, read
+from support.sync_sites import (
+    FAST_RETRIES,
+    FINGERPRINT,
+    PATIENT,
+    Topology,
+    eventually,
+    hold_writes,
+    key,
+    payload,
+    read,
+)
 
 from tiercache.blocks.codec import Codec
 from tiercache.testing.redis_servers import RedisServer
@@ -30,7 +40,7 @@ OPEN_FOR_S = 60.0
 async def test_an_open_central_breaker_makes_force_latest_miss_even_own_writes(sites: Topology) -> None:
     a = await sites.tier(
         sites.region_a,
-        **FAST_RETRIES,
+        **{**FAST_RETRIES, **PATIENT},
         invalidate=False,
         breaker_failures=2,
         breaker_backoff_s=OPEN_FOR_S,
@@ -38,7 +48,7 @@ async def test_an_open_central_breaker_makes_force_latest_miss_even_own_writes(s
     )
     keys = [key(200 + i) for i in range(OWN_WRITES)]
     written = [bytes(payload(i)) for i in range(OWN_WRITES)]
-    a.pause_replication()
+    hold_writes(sites.central)  # replication waits: the writes stay this node's own, unreplicated
     assert await a.put(keys, [payload(i) for i in range(OWN_WRITES)]) == [True] * OWN_WRITES
     assert await read(a, keys, force_latest=True) == written, "central up: this node reads its own writes"
     sites.central.kill()
@@ -48,7 +58,6 @@ async def test_an_open_central_breaker_makes_force_latest_miss_even_own_writes(s
     assert await read(a, keys, force_latest=True) == [None] * OWN_WRITES, "no latest without central's word"
     assert a.stats()["latest_unavailable"] == unavailable + OWN_WRITES
     assert await read(a, keys) == written, "plain reads still serve the region's copies"
-    a.resume_replication()
 
 
 BIG_BLOCK_BYTES = 64 * 1024

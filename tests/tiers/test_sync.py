@@ -16,12 +16,15 @@ from support.sync_sites import (
     BLOCK_BYTES,
     FAST_RETRIES,
     FINGERPRINT,
+    PATIENT,
     Topology,
     eventually,
+    hold_writes,
     holds,
     key,
     payload,
     read,
+    release_writes,
 )
 
 from tiercache.blocks.codec import Codec
@@ -37,15 +40,15 @@ INSPECT_TIMEOUT_S = 10.0
 
 
 async def test_read_your_writes_before_and_after_replication(sites: Topology) -> None:
-    a = await sites.tier(sites.region_a)
+    a = await sites.tier(sites.region_a, **PATIENT)
     b = await sites.tier(sites.region_b)
-    a.pause_replication()
+    hold_writes(sites.central)
     assert await a.put([key(1)], [payload(1)]) == [True]
     assert await read(a, [key(1)], force_latest=True) == [bytes(payload(1))]
     assert await a.central.versions([key(1)]) == [0]
     assert await read(b, [key(1)], force_latest=True) == [None]
     assert await read(b, [key(1)]) == [None]
-    a.resume_replication()
+    release_writes(sites.central)
     await a.flush()
     (version,) = await a.central.versions([key(1)])
     assert version > 0
@@ -88,15 +91,15 @@ async def test_central_publishes_and_regions_drop_stale_copies(sites: Topology) 
 
 
 async def test_replication_lag_and_its_bounded_queue(sites: Topology) -> None:
-    a = await sites.tier(sites.region_a, replication_queue_blocks=4)
+    a = await sites.tier(sites.region_a, replication_queue_blocks=4, **PATIENT)
     b = await sites.tier(sites.region_b)
-    a.pause_replication()
+    hold_writes(sites.central)
     keys = [key(100 + i) for i in range(6)]
     assert await a.put(keys, [payload(i) for i in range(6)]) == [True] * 6
     stats = a.stats()
     assert stats["replication_dropped"] == 2
     assert await read(b, keys, force_latest=True) == [None] * 6
-    a.resume_replication()
+    release_writes(sites.central)
     await a.flush()
     stats = a.stats()
     assert (stats["replicated"], stats["replication_queue"]) == (4, 0)
@@ -248,6 +251,7 @@ async def test_close_is_bounded_under_publish_traffic(sites: Topology) -> None:
     publisher = asyncio.create_task(_publish_until(stop, sites.central.url, "tiercache:updates"))
     try:
         for i in range(CLOSES):
+            before = asyncio.all_tasks()
             tier = RegionalTier(
                 RemoteContext("regional", Codec(FINGERPRINT), BLOCK_BYTES),
                 RegionalOptions(central_url=sites.central.url, region_url=sites.region_a.url),
@@ -256,7 +260,7 @@ async def test_close_is_bounded_under_publish_traffic(sites: Topology) -> None:
             assert tier.invalidator is not None
             await eventually(lambda tier=tier: holds(tier.invalidator.received > 0))
             assert await tier.put([key(1000 + i)], [payload(i)]) == [True]
-            tasks = tier.background_tasks()
+            tasks = asyncio.all_tasks() - before  # the tier's own: replication workers, invalidator
             closing = asyncio.create_task(tier.close())
             done, _ = await asyncio.wait({closing}, timeout=CLOSE_BOUND_S)
             assert closing in done, f"close {i} did not return"
@@ -443,7 +447,8 @@ async def test_manager_close_with_a_regional_tier_is_bounded_under_publish_traff
             ids = manager.allocate(1)
             await manager.store(tokens, ids)
             manager.release(ids)
-            tasks = tier.background_tasks()
+            loop = tier.replicator.workers[0].get_loop()  # the manager's background loop, where the tier runs
+            tasks = asyncio.all_tasks(loop)
             closing = asyncio.create_task(manager.close())
             done, _ = await asyncio.wait({closing}, timeout=CLOSE_BOUND_S)
             assert closing in done, f"manager close {i} did not return"

@@ -50,11 +50,6 @@ class Invalidator:
         """Set while central's updates are being heard."""
         return self._subscription.active
 
-    @property
-    def task(self) -> asyncio.Task:
-        """The background task that keeps the subscription."""
-        return self._subscription.task
-
     async def close(self, deadline_s: float) -> int:
         """Stop listening within ``deadline_s``; 1 if the task had to be abandoned, else 0."""
         return await self._subscription.close(deadline_s)
