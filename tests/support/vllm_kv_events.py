@@ -27,6 +27,8 @@ JOIN_POLL_MS = 100
 # --- The reference: vLLM's message definitions, copied as vLLM declares them --------------------
 # (vllm/distributed/kv_events.py, the release with `medium` and `data_parallel_rank`, and
 # examples/online_serving/kv_events_subscriber.py, whose EventBatch has no rank field).
+# Alike in shape to tiercache.telemetry.events.wire on purpose, and never shared with it: a change
+# there that vLLM's routers could not read must fail here.
 
 
 class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

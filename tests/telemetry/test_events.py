@@ -1,4 +1,10 @@
-"""KV events: a real ZeroMQ subscriber on loopback decodes them with vLLM's own message definitions."""
+"""KV events: a real ZeroMQ subscriber on loopback decodes them with vLLM's own message definitions.
+
+What is tiercache's own (the sink, the publisher, replay) is read back with tiercache's own wire
+module. Only the checks of the wire format itself decode with vLLM's declarations
+(``support.vllm_kv_events``) and a block-hash mapping written out here: there the independence
+from ``tiercache.telemetry.events.wire`` is the point.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from support.vllm_kv_events import (
     receive,
 )
 
+from tiercache.telemetry.events import wire
 from tiercache.telemetry.events.config import EventsConfig, EventWire
 from tiercache.telemetry.events.sink import EventSink
 from tiercache.telemetry.events.wire import block_hash
@@ -145,7 +152,7 @@ def test_newer_vllm_subscriber_decodes_the_map_wire(context: zmq.Context) -> Non
 
 def test_a_gap_is_replayed_from_the_replay_socket(sink: EventSink, context: zmq.Context) -> None:
     sub, last_seq = joined_subscriber(sink, context)
-    decoder = Decoder(type=KVEventBatch)
+    decoder = Decoder(type=wire.KVEventBatch)  # replay is tiercache's: read back with its own wire module
     published = {}
     for i in range(6):
         sink.stored("gpu", keys(1, salt=10 + i), None, list(range(BLOCK_SIZE)), BLOCK_SIZE)
