@@ -74,10 +74,11 @@ class Topology:
         opts = RegionalOptions(
             central_url=self.central.url, region_url=region.url if region else "", mode=mode, **options
         )
+        listening = self.central.subscribers(opts.channel)
         tier = RegionalTier(RemoteContext("regional", codec or Codec(FINGERPRINT), BLOCK_BYTES), opts)
         await tier.start()
-        if tier.invalidator is not None:
-            await eventually(lambda: holds(tier.invalidator.subscribed.is_set()))
+        if tier.invalidator is not None:  # until central counts its subscription to the updates
+            await eventually(lambda: holds(self.central.subscribers(opts.channel) > listening))
         self.tiers.append(tier)
         return tier
 

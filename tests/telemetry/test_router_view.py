@@ -26,6 +26,7 @@ from support.manager_helpers import block_kv, compute_and_store, read_block, top
 
 from tiercache.manager.tier_manager import TierManager
 from tiercache.telemetry.events.wire import block_hash
+from tiercache.testing.redis_servers import EXPIRED_CHANNEL
 from tiercache.tiers.base import Presence
 
 pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
@@ -283,7 +284,7 @@ def test_a_redis_cluster_whose_nodes_expire_their_keys(router_of: Any, redis_clu
     remote = {"type": "redis", "name": "cluster", "options": {"url": redis_cluster.url, "cluster": True, "ttl_s": 0.5}}
     with TierManager(topology(4, 4, layout=BIG_LAYOUT, remotes=[remote], events=EVENTS)) as manager:
         router = router_of(manager)
-        assert manager.remotes[0]._watcher.subscribed == len(redis_cluster.nodes)
+        assert [node.subscribers(EXPIRED_CHANNEL) for node in redis_cluster.nodes] == [1] * len(redis_cluster.nodes)
         _, keys = computed(manager, 6, BIG_LAYOUT["block_size"])
         time.sleep(1.0)
         truth = assert_view_is_true(router, manager, keys)

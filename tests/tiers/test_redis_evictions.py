@@ -12,8 +12,9 @@ import logging
 import time
 
 import pytest
+import redis
 
-from tiercache.testing.redis_servers import random_blocks, remote_context
+from tiercache.testing.redis_servers import EXPIRED_CHANNEL, random_blocks, remote_context
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 4096
@@ -46,7 +47,9 @@ async def test_a_server_that_refuses_config_set_leaves_the_tier_working(redis_fa
     with caplog.at_level(logging.WARNING):
         tier = await open_listened_tier(server.url, heard, username="engine", password="pw", ttl_s=TTL_S)
     try:
-        assert tier._watcher is not None and tier._watcher.subscribed == 0
+        engine = redis.Redis(host=server.host, port=server.port, username="engine", password="pw")
+        assert engine.pubsub_numsub(EXPIRED_CHANNEL) == [(EXPIRED_CHANNEL.encode(), 0)]
+        engine.close()
         assert tier.stats()["eviction_watch_refused"] == 1
         assert caplog.text.count("refuses CONFIG notify-keyspace-events") == 1
         keys, payloads = random_blocks(3, BLOCK)
@@ -62,11 +65,10 @@ async def test_a_restarted_server_is_subscribed_to_again(redis_factory) -> None:
     heard: list[bytes] = []
     tier = await open_listened_tier(server.url, heard, ttl_s=TTL_S)
     try:
-        watcher = tier._watcher
-        assert watcher is not None and watcher.subscribed == 1
+        assert server.subscribers(EXPIRED_CHANNEL) == 1
         server.restart()  # empty, notification flags reset: the watcher must set them again
         await eventually(lambda: tier.stats().get("eviction_watch_errors", 0) >= 1, "the lost connection went unseen")
-        await eventually(lambda: watcher.subscribed == 1, "never subscribed again")
+        await eventually(lambda: server.subscribers(EXPIRED_CHANNEL) == 1, "never subscribed again")
         keys, payloads = random_blocks(3, BLOCK)
         stored = await tier.put(keys, payloads)
         assert stored == [True] * 3

@@ -240,6 +240,10 @@ class RedisServer:
         )
         return result.stdout
 
+    def subscribers(self, channel: str) -> int:
+        """How many clients this server counts as subscribed to ``channel`` (``PUBSUB NUMSUB``)."""
+        return int(self.cli("PUBSUB", "NUMSUB", channel).split()[1])
+
     def __enter__(self) -> RedisServer:
         return self.start() if not self.running else self
 
@@ -353,6 +357,8 @@ def empty_dests(count: int, block_bytes: int) -> list[memoryview]:
     return [memoryview(np.zeros(block_bytes, dtype=np.uint8)).cast("B") for _ in range(count)]
 
 
+EXPIRED_CHANNEL = "__keyevent@0__:expired"
+"""Where a server with keyspace notifications publishes the expiries of database 0 (Redis's naming)."""
 NOTHING_READ = {"get": 0, "unlink": 0, "del": 0, "keyspace_hits": 0}
 """``reads`` of a server that no command read a value of, or deleted one from."""
 
