@@ -1,4 +1,10 @@
-"""Shared by the benchmark scripts: machine description and writing the JSON result."""
+"""Shared by the benchmark scripts: machine description and writing the JSON result.
+
+Each benchmark runs as a script, ``python benchmarks/NAME.py``: Python puts this
+folder first on ``sys.path``, so ``from common import ...`` resolves with no path
+edits. What benchmarks share with the tests (Redis servers, traces, libCacheSim's
+reference, the engines' parts) comes from ``tiercache.testing``, never from ``tests/``.
+"""
 
 from __future__ import annotations
 

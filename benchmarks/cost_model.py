@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.config import config_from_dict

@@ -18,14 +18,10 @@ import argparse
 import hashlib
 import os
 import statistics
-import sys
 import time
 from collections import deque
-from pathlib import Path
 
 import zmq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.telemetry.events.config import EventsConfig

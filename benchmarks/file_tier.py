@@ -21,20 +21,15 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 from common import write_result
-from redis_servers import remote_context
 
+from tiercache.testing.redis_servers import remote_context
 from tiercache.tiers.file import FileOptions, FileTier
 
 SIZES = {"64KiB": 64 * 1024, "2MiB": 2 * 1024 * 1024}

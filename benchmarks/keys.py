@@ -6,13 +6,9 @@ Target: >= 10 M tokens/s on the 2-core development machine.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.blocks.keys import BlockHasher, Namespace

@@ -1,9 +1,9 @@
 """Live miss-ratio curves: accuracy against exact LRU, and cost per access against the LRU policy's decision.
 
 Zipf traces of 16-byte BLAKE2b keys (tiercache's key format): the wide one
-tests/test_mrc.py checks (as a remote tier sees), one with fewer, hotter keys,
+tests/telemetry/test_mrc.py checks (as a remote tier sees), one with fewer, hotter keys,
 and three small-tier traces (Zipf 0.8 and 1.0 and a scan-mixed one, 20K-77K
-distinct keys, checked at 256- and 1024-block tiers, as tests/test_mrc.py does at
+distinct keys, checked at 256- and 1024-block tiers, as tests/telemetry/test_mrc.py does at
 1024). Accuracy: for each configuration (the default, a fixed-size sample of
 16000 keys from rate 1; fixed rates; other fixed sizes) and several sampling
 seeds, the curve at 0.25x .. 4x of the capacity against libCacheSim's exact LRU
@@ -24,20 +24,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from common import write_result
-from mrc_reference import block_key, exact_lru_curve, zipf_keys
-from policy_traces import zipf, zipf_with_scans
 
 from tiercache.policies.lru import LRUPolicy
 from tiercache.telemetry.mrc import DEFAULT_MULTIPLES, MissRatioCurve
+from tiercache.testing.mrc_reference import block_key, exact_lru_curve, zipf_keys
+from tiercache.testing.policy_traces import zipf, zipf_with_scans
 
 WIDE_TRACES: dict[str, dict[str, float]] = {
     "zipf0.9_wide": {"key_space": 2.0, "alpha": 0.9, "capacity": 0.05},
@@ -52,7 +50,7 @@ SMALL_TIER_TRACES: dict[str, Callable[[], list[int]]] = {
         160_000, n_keys=40_000, alpha=0.9, scan_every=4_000, scan_length=1_500, seed=23
     ),
 }
-"""The small-tier traces of tests/test_mrc.py, each checked at ``SMALL_TIER_CAPACITIES``."""
+"""The small-tier traces of tests/telemetry/test_mrc.py, each checked at ``SMALL_TIER_CAPACITIES``."""
 REQUEST_KEYS = 64
 """Keys per ``access_many`` call: one 1024-token prompt of 16-token blocks."""
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -46,13 +46,11 @@ import libcachesim as lcs
 import oracle as oracle_module
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from policy_traces import write_oracle_general
-
 from tiercache.blocks.keys import BlockHasher, Namespace
 from tiercache.config import config_from_dict
 from tiercache.manager.tier_manager import TierManager
 from tiercache.policies import POLICIES, make_policy
+from tiercache.testing.policy_traces import write_oracle_general
 from tiercache.tools.simulate import (
     Progress,
     SessionWorkload,

@@ -1,6 +1,6 @@
 """Eviction policies: miss ratios against libCacheSim and Belady, and decisions per second.
 
-For each trace of tests/policy_traces.py and three cache sizes (fractions of the
+For each trace of tiercache.testing.policy_traces and three cache sizes (fractions of the
 trace's distinct keys), it replays the trace through each of our policies (the
 loop of policies/base.py), through libCacheSim's C simulator (the same policy,
 Belady's OPT) and through cachetools.LRUCache, all in this one run. It prints a
@@ -27,10 +27,8 @@ from typing import Any
 import cachetools
 import libcachesim as lcs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from policy_traces import TRACES, Trace, write_oracle_general
-
 from tiercache.policies import make_policy
+from tiercache.testing.policy_traces import TRACES, Trace, write_oracle_general
 
 POLICY_NAMES = ("lru", "arc", "s3fifo", "twoq")
 SIZE_FRACTIONS = (0.01, 0.05, 0.2)

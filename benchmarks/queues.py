@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.config import config_from_dict

@@ -43,7 +43,6 @@ import platform
 import re
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -52,11 +51,8 @@ import numpy as np
 import redis
 import redis.cluster
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context
-
 from tiercache.blocks.codec import Codec
+from tiercache.testing.redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 SIZES = {"64KiB": 64 * 1024, "2MiB": 2 * 1024 * 1024}

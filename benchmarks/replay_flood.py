@@ -27,11 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import zmq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result
 
 from tiercache.telemetry.events.config import EventsConfig

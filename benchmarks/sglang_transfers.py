@@ -19,24 +19,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "integrations" / "sglang"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 warnings.filterwarnings("ignore")  # SGLang's import-time warnings on a CPU-only machine
 
 import torch  # noqa: E402
 from common import write_result  # noqa: E402
-from redis_servers import RedisServer  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang_parts import attach, page_keys, scramble  # noqa: E402
+
+from tiercache.testing.redis_servers import RedisServer  # noqa: E402
+from tiercache.testing.sglang_parts import attach, page_keys, scramble  # noqa: E402
 
 PAGE_SIZE = 16
 LAYERS = 16

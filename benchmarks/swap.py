@@ -23,15 +23,12 @@ import json
 import random
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_result
 
 from tiercache.blocks.layout import KVLayout, MemoryOrder

@@ -1,6 +1,6 @@
 """The regional tier's reads against the Redis tier's GET on the same redis-server.
 
-Central and two regions run on loopback (tests/redis_servers.py). Region A holds
+Central and two regions run on loopback (tiercache.testing.redis_servers). Region A holds
 current copies of every key, and the same server holds the same blocks written
 by a Redis tier (its own key prefix). The ceiling is that Redis tier's GET of a
 batch; measured in the same run, taking turns batch by batch: a plain regional read of the same batch (the
@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from common import write_result
-from redis_servers import RedisServer
 
 from tiercache.blocks.codec import Codec
+from tiercache.testing.redis_servers import RedisServer
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.redis import RedisOptions, RedisTier
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode

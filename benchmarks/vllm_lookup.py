@@ -23,22 +23,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "integrations" / "vllm"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import write_result
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
-from common import write_result  # noqa: E402
-from redis_servers import RedisServer  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager  # noqa: E402
-from vllm_engine import Engine, chunk_keys, offloading_config, payloads, tier_config  # noqa: E402
+from tiercache.testing.redis_servers import RedisServer
+from tiercache.testing.vllm_offloading import Engine, chunk_keys, offloading_config, payloads, tier_config
 
 TOKENS_PER_CHUNK = 16
 PROMPTS = {"1k": 1024, "32k": 32 * 1024}

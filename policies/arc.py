@@ -23,17 +23,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tiercache.policies.base import CanEvict, EvictionPolicy, Key
-from tiercache.policies.lru import oldest_evictable
-
-_NO_KEY: object = object()
-"""Marks 'no pending ghost hit' (any hashable, even None, may be a key)."""
+from tiercache.policies.base import CanEvict, Key
+from tiercache.policies.lru import NO_KEY, TwoListPolicy, oldest_evictable
 
 MIN_ADAPTATION = 1
 """The smallest step of ``p`` on a ghost hit (the paper's delta is at least 1)."""
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(TwoListPolicy):
     """Four LRU lists (OrderedDicts, oldest first) and the adaptive T1 target ``p``."""
 
     name = "arc"
@@ -45,9 +42,10 @@ class ARCPolicy(EvictionPolicy):
         self._t2: OrderedDict[Key, None] = OrderedDict()
         self._b1: OrderedDict[Key, None] = OrderedDict()
         self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._resident = (self._t1, self._t2)
         # The key whose miss hit a ghost list, until it is inserted (into T2),
         # which list it was in, and whether its REPLACE is still to be done.
-        self._ghost_hit: object = _NO_KEY
+        self._ghost_hit: object = NO_KEY
         self._ghost_hit_in_b2 = False
         self._replace_pending = False
         self._room_made = False  # an evict ran since the last insert: no ghost to trim
@@ -74,13 +72,13 @@ class ARCPolicy(EvictionPolicy):
             del b2[key]
             self._ghost_hit, self._ghost_hit_in_b2, self._replace_pending = key, True, True
         else:
-            self._ghost_hit = _NO_KEY
+            self._ghost_hit = NO_KEY
         return False
 
     def insert(self, key: Key) -> None:
         ghost_hit = self._ghost_hit
-        if ghost_hit is not _NO_KEY and key == ghost_hit:
-            self._ghost_hit = _NO_KEY
+        if ghost_hit is not NO_KEY and key == ghost_hit:
+            self._ghost_hit = NO_KEY
             self._replace_pending = False
             self._t2[key] = None
             return
@@ -152,13 +150,3 @@ class ARCPolicy(EvictionPolicy):
                     ghosts[key] = None
                 return key
         raise LookupError("arc: every resident key is pinned")
-
-    def remove(self, key: Key) -> None:
-        if self._t1.pop(key, _NO_KEY) is _NO_KEY:
-            self._t2.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2

@@ -1,10 +1,14 @@
-"""Least-recently-used: evict the key whose last access is oldest."""
+"""Least-recently-used: evict the key whose last access is oldest; and the pieces of the policies built from
+LRU/FIFO lists (ARC, 2Q, S3-FIFO)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from tiercache.policies.base import CanEvict, EvictionPolicy, Key
+
+NO_KEY: object = object()
+"""Marks 'no key' where any hashable, even None, may be a key (a pending ghost hit, an absent entry)."""
 
 
 class LRUPolicy(OrderedDict[Key, None], EvictionPolicy):
@@ -63,6 +67,28 @@ def oldest_evictable(order: OrderedDict[Key, None], can_evict: CanEvict | None) 
         if can_evict(key):
             return key
     return None
+
+
+class TwoListPolicy(EvictionPolicy):
+    """A policy whose resident keys are split between two ordered lists (ARC's T1 and T2, 2Q's A1in and Am).
+
+    The subclass sets ``_resident`` to its two lists; its ghost lists are its own and are never resident.
+    """
+
+    _resident: tuple[OrderedDict[Key, None], OrderedDict[Key, None]]
+
+    def remove(self, key: Key) -> None:
+        first, second = self._resident
+        if first.pop(key, NO_KEY) is NO_KEY:
+            second.pop(key, None)
+
+    def __len__(self) -> int:
+        first, second = self._resident
+        return len(first) + len(second)
+
+    def __contains__(self, key: object) -> bool:
+        first, second = self._resident
+        return key in first or key in second
 
 
 def remember(ghosts: OrderedDict[Key, None], key: Key, capacity: int) -> None:

@@ -22,13 +22,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tiercache.policies.base import CanEvict, EvictionPolicy, Key
-from tiercache.policies.lru import remember
+from tiercache.policies.lru import NO_KEY, remember
 
 MAX_FREQUENCY = 3
 """Access counts saturate here (a 2-bit counter, as in the paper)."""
-
-_NO_KEY: object = object()
-"""Marks 'no pending ghost hit' and 'no victim found' (any hashable may be a key)."""
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -61,7 +58,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: OrderedDict[Key, None] = OrderedDict()
         self._main: OrderedDict[Key, None] = OrderedDict()
         self._ghost: OrderedDict[Key, None] = OrderedDict()
-        self._ghost_hit: object = _NO_KEY  # the missed key found in the ghost, until inserted
+        self._ghost_hit: object = NO_KEY  # the missed key found in the ghost, until inserted
         self._has_evicted = False
 
     def access(self, key: Key) -> bool:
@@ -75,7 +72,7 @@ class S3FIFOPolicy(EvictionPolicy):
             del ghost[key]
             self._ghost_hit = key
         else:
-            self._ghost_hit = _NO_KEY
+            self._ghost_hit = NO_KEY
         return False
 
     def insert(self, key: Key) -> None:
@@ -87,8 +84,8 @@ class S3FIFOPolicy(EvictionPolicy):
         """
         self._freq[key] = 0
         ghost_hit = self._ghost_hit
-        if ghost_hit is not _NO_KEY and key == ghost_hit:
-            self._ghost_hit = _NO_KEY
+        if ghost_hit is not NO_KEY and key == ghost_hit:
+            self._ghost_hit = NO_KEY
             self._main[key] = None
         elif not self._has_evicted and len(self._small) >= self.small_capacity:
             self._main[key] = None
@@ -106,13 +103,13 @@ class S3FIFOPolicy(EvictionPolicy):
         self._has_evicted = True
         if len(self._main) > self.main_capacity or not self._small:
             victim = self._evict_main(can_evict)
-            if victim is _NO_KEY:
+            if victim is NO_KEY:
                 victim = self._evict_small(can_evict)
         else:
             victim = self._evict_small(can_evict)
-            if victim is _NO_KEY:
+            if victim is NO_KEY:
                 victim = self._evict_main(can_evict)
-        if victim is _NO_KEY:
+        if victim is NO_KEY:
             raise LookupError("s3fifo: every resident key is pinned")
         return victim
 
@@ -120,7 +117,7 @@ class S3FIFOPolicy(EvictionPolicy):
         """Promote accessed tail keys to main; evict the first cold one into the ghost.
 
         A pinned cold key is rotated to the head of the small FIFO (it gets another
-        pass); after a full round of pinned keys, returns _NO_KEY.
+        pass); after a full round of pinned keys, returns NO_KEY.
         """
         small, main, freq = self._small, self._main, self._freq
         threshold = self.move_to_main_threshold
@@ -134,7 +131,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 continue
             if can_evict is not None and not can_evict(key):
                 if rotated >= len(small):
-                    return _NO_KEY
+                    return NO_KEY
                 small.move_to_end(key)
                 rotated += 1
                 continue
@@ -142,13 +139,13 @@ class S3FIFOPolicy(EvictionPolicy):
             del freq[key]
             remember(self._ghost, key, self.ghost_capacity)
             return key
-        return _NO_KEY
+        return NO_KEY
 
     def _evict_main(self, can_evict: CanEvict | None) -> object:
         """CLOCK over the main FIFO: reinsert accessed tail keys (frequency - 1), evict a cold one.
 
         A pinned tail key is rotated with its frequency intact; after a full round
-        of consecutive pinned keys, returns _NO_KEY.
+        of consecutive pinned keys, returns NO_KEY.
         """
         main, freq = self._main, self._freq
         pinned_run = 0
@@ -156,7 +153,7 @@ class S3FIFOPolicy(EvictionPolicy):
             key = next(iter(main))
             if can_evict is not None and not can_evict(key):
                 if pinned_run >= len(main):
-                    return _NO_KEY
+                    return NO_KEY
                 main.move_to_end(key)
                 pinned_run += 1
                 continue
@@ -169,12 +166,12 @@ class S3FIFOPolicy(EvictionPolicy):
             del main[key]
             del freq[key]
             return key
-        return _NO_KEY
+        return NO_KEY
 
     def remove(self, key: Key) -> None:
-        if self._freq.pop(key, _NO_KEY) is _NO_KEY:
+        if self._freq.pop(key, NO_KEY) is NO_KEY:
             return
-        if self._small.pop(key, _NO_KEY) is _NO_KEY:
+        if self._small.pop(key, NO_KEY) is NO_KEY:
             del self._main[key]
 
     def __len__(self) -> int:

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tiercache.policies.base import CanEvict, EvictionPolicy, Key
-from tiercache.policies.lru import oldest_evictable, remember
-
-_NO_KEY: object = object()
-"""Marks 'no pending ghost hit' (any hashable, even None, may be a key)."""
+from tiercache.policies.base import CanEvict, Key
+from tiercache.policies.lru import NO_KEY, TwoListPolicy, oldest_evictable, remember
 
 
-class TwoQPolicy(EvictionPolicy):
+class TwoQPolicy(TwoListPolicy):
     """A1in and A1out FIFOs and the Am LRU (OrderedDicts, oldest first)."""
 
     name = "twoq"
@@ -36,7 +33,8 @@ class TwoQPolicy(EvictionPolicy):
         self._in: OrderedDict[Key, None] = OrderedDict()
         self._out: OrderedDict[Key, None] = OrderedDict()
         self._am: OrderedDict[Key, None] = OrderedDict()
-        self._ghost_hit: object = _NO_KEY  # the missed key found in A1out, until inserted
+        self._resident = (self._in, self._am)
+        self._ghost_hit: object = NO_KEY  # the missed key found in A1out, until inserted
 
     def access(self, key: Key) -> bool:
         if key in self._in:
@@ -50,13 +48,13 @@ class TwoQPolicy(EvictionPolicy):
             del out[key]
             self._ghost_hit = key
         else:
-            self._ghost_hit = _NO_KEY
+            self._ghost_hit = NO_KEY
         return False
 
     def insert(self, key: Key) -> None:
         ghost_hit = self._ghost_hit
-        if ghost_hit is not _NO_KEY and key == ghost_hit:
-            self._ghost_hit = _NO_KEY
+        if ghost_hit is not NO_KEY and key == ghost_hit:
+            self._ghost_hit = NO_KEY
             self._am[key] = None
         else:
             self._in[key] = None
@@ -82,13 +80,3 @@ class TwoQPolicy(EvictionPolicy):
                     remember(self._out, key, self.out_capacity)
                 return key
         raise LookupError("twoq: every resident key is pinned")
-
-    def remove(self, key: Key) -> None:
-        if self._in.pop(key, _NO_KEY) is _NO_KEY:
-            self._am.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._in) + len(self._am)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._in or key in self._am

@@ -3,7 +3,7 @@
 # wheels (whl/), put a carried redis-server (redis/bin) on PATH, then run the stages named
 # on the command line (default: all) with logs and the benchmark JSON under $OUT:
 #   probe    versions, mapped pinned memory, cuMemcpyBatchAsync       -> probe.log
-#   swap     tests/test_swap.py (every swap path)                     -> swap_tests.log
+#   swap     tests/movement/test_swap.py (every swap path)            -> swap_tests.log
 #   bench    benchmarks/swap.py                                       -> bench.log, swap_cuda.json
 #   manager  manager tests + end-to-end model test, GPU pool on cuda -> manager.log
 #   suite    the whole suite with TEST_TIERCACHE_DEVICE=cuda          -> suite.log
@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 STAGES=${*:-probe swap bench manager suite}
 BENCH_ARGS=${BENCH_ARGS:-}
 # libcachesim's wheel needs libglib-2.0, absent from the GPU image; the policy and MRC tests run on the CPU anyway.
-SUITE_ARGS=${SUITE_ARGS:---ignore=tests/test_policies.py --ignore=tests/test_mrc.py}
+SUITE_ARGS=${SUITE_ARGS:---ignore=tests/policies/test_policies.py --ignore=tests/telemetry/test_mrc.py}
 export PYTHONUNBUFFERED=1
 SOURCE=$(pwd)
 if [ -d whl ]; then
@@ -35,11 +35,11 @@ for stage in $STAGES; do
     echo "=== $stage $(date -u +%T)"
     case $stage in
         probe) timeout 120 python3 scripts/gpu_probe.py 2>&1 | tee "$OUT/probe.log" ;;
-        swap) timeout 240 python3 -m pytest tests/test_swap.py -q -rs -p no:cacheprovider 2>&1 \
+        swap) timeout 240 python3 -m pytest tests/movement/test_swap.py -q -rs -p no:cacheprovider 2>&1 \
             | tee "$OUT/swap_tests.log" | tail -25 ;;
         bench) timeout 300 python3 benchmarks/swap.py --out "$OUT" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log" ;;
-        manager) TEST_TIERCACHE_DEVICE=cuda timeout 240 python3 -m pytest tests/test_manager.py \
-            tests/test_model_e2e.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/manager.log" | tail -25 ;;
+        manager) TEST_TIERCACHE_DEVICE=cuda timeout 240 python3 -m pytest tests/manager/test_manager.py \
+            tests/end_to_end/test_model_e2e.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/manager.log" | tail -25 ;;
         suite) TEST_TIERCACHE_DEVICE=cuda timeout 300 python3 -m pytest -q -rs -p no:cacheprovider $SUITE_ARGS 2>&1 \
             | tee "$OUT/suite.log" | tail -25 ;;
         *) echo "unknown stage $stage" ;;

@@ -8,6 +8,6 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q -rs "$@"
 bash scripts/setup_vllm.sh
-TC_TEST_ENGINE=vllm .venv-vllm/bin/python -m pytest -q -rs tests/integrations/vllm
+TC_TEST_ENGINE=vllm .venv-vllm/bin/python -m pytest -q -rs tests/engines/vllm
 bash scripts/setup_sglang.sh
-TC_TEST_ENGINE=sglang .venv-sglang/bin/python -m pytest -q -rs tests/integrations/sglang
+TC_TEST_ENGINE=sglang .venv-sglang/bin/python -m pytest -q -rs tests/engines/sglang

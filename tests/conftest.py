@@ -19,8 +19,9 @@ import redis
 
 pytest.register_assert_rewrite("tiercache.testing")  # the conformance checks' asserts say what failed
 
-from redis_servers import RedisClusterNodes, RedisServer  # noqa: E402 - after the rewrite hook, like any import
-from sync_sites import Topology  # noqa: E402
+from support.sync_sites import Topology  # noqa: E402
+
+from tiercache.testing.redis_servers import RedisClusterNodes, RedisServer  # noqa: E402 - after the rewrite hook, like any import
 
 
 @pytest.fixture

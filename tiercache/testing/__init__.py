@@ -4,5 +4,13 @@
 of checks any ``RemoteTier`` runs, with pytest (subclass ``RemoteTierContract``)
 or without (``asyncio.run(check(harness))`` for each of ``CHECKS``).
 
+What tiercache's tests and benchmarks share (so benchmarks import nothing from
+``tests/``): ``redis_servers`` (real ``redis-server`` processes and a 3-node
+cluster, test blocks), ``policy_traces`` (synthetic key traces and libCacheSim's
+oracleGeneral files), ``mrc_reference`` (libCacheSim's exact LRU curve; needs
+libcachesim), ``vllm_offloading`` (vLLM's offloading manager driven as its
+scheduler does; needs vLLM) and ``sglang_parts`` (SGLang's KV pools and storage
+factory on CPU; needs SGLang).
+
 Imports from: the core (every folder but ``integrations`` and ``tools``).
 """

@@ -62,11 +62,6 @@ class EvictionWatcher:
         self._refused_logged = False
         self._subscriptions: list[Subscription] = []
 
-    @property
-    def subscribed(self) -> int:
-        """Nodes whose notifications are being heard now."""
-        return sum(subscription.active.is_set() for subscription in self._subscriptions)
-
     async def start(self, timeout_s: float) -> None:
         """Start watching every node; wait up to ``timeout_s`` until each is subscribed (or gave up)."""
         from tiercache.tiers.redis.control import connect  # redis-py: imported only when a watcher starts

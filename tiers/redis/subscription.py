@@ -28,7 +28,7 @@ MAX_BATCH = 1024
 
 
 class Subscription:
-    """One pub/sub subscription, kept by a background task; ``active`` is set while it is subscribed."""
+    """One pub/sub subscription, kept by a background task; ``settled`` is set once its first attempt ended."""
 
     def __init__(
         self,
@@ -48,8 +48,6 @@ class Subscription:
         self.on_lost = on_lost
         self.prepare = prepare
         self.max_pause_s = max_pause_s
-        self.active = asyncio.Event()
-        """Set while subscribed; cleared while reconnecting."""
         self.settled = asyncio.Event()
         """Set once the first attempt ended: subscribed, failed or given up."""
         self._stopping = False
@@ -69,7 +67,6 @@ class Subscription:
                     return
                 async with client.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(*self.channels)
-                    self.active.set()
                     self.settled.set()
                     pause = POLL_S / 10
                     await self._listen(pubsub)
@@ -79,7 +76,6 @@ class Subscription:
                 self.on_lost(error)
                 log.debug("%s: subscription lost; subscribing again", self.name, exc_info=True)
             finally:
-                self.active.clear()
                 self.settled.set()
                 with contextlib.suppress(Exception):
                     await client.aclose()

@@ -7,7 +7,6 @@ reads do not depend on it (they check central's versions themselves).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -44,16 +43,6 @@ class Invalidator:
         self._subscription = Subscription(
             "invalidator", connect, [channel], self._drop_older, max_pause_s=RESUBSCRIBE_MAX_S, on_lost=on_error
         )
-
-    @property
-    def subscribed(self) -> asyncio.Event:
-        """Set while central's updates are being heard."""
-        return self._subscription.active
-
-    @property
-    def task(self) -> asyncio.Task:
-        """The background task that keeps the subscription."""
-        return self._subscription.task
 
     async def close(self, deadline_s: float) -> int:
         """Stop listening within ``deadline_s``; 1 if the task had to be abandoned, else 0."""

@@ -62,8 +62,6 @@ class Replicator:
         self.retries = retries
         self.backoff_s = backoff_s
         self.on_done = on_done
-        self.running = asyncio.Event()
-        self.running.set()
         self.counters = {
             "replicated": 0,
             "replication_retries": 0,
@@ -110,7 +108,6 @@ class Replicator:
             while len(items) < self.batch and not self.queue.empty():
                 items.append(self.queue.get_nowait())
             try:
-                await self.running.wait()
                 await self._replicate(items)
             except asyncio.CancelledError:
                 raise

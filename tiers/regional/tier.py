@@ -176,26 +176,10 @@ class RegionalTier(RemoteTier):
             probes.append(await probe_region(self.region, key, value))
         return probes
 
-    def background_tasks(self) -> list[asyncio.Task]:
-        """The tier's long-running tasks (replication workers, invalidator); all done after ``close``."""
-        tasks = list(self.replicator.workers) if self.replicator is not None else []
-        if self.invalidator is not None:
-            tasks.append(self.invalidator.task)
-        return tasks + self.invalid_values.tasks()
-
     async def flush(self) -> None:
         """Wait until this node's queued replications have been committed or given up."""
         if self.replicator is not None:
             await self.replicator.flush()
-
-    def pause_replication(self) -> None:
-        """Hold replication (writes stay queued), e.g. for maintenance of central."""
-        if self.replicator is not None:
-            self.replicator.running.clear()
-
-    def resume_replication(self) -> None:
-        if self.replicator is not None:
-            self.replicator.running.set()
 
     def _replicated(self, item: ReplicationItem, version: int | None) -> None:
         self._own.replicated(item.key, item.checksum)
