@@ -16,7 +16,7 @@ from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.sglang_parts import alloc, eventually, host_pool, page_bytes, page_keys, storage_config
 
 REPO = Path(__file__).resolve().parents[3]
-README = (REPO / "README.md").read_text()
+README = (REPO / "docs" / "engines.md").read_text()
 CONFIGS = re.findall(r"--hicache-storage-backend-extra-config '(\{.*?\})'", README, flags=re.DOTALL)
 README_CENTRAL, README_REGION = "redis://127.0.0.1:6379", "redis://127.0.0.1:6380"
 PAGES = 4

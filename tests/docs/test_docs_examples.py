@@ -1,0 +1,471 @@
+"""Every code block of README.md and docs/*.md, run as written here or marked as run elsewhere or not at all.
+
+Each fenced block follows an HTML comment (invisible on GitHub) that says what happens to it:
+
+- ``<!-- example: NAME -->``: run by the test here that asks for ``example("NAME")``: Python is
+  executed, YAML is loaded (and validated) as a topology, a ``bash`` block of ``tiercache`` commands
+  is run line by line with the installed command.
+- ``<!-- engine: vllm -->`` / ``<!-- engine: sglang -->``: an engine's configuration, run by that
+  engine's suite in its own venv, which reads the blocks from docs/engines.md; a copy in README.md
+  must equal one of them.
+- ``<!-- not run: WHY -->``: shown, not run (an install command, a transcript, the test script).
+
+A block without such a mark, an indented (unfenced) code block, an example no test here asks for, and
+a link out of the repository all fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from tiercache.blocks.paged import PagedKV
+from tiercache.config import TierCacheConfig, config_from_dict
+from tiercache.manager.tier_manager import TierManager
+from tiercache.tiers.simulated import SimulatedStore
+from tiercache.tools.reference_model import ModelSpec, ReferenceModel
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+ENGINE_PAGE = REPO / "docs" / "engines.md"
+"""Where the engine suites (``tests/*/{vllm,sglang}/test_*_readme.py``) read their configurations."""
+ENGINE_CONFIGS = {
+    "vllm": (r"--kv-transfer-config '(\{.*?\})'", 3),
+    "sglang": (r"--hicache-storage-backend-extra-config '(\{.*?\})'", 2),
+}
+"""Per engine: the pattern its suite extracts a configuration with, and how many it expects."""
+MARK = re.compile(r"<!-- (example|engine|not run): (.+?) -->")
+FENCE = re.compile(r"```(\S*)\s*$")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block and the mark before it."""
+
+    page: str
+    line: int
+    lang: str
+    kind: str
+    """``example``, ``engine``, ``not run``, or ``""`` when the block is unmarked."""
+    label: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def parse(path: Path) -> tuple[list[Block], list[str]]:
+    """The page's fenced blocks, and what is wrong with its code blocks (unfenced, unclosed, ``~~~``)."""
+    lines, page = path.read_text().splitlines(), path.relative_to(REPO).as_posix()
+    blocks: list[Block] = []
+    problems: list[str] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        opened = FENCE.fullmatch(line)
+        if line.startswith("~~~"):
+            problems.append(f"{page}:{index + 1}: a ~~~ fence (use ```)")
+        elif opened:
+            end = next((i for i in range(index + 1, len(lines)) if lines[i] == "```"), None)
+            if end is None:
+                problems.append(f"{page}:{index + 1}: a fence never closed")
+                break
+            mark = MARK.fullmatch(lines[index - 1]) if index else None
+            kind, label = (mark.group(1), mark.group(2)) if mark else ("", "")
+            text = "\n".join(lines[index + 1 : end]) + "\n"
+            blocks.append(Block(page, index + 1, opened.group(1), kind, label, text))
+            index = end
+        elif line.startswith(("    ", "\t")) and index and not lines[index - 1].strip() and line.strip():
+            problems.append(f"{page}:{index + 1}: an indented code block (fence it and mark it)")
+        index += 1
+    return blocks, problems
+
+
+BLOCKS = [block for path in PAGES for block in parse(path)[0]]
+
+
+def example(name: str) -> str:
+    """The text of the one block marked ``<!-- example: name -->``."""
+    found = [block for block in BLOCKS if block.kind == "example" and block.label == name]
+    assert len(found) == 1, f"{len(found)} blocks are marked 'example: {name}'"
+    return found[0].text
+
+
+def run(name: str, **names: Any) -> dict[str, Any]:
+    """Execute the Python example ``name`` in a fresh namespace (plus ``names``); that namespace after."""
+    namespace: dict[str, Any] = {"__name__": f"docs_example_{name}", **names}
+    exec(compile(example(name), f"<example {name}>", "exec"), namespace)
+    return namespace
+
+
+def load_topology(data: Any, environ: dict[str, str] | None = None) -> TierCacheConfig:
+    """A topology from a mapping, validated as a file would be (environment overrides only from ``environ``)."""
+    return config_from_dict(data, source="<docs example>", environ=environ or {})
+
+
+# ---- the mechanism ---------------------------------------------------------------------------------------
+
+
+def test_every_code_block_is_fenced_and_marked() -> None:
+    problems = [problem for path in PAGES for problem in parse(path)[1]]
+    problems += [f"{b.where}: a ```{b.lang} block without a mark before it" for b in BLOCKS if not b.kind]
+    problems += [
+        f"{b.where}: 'engine: {b.label}' names no engine suite"
+        for b in BLOCKS
+        if b.kind == "engine" and b.label not in ENGINE_CONFIGS
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_example_is_run_by_a_test_here() -> None:
+    """The examples in the pages are exactly the names this module asks for, each marked once."""
+    marked = [block.label for block in BLOCKS if block.kind == "example"]
+    asked = set(re.findall(r"""(?:example|run)\("([a-z0-9-]+)"\)""", Path(__file__).read_text()))
+    assert len(marked) == len(set(marked)), f"an example name is used twice: {sorted(marked)}"
+    assert set(marked) == asked, f"marked but not run: {set(marked) - asked}; run but not marked: {asked - set(marked)}"
+
+
+def test_engine_blocks_are_the_ones_the_engine_suites_run() -> None:
+    """docs/engines.md holds every engine configuration (the engine venvs run those); README's are copies."""
+    page = ENGINE_PAGE.relative_to(REPO).as_posix()
+    text = ENGINE_PAGE.read_text()
+    for engine, (pattern, count) in ENGINE_CONFIGS.items():
+        blocks = [b for b in BLOCKS if b.kind == "engine" and b.label == engine]
+        served = [b.text for b in blocks if b.page == page]
+        assert len(served) == count, f"{page} has {len(served)} {engine} blocks; its suite runs {count}"
+        configs = re.findall(pattern, text, flags=re.DOTALL)
+        assert len(configs) == count, f"{engine}'s pattern finds {len(configs)} configurations in {page}"
+        assert sorted(configs) == sorted(c for t in served for c in re.findall(pattern, t, flags=re.DOTALL))
+        for config in configs:
+            json.loads(config)
+        for copy in (b for b in blocks if b.page != page):
+            assert copy.text in served, f"{copy.where}: not a copy of a {engine} block of {page}"
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    headings = re.findall(r"^#+ (.+)$", path.read_text(), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_links_stay_in_the_repository_and_resolve() -> None:
+    problems = []
+    for path in PAGES:
+        for target in LINK.findall(path.read_text()):
+            file, _, anchor = target.partition("#")
+            resolved = (path.parent / file).resolve() if file else path
+            if "://" in target or target.startswith("mailto:"):
+                problems.append(f"{path.name}: {target} leaves the repository")
+            elif not resolved.is_relative_to(REPO) or not resolved.exists():
+                problems.append(f"{path.name}: {target} is not a file of the repository")
+            elif anchor and anchor not in anchors(resolved):
+                problems.append(f"{path.name}: {target} names no heading of {resolved.name}")
+    assert not problems, "\n".join(problems)
+
+
+TOP_FOLDERS = ("tiercache", "tiers", "policies", "configs", "examples", "scripts", "benchmarks", "docs", "tests")
+PATH_SPAN = re.compile(rf"`((?:{'|'.join(TOP_FOLDERS)})/[\w./-]*)`")
+NAME_SPAN = re.compile(r"`(tiercache(?:\.\w+)+)`")
+PACKAGE_DIRS = {"tiercache.tiers": "tiers", "tiercache.policies": "policies", "tiercache.configs": "configs"}
+"""Where the build's ``package-dir`` mapping takes these packages from."""
+
+
+def module_source(module: str) -> Path | None:
+    """The source file of a module or package of this checkout (found as the build's ``package-dir`` maps it)."""
+    for package, folder in {**PACKAGE_DIRS, "tiercache": "tiercache"}.items():
+        if module == package or module.startswith(package + "."):
+            path = REPO / folder / Path(*module.removeprefix(package).lstrip(".").split("."))
+            source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+            return source if source.exists() else None
+    return None
+
+
+def names_something(dotted: str) -> bool:
+    """Whether ``tiercache.a.b`` is a module of this checkout, or ``tiercache.a.b.Name`` a name that module has."""
+    if module_source(dotted) is not None:
+        return True
+    module, _, name = dotted.rpartition(".")
+    source = module_source(module)
+    return source is not None and re.search(rf"\b{name}\b", source.read_text()) is not None
+
+
+def test_paths_and_module_names_in_the_pages_exist() -> None:
+    """A file, folder or module the pages name is in this checkout (so a move shows up here)."""
+    problems = []
+    for path in PAGES:
+        text = path.read_text()
+        problems += [f"{path.name}: `{p}` is not here" for p in PATH_SPAN.findall(text) if not (REPO / p).exists()]
+        problems += [f"{path.name}: `{n}` names nothing" for n in NAME_SPAN.findall(text) if not names_something(n)]
+    assert not problems, "\n".join(problems)
+
+
+# ---- README.md --------------------------------------------------------------------------------------------
+
+
+def test_embedding_example(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    namespace = run("embedding")
+    assert namespace["cached"] == 0  # a fresh cache: nothing reused, every token computed
+    assert len(namespace["ids"]) == -(-len(namespace["prompt_tokens"]) // namespace["mgr"].block_size)
+
+
+def test_transformers_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(REPO)
+    again = run("transformers")["again"]
+    assert again.reused == {"gpu": 64, "cpu": 0} and again.computed_tokens == 8
+    assert capsys.readouterr().out.strip() == "{'gpu': 64, 'cpu': 0} computed 8"
+
+
+# ---- docs/embedding.md: the scheduler loop ----------------------------------------------------------------
+
+BLOCK_SIZE, PREFIX_BLOCKS, SUFFIX, DECODE_STEPS = 4, 5, 3, 4
+PREFIX = PREFIX_BLOCKS * BLOCK_SIZE
+STEP_PAUSE_S = 0.001
+MAX_STEPS = 5000
+"""A scheduler step loop gives a pending remote answer up to about five seconds before failing."""
+STORE = "docs-scheduler"
+
+
+class Request:
+    """What the documented loop expects of a request: tokens, max_new, and decode(logits)."""
+
+    def __init__(self, mgr: TierManager, model: ReferenceModel, kv: PagedKV, tokens: list[int]) -> None:
+        self.mgr, self.model, self.kv = mgr, model, kv
+        self.tokens, self.max_new = tokens, DECODE_STEPS
+        self.table: list[int] = []
+        self.cached = 0
+        self.load: Any = None
+        self.result: tuple[list[int], list[torch.Tensor]] | None = None
+
+    def decode(self, logits: torch.Tensor) -> None:
+        """Greedy decoding from the prefill's logits (as ``ReferenceModel.generate``), then release."""
+        outputs, history, position = [], [logits], len(self.tokens)
+        for _ in range(self.max_new):
+            token = int(logits[-1].argmax())
+            outputs.append(token)
+            logits = self.model.forward([token], position, self.table, self.kv)
+            history.append(logits)
+            position += 1
+        self.result = (outputs, history)
+        self.mgr.release(self.table)
+
+
+def topology(gpu_blocks: int = 32) -> TierCacheConfig:
+    """GPU + CPU + a simulated remote that outlives the manager (by its store's name)."""
+    remote = {"name": "remote", "type": "simulated", "options": {"store": STORE, "latency_ms": 1}}
+    layout = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32", "block_size": BLOCK_SIZE}
+    tiers = [
+        {"name": "gpu", "type": "gpu", "capacity_blocks": gpu_blocks, "options": {"device": "cpu"}},
+        {"name": "cpu", "type": "cpu", "capacity_blocks": 64},
+        remote,
+    ]
+    return load_topology({"model": {"id": "docs"}, "layout": layout, "tiers": tiers})
+
+
+def model_for(mgr: TierManager) -> ReferenceModel:
+    return ReferenceModel(ModelSpec.for_layout(mgr.layout, heads_per_kv_head=2, vocab_size=128, seed=3))
+
+
+def serve(schedule_step: Callable[..., None], mgr: TierManager, prompts: list[list[int]]) -> list[Request]:
+    """Run the documented loop until every request has decoded."""
+    model, kv = model_for(mgr), PagedKV(mgr.layout, mgr.gpu.tensors)
+    requests = [Request(mgr, model, kv, prompt) for prompt in prompts]
+    waiting, loading = list(requests), []
+    for _ in range(MAX_STEPS):
+        if all(r.result is not None for r in requests):
+            return requests
+        schedule_step(mgr, waiting, loading, model, kv)
+        time.sleep(STEP_PAUSE_S)
+    raise AssertionError(f"requests not served: {len(waiting)} waiting, {len(loading)} loading")
+
+
+def recompute(mgr: TierManager, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """A private pool: the prefix in one pass, then the same continuation."""
+    model = model_for(mgr)
+    kv = PagedKV(mgr.layout, mgr.layout.allocate_pool(16, "cpu"))
+    table = list(range(16))
+    model.forward(prompt[:PREFIX], 0, table, kv)
+    return model.generate(prompt, PREFIX, table, kv, DECODE_STEPS)
+
+
+def assert_same(expected: tuple[list[int], list[torch.Tensor]], got: tuple[list[int], list[torch.Tensor]]) -> None:
+    assert got[0] == expected[0]
+    for want, have in zip(expected[1], got[1], strict=True):
+        assert torch.equal(want, have)
+
+
+@pytest.fixture
+def schedule_step() -> Iterator[Callable[..., None]]:
+    """The documented ``schedule_step``, with the simulated remote's store emptied before and after."""
+    SimulatedStore.forget(STORE)
+    yield run("scheduler-loop")["schedule_step"]
+    SimulatedStore.forget(STORE)
+
+
+def test_scheduler_loop_reuses_gpu_cpu_and_remote_prefixes_bitwise(schedule_step: Callable[..., None]) -> None:
+    prompt = torch.randint(0, 128, (PREFIX + SUFFIX,), generator=torch.Generator().manual_seed(1)).tolist()
+    with TierManager(topology()) as first:
+        serve(schedule_step, first, [prompt[:PREFIX]])  # computes and stores the prefix
+        hit = first.lookup(prompt)
+        assert hit.tier_blocks["gpu"] == PREFIX_BLOCKS
+        first.release(hit.gpu_block_ids)
+        (from_gpu,) = serve(schedule_step, first, [prompt])
+        first.release(first.allocate(first.gpu.num_blocks))  # the prefix now lives in the CPU tier
+        (from_cpu,) = serve(schedule_step, first, [prompt])
+    with TierManager(topology()) as second:  # a fresh engine: only the remote has it
+        assert second.lookup_wait(prompt).tier_blocks["remote"] == PREFIX_BLOCKS
+        (from_remote,) = serve(schedule_step, second, [prompt])
+    expected = recompute(second, prompt)
+    for request in (from_gpu, from_cpu, from_remote):
+        assert request.cached + request.load.result() == PREFIX
+        assert_same(expected, request.result)
+
+
+def test_scheduler_loop_backs_off_when_the_pool_is_full(schedule_step: Callable[..., None]) -> None:
+    prompt = torch.randint(0, 128, (PREFIX + SUFFIX,), generator=torch.Generator().manual_seed(2)).tolist()
+    with TierManager(topology(gpu_blocks=PREFIX_BLOCKS + 3)) as mgr:
+        serve(schedule_step, mgr, [prompt[:PREFIX]])
+        held = mgr.allocate(3)  # another request holds the free blocks: the next one cannot fit
+        model, kv = model_for(mgr), PagedKV(mgr.layout, mgr.gpu.tensors)
+        waiting, loading = [Request(mgr, model, kv, prompt)], []
+        schedule_step(mgr, waiting, loading, model, kv)
+        assert waiting and not loading
+        mgr.release(held)
+        (served,) = serve(schedule_step, mgr, [prompt])
+    assert_same(recompute(mgr, prompt), served.result)
+
+
+# ---- docs/embedding.md: RemoteStore -----------------------------------------------------------------------
+
+
+def test_remote_store_example(
+    redis_server: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Against the test's server, through the override a deployment would use."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("TIERCACHE_TIERS__REDIS__OPTIONS__URL", redis_server.url)
+    run("remote-store")
+    assert capsys.readouterr().out.splitlines() == ["[True, True]", "['HELD', 'HELD']", "[True, True]"]
+
+
+# ---- docs/engines.md --------------------------------------------------------------------------------------
+
+
+def test_transformers_chat_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(REPO)
+    turn = run("transformers-chat")["turn"]
+    assert turn.released and turn.stored is not None
+    assert turn.cached_tokens > 0 and turn.reused["gpu"] == turn.cached_tokens
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype='float16'")
+    assert printed[2] == "{'gpu': 80, 'cpu': 0} computed 32"  # what the example's comment says
+
+
+# ---- docs/topologies.md -----------------------------------------------------------------------------------
+
+
+def test_complete_topology_and_each_remote_line_load() -> None:
+    topology_data = yaml.safe_load(example("topology-redis"))
+    config = load_topology(topology_data)
+    assert [(t.name, t.type) for t in config.tiers] == [("gpu", "gpu"), ("cpu", "cpu"), ("redis", "redis")]
+    assert config.tiers[2].options.url == "redis://10.0.0.5:6379"
+    lines = yaml.safe_load(example("remote-tier-lines"))
+    for line in lines:
+        loaded = load_topology({**topology_data, "tiers": [*topology_data["tiers"][:2], line]})
+        assert loaded.tiers[2].type == line["type"]
+    both = load_topology({**topology_data, "tiers": [*topology_data["tiers"], *lines]})
+    assert [t.name for t in both.tiers][2:] == ["redis", "cluster", "regional", "disk", "remote"]
+
+
+def test_fleet_sections_load() -> None:
+    data = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    config = load_topology({**data, **yaml.safe_load(example("topology-fleet"))})
+    assert config.events.enabled and config.events.endpoint == "tcp://*:5557"
+    assert config.cost.enabled and config.cost.prefill_tokens_per_s == 20000
+    assert config.mrc.enabled and config.mrc.max_samples == 16000
+
+
+# ---- docs/operations.md -----------------------------------------------------------------------------------
+
+
+def test_cli_example(redis_server: Any, tmp_path: Path) -> None:
+    """Each line as a shell runs it, in a fresh directory with the repository's configs, against the test's
+    Redis (and a file tier in the test's directory) through the documented environment overrides."""
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    environ = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    deployed = {  # configs/redis.yaml's tiers, pointed at this test's server and directory
+        "TIERCACHE_TIERS__REDIS__OPTIONS__URL": redis_server.url,
+        "TIERCACHE_TIERS__DISK__OPTIONS__PATH": str(tmp_path / "disk"),
+    }
+    outputs = {}
+    for line in example("cli").splitlines():
+        env = {**environ, **deployed} if "configs/redis.yaml" in line else environ
+        done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"{line}\n{done.stdout}\n{done.stderr}"
+        outputs[shlex.split(line)[1]] = done.stdout
+    assert "KV verified against recompute: OK" in outputs["demo"]
+    assert outputs["inspect"].count("reachable") == 2 and "UNREACHABLE" not in outputs["inspect"]
+    assert (tmp_path / "out" / "tiny.json").exists() and "cached_blocks" in outputs["stats"]
+
+
+def test_stats_server_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(REPO)
+    run("stats-server")
+    url, cached, first = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url) and cached == "4"
+    assert first.startswith("# HELP tiercache_")
+
+
+def test_kv_events_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("msgspec")
+    monkeypatch.chdir(REPO)
+    run("kv-events")
+    (printed,) = capsys.readouterr().out.splitlines()
+    assert printed == "[('AllBlocksCleared', None), ('BlockStored', 'gpu'), ('BlockStored', 'cpu')]"
+
+
+# ---- docs/extending.md ------------------------------------------------------------------------------------
+
+
+def test_plugin_tier_loads_by_module_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outline, made ``mypkg.tiers``, and an LRU made ``mypkg.policies:Mine``, named by the topology."""
+    from tiercache.policies.lru import LRUPolicy
+    from tiercache.tiers.base import RemoteTier
+
+    tiers, policies = types.ModuleType("mypkg.tiers"), types.ModuleType("mypkg.policies")
+    for module in (types.ModuleType("mypkg"), tiers, policies):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(example("plugin-tier"), "<example plugin-tier>", "exec"), tiers.__dict__)
+    policies.Mine = type("Mine", (LRUPolicy,), {"__module__": "mypkg.policies"})  # type: ignore[attr-defined]
+    assert issubclass(tiers.S3Tier, RemoteTier) and not tiers.S3Tier.__abstractmethods__
+    config = load_topology(yaml.safe_load(example("plugin-topology")))
+    assert config.tiers[0].policy == "mypkg.policies:Mine"
+    assert config.tiers[2].options == tiers.S3Options(bucket="kv-cache")
+
+
+def test_plugin_conformance_outline_is_a_suite() -> None:
+    from tiercache.testing.conformance import CHECKS, RemoteTierContract
+
+    namespace = run("plugin-conformance")
+    namespace["S3Harness"]()  # every abstract method of StoreHarness is there
+    assert issubclass(namespace["TestS3Tier"], RemoteTierContract)
+    assert len([name for name in dir(namespace["TestS3Tier"]) if name.startswith("test_")]) == len(CHECKS)
