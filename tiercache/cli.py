@@ -80,7 +80,7 @@ def _simulate(args: argparse.Namespace) -> int:
     name = Path(str(config_path)).stem
     with TierManager(config) as manager:
         server = (
-            StatsServer(manager.stats, manager.parts.metrics, port=args.stats_port)
+            StatsServer(manager.stats, manager.metrics, port=args.stats_port)
             if args.stats_port is not None
             else None
         )

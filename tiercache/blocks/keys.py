@@ -122,9 +122,6 @@ class BlockHasher:
         self.block_size = block_size
         self._root = namespace.root()
 
-    def num_full_blocks(self, num_tokens: int) -> int:
-        return num_tokens // self.block_size
-
     def keys(self, tokens: Tokens, extra: bytes | str | None = None) -> list[bytes]:
         """Keys of every full block of ``tokens``; a trailing partial block gets none.
 

@@ -141,11 +141,6 @@ class KVLayout:
         return DTYPES[self.dtype]
 
     @property
-    def layer_piece_shape(self) -> tuple[int, ...]:
-        """One layer's K and V of one block."""
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
     def layer_piece_bytes(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 

@@ -5,6 +5,7 @@ entry-state protocol, its policy choosing victims), ``local_tiers`` (the GPU poo
 and CPU tier read and pinned together; a lookup's pins; the engine's holds),
 ``hierarchy`` (write policies, admission, ``exclusive``, demotions and
 promotions turned into moves), ``admission`` (write policies and hit counts),
+``load_plan`` (a load's plan and pins, and every slot change a load makes),
 ``moves`` (the moves as values: ``HostCopy``, ``RemotePut``) and ``written_keys``
 (what each remote was told to hold).
 

@@ -8,5 +8,6 @@ uncached suffix, store, decode, release).
 offloading tiers, and eviction policies for its CPU tier.
 ``tiercache.integrations.sglang`` (the ``sglang`` extra): a HiCache storage backend.
 
-Imports from: the core (every folder but ``tools`` and ``testing``).
+Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
+``config``, ``remote``, ``manager``.
 """

@@ -1,9 +1,10 @@
 """The engine-facing facade: ``TierManager`` over one topology's parts.
 
 ``tier_manager`` (the API calls of DESIGN's contract), ``stack`` (every part of
-a topology wired from its config, started, closed and described), ``lookup``
-(which tier serves each block of a prompt, and the ``Lookup`` handle) and
-``cost`` (the cost model: fetch or recompute).
+a topology wired from its config, started, closed and described), ``books``
+(the bookkeeping behind its one lock: every change to it, from the engine's calls
+and the queues' reports), ``lookup`` (which tier serves each block of a prompt,
+and the ``Lookup`` handle) and ``cost`` (the cost model: fetch or recompute).
 
 Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
 ``config``, ``remote``.

@@ -31,7 +31,7 @@ from tiercache.movement.loads import LoadRunner
 from tiercache.movement.mover import Mover
 from tiercache.movement.probes import ProbeCache
 from tiercache.movement.reads import RemoteReader
-from tiercache.movement.runtime import Runtime
+from tiercache.movement.runtime import CLOSE_DRAIN_SECONDS, Runtime
 from tiercache.movement.swap import make_swapper
 from tiercache.movement.swap.queue import SwapQueue
 from tiercache.movement.transfers import Transfer
@@ -43,8 +43,6 @@ from tiercache.telemetry.observer import FleetObserver
 from tiercache.tiers.cpu import CpuTier
 from tiercache.tiers.gpu import GpuTier
 
-CLOSE_DRAIN_SECONDS = 5.0
-"""How long ``close`` lets transfers in flight finish before cancelling them."""
 REMEMBER_FACTOR = 8
 """Keys remembered (hit counts, written to a remote) per local slot."""
 

@@ -52,6 +52,8 @@ class TierManager:
         self._books = stack.books
         self.config, self.layout, self.block_size = stack.config, stack.layout, stack.block_size
         self.namespace, self.hasher = stack.namespace, stack.hasher
+        self.metrics = stack.metrics
+        """Counters and latency histograms (``StatsServer``/Prometheus export the raw histograms from it)."""
         self.gpu = stack.gpu
         """The GPU pool: ``gpu.tensors`` are the paged KV tensors the model's attention reads."""
         self._lock = threading.Lock()

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+CLOSE_DRAIN_SECONDS = 5.0
+"""How long an owner's ``close`` lets tracked work in flight finish before cancelling it."""
 CANCEL_GRACE_SECONDS = 1.0
 """How long cancelled tasks get to unwind before the loop is stopped anyway."""
 
@@ -45,10 +47,6 @@ class Runtime:
         if not self._started:
             self._started = True
             self._thread.start()
-
-    @property
-    def in_loop_thread(self) -> bool:
-        return threading.current_thread() is self._thread
 
     def submit(self, coroutine: Awaitable[T], *, track: bool = True) -> concurrent.futures.Future[T]:
         """Schedule ``coroutine`` on the loop; the future is thread-safe.

@@ -64,7 +64,7 @@ from tiercache.config.remote import RemoteTopology, load_remote_topology, remote
 from tiercache.movement.lanes import Lane
 from tiercache.movement.probes import ProbeCache
 from tiercache.movement.reads import RemoteReader
-from tiercache.movement.runtime import Runtime
+from tiercache.movement.runtime import CLOSE_DRAIN_SECONDS, Runtime
 from tiercache.remote.answers import UNKNOWN, ProbeAnswer, StoreEvent, probe_answer, resolved
 from tiercache.remote.build import build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.telemetry.counters import Metrics
@@ -73,8 +73,6 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 5.0
 """How long ``start`` waits for the tiers to connect; an unreachable store is not an error (it reads as misses)."""
-CLOSE_DRAIN_SECONDS = 5.0
-"""How long ``close`` lets reads and writes in flight finish before cancelling them."""
 STATS_TIMEOUT_S = 1.0
 """How long ``stats`` waits for the background loop to read the tiers' counters."""
 

@@ -12,5 +12,6 @@ libcachesim), ``vllm_offloading`` (vLLM's offloading manager driven as its
 scheduler does; needs vLLM) and ``sglang_parts`` (SGLang's KV pools and storage
 factory on CPU; needs SGLang).
 
-Imports from: the core (every folder but ``integrations`` and ``tools``).
+Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
+``config``, ``remote``, ``manager``.
 """

@@ -4,5 +4,6 @@ The demo's toy engine, the simulator and its workload, and a reference
 transformer; the command line (``tiercache.cli``) runs them. No core module
 imports this package.
 
-Imports from: the core (every folder but ``integrations`` and ``testing``).
+Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
+``config``, ``remote``, ``manager``.
 """
