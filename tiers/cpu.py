@@ -30,14 +30,23 @@ class CpuTier:
     Options = CpuOptions
 
     def __init__(
-        self, name: str, layout: KVLayout, num_slots: int, policy: EvictionPolicy, options: CpuOptions
+        self, name: str, layout: KVLayout, num_slots: int, policy: EvictionPolicy, options: CpuOptions,
+        buffer: torch.Tensor | None = None,
     ) -> None:
+        """``buffer``: memory the caller provides (``[num_slots, bytes_per_block]`` uint8 on the CPU, e.g. shared
+        with another process); by default the tier allocates its own."""
         self.name = name
         self.layout = layout
         self.num_slots = num_slots
-        pin = torch.cuda.is_available() if options.pin_memory is None else options.pin_memory
-        self.buffer = torch.empty((num_slots, layout.bytes_per_block), dtype=torch.uint8, pin_memory=pin)
-        self.pinned = pin
+        shape = (num_slots, layout.bytes_per_block)
+        if buffer is None:
+            pin = torch.cuda.is_available() if options.pin_memory is None else options.pin_memory
+            buffer = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        elif buffer.dtype != torch.uint8 or tuple(buffer.shape) != shape or buffer.device.type != "cpu":
+            raise ValueError(f"a CPU tier's buffer must be a uint8 CPU tensor of shape {shape}, got "
+                             f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+        self.buffer = buffer
+        self.pinned = buffer.is_pinned()
         self._array = self.buffer.numpy()
         self.table = SlotTable(num_slots, policy)
 

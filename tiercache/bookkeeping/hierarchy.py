@@ -32,7 +32,7 @@ from tiercache.bookkeeping.moves import HostCopy, Move, Reason, RemotePut
 from tiercache.bookkeeping.slots import CapacityError
 from tiercache.bookkeeping.written_keys import WrittenKeys
 from tiercache.telemetry.counters import Metrics
-from tiercache.telemetry.observer import NullObserver, TierObserver
+from tiercache.telemetry.observer import NullObserver, TierObserver, report_stored_runs
 
 
 class Hierarchy:
@@ -97,7 +97,7 @@ class Hierarchy:
     def _admit_on_hit(self, key: bytes, count: int) -> None:
         rule, gpu, cpu = self.cpu_rule, self.local.gpu, self.local.cpu
         if rule is not None and cpu is not None and key not in cpu and count == rule.admit_after_hits:
-            block = gpu.readable(key)
+            block = gpu.readable(key) if gpu is not None else None
             if rule.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and block is not None:
                 self._copy_down([(key, block)], Reason.ADMITTED)
         slot = cpu.readable(key) if cpu is not None else None
@@ -115,7 +115,7 @@ class Hierarchy:
         With the request's ``chain`` (its keys, prompt order) the pool's policy sees
         the request's incoming keys before it picks victims (``SlotTable.allocate_for``).
         """
-        gpu = self.local.gpu
+        gpu = self.local.pool
         ids, victims = gpu.allocate(count) if chain is None else gpu.allocate_for(count, chain)
         if victims:
             self.metrics.add(self.gpu_name, "evictions", len(victims))
@@ -158,7 +158,7 @@ class Hierarchy:
         another prefix's KV (nothing is changed then). ``tokens`` (the prompt)
         only feeds the observer's events.
         """
-        gpu = self.local.gpu
+        gpu = self.local.pool
         for key, block in zip(keys, ids, strict=True):
             bound = gpu.key_of(block)
             if bound is not None and bound != key:
@@ -177,28 +177,12 @@ class Hierarchy:
                 gpu.request(key)
         self.metrics.add(self.gpu_name, "stored_blocks", len(fresh))
         self.observer.accessed(self.gpu_name, keys)
-        self._report_stored(keys, {key for key, _ in fresh}, tokens)
+        report_stored_runs(self.observer, self.gpu_name, keys, {key for key, _ in fresh}, tokens, self.block_size)
         rule = self.cpu_rule
         if rule is not None and fresh:
             admitted = [(key, block) for key, block in fresh if self._admits(rule, key, evicted=False)]
             self._copy_down(admitted, Reason.WRITE_THROUGH)
         return len(fresh)
-
-    def _report_stored(self, keys: Sequence[bytes], fresh: set[bytes], tokens: Sequence[int] | None) -> None:
-        """One ``stored`` per run of newly indexed blocks, with its parent and its tokens."""
-        if not fresh or isinstance(self.observer, NullObserver):
-            return
-        size = self.block_size
-        start = None
-        for position in range(len(keys) + 1):
-            inside = position < len(keys) and keys[position] in fresh
-            if inside and start is None:
-                start = position
-            elif not inside and start is not None:
-                parent = keys[start - 1] if start else None
-                run = None if tokens is None else [int(t) for t in tokens[start * size : position * size]]
-                self.observer.stored(self.gpu_name, keys[start:position], parent, run)
-                start = None
 
     # ---- the CPU tier -----------------------------------------------------------------
     def _copy_down(self, pairs: list[tuple[bytes, int]], reason: Reason) -> None:
@@ -224,7 +208,7 @@ class Hierarchy:
         before_reuse = reason is Reason.DEMOTION
         if not before_reuse:
             for block in blocks:
-                self.local.gpu.pin(block)
+                self.local.pool.pin(block)
         self.metrics.add(self.cpu_rule.name, f"{reason.value}_blocks", len(keys))
         self._count_move(self.gpu_name, self.cpu_rule.name, len(keys))
         self.outbox.append(HostCopy(tuple(keys), tuple(blocks), tuple(slots), reason, before_reuse))
@@ -289,14 +273,34 @@ class Hierarchy:
 
     def copy_done(self, move: HostCopy, ok: bool) -> None:
         """A GPU->CPU copy landed (or failed): commit its slots and write through to remotes."""
-        self.end_cpu_writes(move.cpu_slots, [ok] * len(move.keys))
         if not move.before_reuse:
             for block in move.gpu_ids:
-                self.local.gpu.unpin(block)
-        if not ok:
+                self.local.pool.unpin(block)
+        self.written_down(move.keys, move.cpu_slots, [ok] * len(move.keys))
+
+    def begin_engine_write(self, key: bytes) -> int | None:
+        """A CPU slot for a block the engine copies in from its own pool (``LowerTiers``): None when the CPU
+        tier holds it already, does not admit it yet, or has no room (counted)."""
+        cpu, rule = self.local.cpu, self.cpu_rule
+        assert cpu is not None and rule is not None
+        if key in cpu:
+            return None
+        if not self._admits(rule, key, evicted=False):
+            self.metrics.add(rule.name, "not_admitted")
+            return None
+        slot = self.begin_cpu_write(key)
+        if slot is None:
+            self.metrics.add(rule.name, f"{Reason.WRITE_THROUGH.value}_dropped")
+        return slot
+
+    def written_down(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
+        """Blocks copied into the CPU slots begun for them landed (or failed): commit them, write through."""
+        self.end_cpu_writes(slots, oks)
+        landed = [(key, slot) for key, slot, ok in zip(keys, slots, oks, strict=True) if ok]
+        if not landed:
             return
         for lane in range(len(self.lanes)):
-            self._write_through(lane, move.keys, move.cpu_slots, Reason.WRITE_THROUGH)
+            self._write_through(lane, [key for key, _ in landed], [slot for _, slot in landed], Reason.WRITE_THROUGH)
 
     # ---- remote lanes -----------------------------------------------------------------
     def written(self, lane: int, key: bytes) -> bool:

@@ -168,7 +168,7 @@ class LoadPlanner:
     def handed_over(self, items: Sequence[LoadItem]) -> None:
         """``items`` are in their GPU blocks: their sources' pins go; promoted blocks are indexed in the pool
         (and, with ``exclusive``, leave the CPU tier)."""
-        gpu, cpu = self.local.gpu, self._cpu
+        gpu, cpu = self.local.pool, self._cpu
         promoted, freed = [], []
         for item in items:
             self.release([item])
@@ -192,6 +192,6 @@ class LoadPlanner:
                 continue
             item.pinned = False
             if item.on_gpu:
-                self.local.gpu.unpin(item.place.index)
+                self.local.pool.unpin(item.place.index)
             else:
                 self._cpu.unpin(item.cpu_slot)

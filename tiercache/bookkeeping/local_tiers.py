@@ -75,9 +75,9 @@ class EngineHolds:
     as a whole (duplicated, out of range, not held) before anything changes.
     """
 
-    def __init__(self, gpu: SlotTable) -> None:
+    def __init__(self, gpu: SlotTable | None) -> None:
         self.gpu = gpu
-        self._count = [0] * gpu.num_slots
+        self._count = [0] * (gpu.num_slots if gpu is not None else 0)
 
     def give(self, blocks: Sequence[int]) -> None:
         """The engine now holds ``blocks`` (each already pinned once for it)."""
@@ -112,23 +112,33 @@ class EngineHolds:
         """The engine gives one hold on each of ``blocks`` back (checked first)."""
         for block in blocks:
             self._count[block] -= 1
-            self.gpu.unpin(block)
+            self.gpu.unpin(block)  # type: ignore[union-attr] - a block held means there is a pool
 
 
 class LocalTiers:
-    """The GPU pool's and the CPU tier's slot tables, read and pinned together, and the engine's holds."""
+    """The GPU pool's and the CPU tier's slot tables, read and pinned together, and the engine's holds.
 
-    def __init__(self, gpu: SlotTable, cpu: SlotTable | None) -> None:
+    ``gpu`` is None for ``LowerTiers``: the engine keeps its own pool, which tiercache does not index.
+    """
+
+    def __init__(self, gpu: SlotTable | None, cpu: SlotTable | None) -> None:
         self.gpu = gpu
         self.cpu = cpu
         self.holds = EngineHolds(gpu)
+
+    @property
+    def pool(self) -> SlotTable:
+        """The GPU pool's table, for what only a pool tiercache manages does (allocate, store, promote)."""
+        if self.gpu is None:
+            raise RuntimeError("the engine keeps its own GPU pool: tiercache indexes only the tiers below it")
+        return self.gpu
 
     def locate(self, keys: Sequence[bytes]) -> list[Place | None]:
         """Per position, the fastest local tier holding the key (None where neither does)."""
         gpu, cpu = self.gpu, self.cpu
         places: list[Place | None] = []
         for key in keys:
-            block = gpu.readable(key)
+            block = gpu.readable(key) if gpu is not None else None
             if block is not None:
                 places.append(Place(Source.GPU, block))
                 continue
@@ -152,20 +162,20 @@ class LocalTiers:
     def pin(self, place: Place) -> None:
         """Pin a local place (a writing CPU slot cannot be pinned and is left alone)."""
         if place.source is Source.GPU:
-            self.gpu.pin(place.index)
+            self.pool.pin(place.index)
         elif place.source is Source.CPU:
             self.cpu.pin(place.index)  # type: ignore[union-attr]
 
     def unpin(self, place: Place) -> None:
         if place.source is Source.GPU:
-            self.gpu.unpin(place.index)
+            self.pool.unpin(place.index)
         elif place.source is Source.CPU:
             self.cpu.unpin(place.index)  # type: ignore[union-attr]
 
     def hold(self, run: list[int], lower: list[Place]) -> LookupPins:
         """Pin a lookup's places and return the record of them; the leading GPU run is the engine's to hold."""
         for block in run:
-            self.gpu.pin(block)
+            self.pool.pin(block)
         self.holds.give(run)
         for place in lower:
             self.pin(place)

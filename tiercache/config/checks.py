@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tiercache.bookkeeping.admission import WritePolicy
 from tiercache.common.fields import MAX_QUEUE_ITEMS, parse_size
 from tiercache.common.plugins import PluginError
 from tiercache.config.machine import HOST_MEMORY_SOURCE, host_memory_available
@@ -121,6 +122,24 @@ def _validate_policy_options(tier: TierConfig, cls: type, path: str, source: str
         raise ConfigError(source, field_path, f"a valid {tier.policy} option ({error})", got) from None
 
 
+def _validate_below_engine_pool(config: TierCacheConfig) -> None:
+    """Tiers under an engine's own GPU pool: the CPU tier first, then remotes; it must fit in host memory."""
+    source, tiers = config.source, config.tiers
+    if not tiers or tiers[0].type != "cpu":
+        got = tiers[0].type if tiers else tiers
+        raise ConfigError(source, "tiers[0].type", "'cpu' (the engine keeps its own GPU pool; tiercache's first "
+                          "tier is the CPU tier below it)", got)
+    for index, tier in enumerate(tiers[1:], start=1):
+        if tier.type in ("gpu", "cpu"):
+            expected = "a remote tier type (the CPU tier comes first)"
+            raise ConfigError(source, f"tiers[{index}].type", expected, tier.type)
+    if tiers[0].write_policy is WritePolicy.WRITE_BACK:
+        expected = "write_through or write_through_selective (the engine's evictions from its own pool are not seen)"
+        raise ConfigError(source, "tiers[0].write_policy", expected, tiers[0].write_policy.value)
+    validate_unique_names(tiers, source)
+    _check_fits(config, 0, 0, host_memory_available(), f"available on this host ({HOST_MEMORY_SOURCE})")
+
+
 def _validate_local_memory(config: TierCacheConfig) -> None:
     """The GPU pool and the CPU tier must fit in what this machine can allocate now."""
     device = _cuda_device(config)
@@ -194,9 +213,15 @@ def validate_unique_names(tiers: Sequence[TierConfig], source: str) -> None:
         seen.add(tier.name)
 
 
-def validate_hierarchy(config: TierCacheConfig) -> None:
-    """Check the order and names of the tiers, then that the local tiers fit in this machine's memory."""
+def validate_hierarchy(config: TierCacheConfig, *, engine_pool: bool = False) -> None:
+    """Check the order and names of the tiers, then that the local tiers fit in this machine's memory.
+
+    ``engine_pool``: the engine keeps its own GPU pool (``LowerTiers``), so the first tier is the CPU tier.
+    """
     source, tiers = config.source, config.tiers
+    if engine_pool:
+        _validate_below_engine_pool(config)
+        return
     if not tiers:
         raise ConfigError(source, "tiers", "a non-empty list of tiers, the first of type 'gpu'", tiers)
     if tiers[0].type != "gpu":

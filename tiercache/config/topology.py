@@ -133,15 +133,18 @@ class TierCacheConfig:
         raise KeyError(name)
 
 
-def config_from_dict(data: Any, source: str = "<dict>", environ: Mapping[str, str] | None = None) -> TierCacheConfig:
-    """Validate a raw mapping (as loaded from YAML) into a ``TierCacheConfig``."""
+def config_from_dict(
+    data: Any, source: str = "<dict>", environ: Mapping[str, str] | None = None, *, engine_pool: bool = False
+) -> TierCacheConfig:
+    """Validate a raw mapping (as loaded from YAML) into a ``TierCacheConfig``; ``engine_pool``: the engine keeps
+    its own GPU pool, so the tiers start with the CPU tier (``LowerTiers``)."""
     if not isinstance(data, Mapping):
         raise ConfigError(source, "", "a mapping with model, layout and tiers", data)
     data = apply_env_overrides(dict(data), environ)
     config = build_dataclass(TierCacheConfig, {**data, "source": source}, source, "")
     for index, tier in enumerate(config.tiers):
         validate_tier(tier, index, source, config.layout)
-    validate_hierarchy(config)
+    validate_hierarchy(config, engine_pool=engine_pool)
     return config
 
 

@@ -86,7 +86,7 @@ class Books:
         with self.lock:
             held = self.local.holds.checked("load", ids)
             for block in held:
-                if self.local.gpu.key_of(block) is not None:
+                if self.local.pool.key_of(block) is not None:
                     raise ValueError(f"load: GPU block {block} already holds KV (not a block fresh from allocate())")
             pins = found.pins
             pins.state = PinState.LOADED
@@ -95,6 +95,33 @@ class Books:
             plan = [] if self.planner is None else self.planner.plan(lower_keys, held, pins.lower, force_latest)
             self.mover.dispatch()
             return held, plan
+
+    def plan_fetch(self, found: Found, keys: Sequence[bytes], count: int, force_latest: bool) -> list[LoadItem]:
+        """Take over a Lookup's pins to bring its first ``count`` blocks into CPU slots the engine copies out of
+        itself (``LowerTiers``): the items, the rest of the Lookup's pins dropped."""
+        with self.lock:
+            pins = found.pins
+            pins.state = PinState.LOADED
+            self.lookup.commit(found, keys[:count])
+            plan = self._planner.plan(keys, [None] * count, pins.lower, force_latest)
+            self.mover.dispatch()
+            return plan
+
+    def begin_engine_writes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """CPU slots for blocks the engine copies in from its own pool (None: held already, not admitted, or no
+        room)."""
+        with self.lock:
+            slots = [self.hierarchy.begin_engine_write(key) for key in keys]
+            self.mover.dispatch()  # write-backs of the victims that made room
+            return slots
+
+    def engine_wrote(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
+        """The engine's copies into ``slots`` landed (or failed): commit them and write them down."""
+        with self.lock:
+            self.hierarchy.written_down(keys, slots, oks)
+            self.metrics.add(self.hierarchy.cpu_name, "blocks_in", sum(oks))
+            self.waiters.ended(keys, oks)
+            self.mover.dispatch()
 
     def release_lookup(self, found: Found) -> None:
         """Drop a Lookup's pins, its GPU run too."""

@@ -35,17 +35,19 @@ from tiercache.tiers.base import Presence
 class TierNames:
     """The names the answer counts blocks under, fastest first."""
 
-    gpu: str
+    gpu: str | None
+    """None where the engine keeps its own pool (``LowerTiers``)."""
     cpu: str | None
     remotes: tuple[str, ...]
 
     @property
     def all(self) -> list[str]:
-        return [self.gpu, *([self.cpu] if self.cpu else []), *self.remotes]
+        return [*([self.gpu] if self.gpu else []), *([self.cpu] if self.cpu else []), *self.remotes]
 
     def of(self, place: Place) -> str:
         """The tier serving a place of a prefix."""
         if place.source is Source.GPU:
+            assert self.gpu is not None
             return self.gpu
         if place.source is Source.REMOTE:
             return self.remotes[place.index]
@@ -123,7 +125,7 @@ class PrefixLookup:
         places, verdicts, cut_blocks = self._cost_cut(keys, places)
         run, lower = self.local.prefix(places)
         pins = self.local.hold(run, lower)
-        tiers = [self.names.gpu] * len(run) + [self.names.of(place) for place in lower]
+        tiers = [self.names.of(Place(Source.GPU, block)) for block in run] + [self.names.of(p) for p in lower]
         tier_blocks = dict.fromkeys(self.names.all, 0)
         for name in tiers:
             tier_blocks[name] += 1

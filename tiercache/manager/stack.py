@@ -43,6 +43,8 @@ from tiercache.telemetry.observer import FleetObserver
 from tiercache.tiers.cpu import CpuTier
 from tiercache.tiers.gpu import GpuTier
 
+ENGINE_POOL = "engine"
+"""Counters' name for the engine's own GPU pool when tiercache does not manage it (``LowerTiers``)."""
 REMEMBER_FACTOR = 8
 """Keys remembered (hit counts, written to a remote) per local slot."""
 
@@ -58,25 +60,34 @@ def _policy(tier: TierConfig):
 class Stack:
     """The parts of one topology (see the module docstring)."""
 
-    def __init__(self, config: TierCacheConfig, gpu_tensors: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, config: TierCacheConfig, gpu_tensors: list[torch.Tensor] | None = None,
+        cpu_buffer: torch.Tensor | None = None,
+    ) -> None:
+        """``gpu_tensors``: the engine's own pool for the GPU tier; ``cpu_buffer``: the CPU tier's memory
+        (``[slots, bytes_per_block]`` uint8, e.g. shared with the engine's workers). A topology whose first
+        tier is the CPU tier has no GPU tier: the engine keeps its pool (``LowerTiers``)."""
         self.config, self.layout = config, config.layout
         self.block_size = config.layout.block_size
         model = config.model
         self.namespace, codec = model_namespace(config)
         self.hasher = BlockHasher(self.namespace, self.block_size)
         self.metrics = Metrics()
-        first, *lower = config.tiers
-        self.gpu = GpuTier(first.name, self.layout, first.capacity_blocks, _policy(first), first.options,
-                           tensors=gpu_tensors)
+        lower = list(config.tiers)
+        first = lower.pop(0) if lower[0].type == "gpu" else None
+        self.gpu = None if first is None else GpuTier(
+            first.name, self.layout, first.capacity_blocks, _policy(first), first.options, tensors=gpu_tensors
+        )
         cpu_config = lower.pop(0) if lower and lower[0].type == "cpu" else None
         self.cpu = None if cpu_config is None else CpuTier(
-            cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options
+            cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options,
+            buffer=cpu_buffer,
         )
         queues = config.queues
         self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
         self.runtime = Runtime()
         self.probes = ProbeCache(self.lanes, self.runtime)
-        self.local = LocalTiers(self.gpu.table, self.cpu.table if self.cpu else None)
+        self.local = LocalTiers(self.gpu.table if self.gpu else None, self.cpu.table if self.cpu else None)
         self.events = _event_sink(config)
         self.curves = {
             tier.name: MissRatioCurve(config.mrc.sample_rate, config.mrc.max_samples)
@@ -85,10 +96,13 @@ class Stack:
         }
         self.cost = CostModel(config.cost) if config.cost.enabled else None
         lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
-        remember = REMEMBER_FACTOR * (self.gpu.num_blocks + (self.cpu.num_slots if self.cpu else 0))
+        remember = REMEMBER_FACTOR * (
+            (self.gpu.num_blocks if self.gpu else 0) + (self.cpu.num_slots if self.cpu else 0)
+        )
+        gpu_name = self.gpu.name if self.gpu else ENGINE_POOL
         self.hierarchy = Hierarchy(
             self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
-            gpu_name=self.gpu.name, block_size=self.block_size, bytes_per_block=self.layout.bytes_per_block,
+            gpu_name=gpu_name, block_size=self.block_size, bytes_per_block=self.layout.bytes_per_block,
             max_pending_stores=queues.max_pending_stores, remember_keys=remember,
             observer=FleetObserver(
                 self.events, self.curves, self.block_size, lora_id, [t.name for t in self.remotes]
@@ -97,10 +111,11 @@ class Stack:
             else None,
         )
         self.tier_names = TierNames(
-            self.gpu.name, self.cpu.name if self.cpu else None, tuple(tier.name for tier in self.remotes)
+            self.gpu.name if self.gpu else None, self.cpu.name if self.cpu else None,
+            tuple(tier.name for tier in self.remotes),
         )
         views = self.cpu.view if self.cpu else _no_cpu
-        self.swap = None if self.cpu is None else SwapQueue(
+        self.swap = None if self.cpu is None or self.gpu is None else SwapQueue(
             make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
         )
         self.mover = Mover(self.hierarchy, self.swap, self.lanes, self.runtime, views)
@@ -112,7 +127,7 @@ class Stack:
                                    self.block_size)
         self.books = Books(self.local, self.hierarchy, planner, self.lookup, self.cost, self.mover, self.metrics)
         self.reader = RemoteReader(self.lanes, self.layout.bytes_per_block, self.books)
-        self.loads = None if self.swap is None else LoadRunner(
+        self.loads = None if self.cpu is None else LoadRunner(
             self.books, self.swap, self.reader, views, self.metrics, batch_blocks=queues.batch_blocks
         )
         self.explorer = None if self.cost is None or self.cpu is None or not self.lanes else Explorer(
@@ -161,7 +176,7 @@ class Stack:
 
     def _stats(self) -> dict[str, Any]:
         tiers: dict[str, Any] = {}
-        for local in (self.gpu, self.cpu):
+        for local in (self.gpu, self.cpu):  # the engine's own pool, when it keeps it, is not counted here
             if local is not None:
                 tiers[local.name] = local.table.occupancy()
         for lane in self.lanes:

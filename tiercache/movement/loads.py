@@ -57,10 +57,11 @@ class FillWaiters:
 
 
 class LoadRunner:
-    """Runs planned loads on the background loop."""
+    """Runs planned loads on the background loop: ``run`` into the GPU pool, ``fetch`` into the CPU tier only
+    (where the engine copies out of it itself: ``swap`` is None then)."""
 
     def __init__(
-        self, books: Bookkeeper, swap: SwapQueue, reader: RemoteReader, views: Callable[[int], memoryview],
+        self, books: Bookkeeper, swap: SwapQueue | None, reader: RemoteReader, views: Callable[[int], memoryview],
         metrics: Metrics, *, batch_blocks: int,
     ) -> None:
         self.books = books
@@ -73,6 +74,8 @@ class LoadRunner:
 
     async def run(self, transfer: Transfer, plan: list[LoadItem], force_latest: bool, deadline: float | None) -> int:
         """Load ``plan`` into its GPU blocks; returns the blocks loaded (a prefix of the plan)."""
+        if self.swap is None:
+            raise RuntimeError("a load into a GPU pool tiercache does not manage (fetch into the CPU tier instead)")
         loop = asyncio.get_running_loop()
         settle = asyncio.Event()
         transfer.on_cancel = lambda: _call_soon(loop, settle.set)
@@ -166,6 +169,7 @@ class LoadRunner:
 
     async def _hand_over(self, items: list[LoadItem], transfer: Transfer) -> int:
         """Copy ready items into their GPU blocks and index the promoted ones there."""
+        assert self.swap is not None
         from_cpu = [item for item in items if not item.on_gpu]
         on_gpu = [item for item in items if item.on_gpu]
         copies = []

@@ -102,3 +102,22 @@ class FleetObserver:
         curve = self.curves.get(tier)
         if curve is not None and keys:
             curve.access_many(keys)
+
+
+def report_stored_runs(
+    observer: TierObserver, tier: str, keys: Sequence[bytes], fresh: set[bytes], tokens: Sequence[int] | None,
+    block_size: int,
+) -> None:
+    """One ``stored`` per run of ``fresh`` blocks among a chain's ``keys``, with its parent and its tokens."""
+    if not fresh or isinstance(observer, NullObserver):
+        return
+    start = None
+    for position in range(len(keys) + 1):
+        inside = position < len(keys) and keys[position] in fresh
+        if inside and start is None:
+            start = position
+        elif not inside and start is not None:
+            parent = keys[start - 1] if start else None
+            run = None if tokens is None else [int(t) for t in tokens[start * block_size : position * block_size]]
+            observer.stored(tier, keys[start:position], parent, run)
+            start = None
