@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tiercache.common.exports import lazy_exports
 
 _EXPORTS = {
     "BlockHasher": "tiercache.blocks.keys",
@@ -19,15 +18,11 @@ _EXPORTS = {
     "TierCacheConfig": "tiercache.config",
     "load_config": "tiercache.config",
     "TierManager": "tiercache.manager",
+    "LowerTiers": "tiercache.manager.lower_tiers",
     "Lookup": "tiercache.manager",
     "Transfer": "tiercache.manager",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Import public names on first use, so ``import tiercache.policies`` stays light."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tiercache' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+"""Public names imported on first use, so ``import tiercache.policies`` stays light."""

@@ -122,11 +122,12 @@ class BlockHasher:
         self.block_size = block_size
         self._root = namespace.root()
 
-    def keys(self, tokens: Tokens, extra: bytes | str | None = None) -> list[bytes]:
+    def keys(self, tokens: Tokens, extra: bytes | str | None = None, *, parent: bytes | None = None) -> list[bytes]:
         """Keys of every full block of ``tokens``; a trailing partial block gets none.
 
         ``tokens``: see ``token_array``. ``extra`` (e.g. a multimodal content hash)
-        is mixed into every block's key.
+        is mixed into every block's key. ``parent``: the key of the block before
+        ``tokens`` (they continue a chain whose earlier keys are known), else the root.
         """
         array = token_array(tokens)
         num_blocks = len(array) // self.block_size
@@ -135,7 +136,7 @@ class BlockHasher:
         salt = extra.encode() if isinstance(extra, str) else (extra or b"")
         blake2b = hashlib.blake2b
         keys: list[bytes] = []
-        previous = self._root
+        previous = self._root if parent is None else parent
         for start in range(0, num_blocks * stride, stride):
             digest = blake2b(previous, digest_size=KEY_BYTES)
             digest.update(buffer[start : start + stride])

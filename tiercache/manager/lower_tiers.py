@@ -67,11 +67,15 @@ class HostFetch:
         return self.arrived.done()
 
     def slots(self) -> list[int]:
-        """The CPU slots of the leading blocks that arrived (a prefix; the engine may copy these)."""
-        if not self.arrived.done() or self.arrived.cancelled() or self.arrived.exception() is not None:
+        """The CPU slots of the leading blocks the engine may copy now: those that arrived once the fetch has
+        ended, else those that were in the CPU tier from the start (the rest may still arrive, warming the tier)."""
+        if not self.arrived.done():
+            count = next((i for i, item in enumerate(self.items) if item.staged or not item.pinned), len(self.items))
+        elif self.arrived.cancelled() or self.arrived.exception() is not None:
             return []
-        oks = self.arrived.result()
-        count = next((i for i, ok in enumerate(oks) if not ok), len(oks))
+        else:
+            oks = self.arrived.result()
+            count = next((i for i, ok in enumerate(oks) if not ok), len(oks))
         return [item.cpu_slot for item in self.items[:count]]
 
     def release(self) -> None:

@@ -24,10 +24,15 @@ Replaying a trace through vLLM's ``CPUOffloadingManager`` therefore gives
 libCacheSim's hits (``tests/integrations/vllm/test_policies.py``).
 """
 
+# ruff: noqa: E402 - vLLM is imported after the version check below
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
+
+from tiercache.integrations.vllm.version import TIERING_SERIES, require_vllm
+
+require_vllm(TIERING_SERIES, "tiercache's vLLM CPU-tier policies")
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext

@@ -29,12 +29,17 @@ Every method runs under vLLM's manager lock; the store's own loop thread never
 calls back into vLLM.
 """
 
+# ruff: noqa: E402 - vLLM is imported after the version check below
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from tiercache.integrations.vllm.version import TIERING_SERIES, require_vllm
+
+require_vllm(TIERING_SERIES, "TierCacheTier (tiercache.integrations.vllm.tier)")
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (

@@ -1,0 +1,188 @@
+"""``TierCacheConnector``: tiercache as a vLLM KV connector (``KVConnectorBase_V1``), for ``vllm serve`` on GPU
+and on vLLM's CPU build.
+
+vLLM builds one per role: in its engine-core process the scheduler's
+(``ConnectorScheduler``: tiercache's ``LowerTiers``, the bookkeeping, policies and
+remotes), in each worker process the worker's (``ConnectorWorker``: page copies
+between vLLM's KV tensors and the CPU tier's shared slots). Both derive the same
+slot geometry and namespace from vLLM's configs (``identity``). Every hook is
+guarded: an error inside tiercache is logged and becomes a miss, a failed job or
+a load vLLM recomputes, never an exception in vLLM's loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiercache.integrations.vllm.connector.identity import model_id, slot_geometry
+from tiercache.integrations.vllm.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.integrations.vllm.connector.options import ConnectorOptions
+from tiercache.integrations.vllm.connector.region import SharedRegion, region_path
+from tiercache.integrations.vllm.connector.scheduler import ConnectorScheduler
+from tiercache.integrations.vllm.connector.stats import TierCacheConnectorStats, TierCachePromMetrics
+from tiercache.integrations.vllm.connector.worker import ConnectorWorker
+from tiercache.manager.lower_tiers import LowerTiers
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def guarded(fallback: Callable[[], Any]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run a hook; on an exception inside tiercache log it and answer ``fallback()`` (never raise into vLLM)."""
+
+    def wrap(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def run(self: TierCacheConnector, *args: Any, **kwargs: Any) -> T:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                log.exception("tiercache connector: %s failed; answering as a miss", method.__name__)
+                return fallback()
+
+        return run
+
+    return wrap
+
+
+class TierCacheConnector(KVConnectorBase_V1):
+    """tiercache's CPU tier and remotes under vLLM's own prefix cache (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
+        geometry = slot_geometry(vllm_config, kv_cache_config)
+        config = options.config(model_id(vllm_config, kv_cache_config, geometry), geometry)
+        num_slots = config.tiers[0].capacity_blocks
+        path = region_path(options.shared_dir, self._kv_transfer_config.engine_id,
+                           vllm_config.parallel_config.data_parallel_rank)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            region = SharedRegion.for_scheduler(path, num_slots, geometry.slot_bytes, geometry.world)
+            tiers = LowerTiers(config, cpu_buffer=region.slots)
+            tiers.start()
+            self._region = region
+            self._scheduler = ConnectorScheduler(tiers, geometry.world, options.force_latest)
+        else:
+            self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank())
+        self._errors = 0
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped save is a later miss, never a request to recompute."""
+        return False
+
+    # ---- scheduler side ------------------------------------------------------------------
+    @guarded(lambda: (0, False))
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._kv_transfer_config.is_kv_consumer:  # a kv_producer writes only
+            return 0, False
+        return self._scheduler_part.matched_tokens(request, num_computed_tokens)
+
+    @guarded(lambda: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler_part.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    @guarded(TierCacheConnectorMetadata)
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        scheduler = self._scheduler_part
+        scheduler.preempted(scheduler_output.preempted_req_ids or ())
+        return scheduler.step_metadata(scheduler_output, store=self._kv_transfer_config.is_kv_producer)
+
+    @guarded(lambda: None)
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = connector_output.kv_connector_worker_meta
+        self._scheduler_part.workers_reported(report if isinstance(report, TierCacheWorkerMetadata) else None)
+
+    @guarded(lambda: (False, None))
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_part.finished(request)
+        return False, None
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def get_kv_connector_stats(self) -> TierCacheConnectorStats | None:
+        return self._scheduler.counters.take() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheConnectorStats | None:
+        return TierCacheConnectorStats(data=dict(data)) if data is not None else TierCacheConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TierCachePromMetrics:
+        return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @property
+    def _scheduler_part(self) -> ConnectorScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on a worker's connector")
+        return self._scheduler
+
+    # ---- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map the shared CPU tier and check vLLM's tensors; a layout it cannot copy refuses to start."""
+        self._worker_part.register_kv_caches(kv_caches)
+
+    @guarded(lambda: None)
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        forward = bool(getattr(forward_context, "attn_metadata", None))
+        if isinstance(metadata, TierCacheConnectorMetadata):
+            self._worker_part.start(metadata, forward)
+
+    @guarded(lambda: None)
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker_part.before_layer(layer_name)
+
+    @guarded(lambda: None)
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker_part.after_layer(layer_name)
+
+    @guarded(lambda: None)
+    def wait_for_save(self) -> None:
+        self._worker_part.end()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_report() if self._worker is not None else None
+
+    @property
+    def _worker_part(self) -> ConnectorWorker:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call on the scheduler's connector")
+        return self._worker
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+
+def _tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed group)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no group initialised (a single process): rank 0
+        return 0

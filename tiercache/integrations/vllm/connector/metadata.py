@@ -1,0 +1,47 @@
+"""What the scheduler side tells the workers each step, and what the workers tell it back: values, no objects.
+
+Each step's ``TierCacheConnectorMetadata`` lists jobs: a load copies CPU slots into
+vLLM blocks before the layers read them; a store copies vLLM blocks into CPU
+slots once the step's forward has written them. Every worker runs every job on
+its own rank's pages and reports the job ids it finished in its
+``TierCacheWorkerMetadata`` (summed over the workers by vLLM); the scheduler side
+acts on a job once every worker has reported it (a load's slots are unpinned, a
+store's slots committed and written down), and on a failed one as failed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """One job: ``slots[i]`` and ``block_ids[i]`` are paired (a load copies slot -> block, a store block -> slot)."""
+
+    job_id: int
+    slots: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class TierCacheConnectorMetadata(KVConnectorMetadata):
+    """One step's jobs."""
+
+    loads: list[CopyJob] = field(default_factory=list)
+    stores: list[CopyJob] = field(default_factory=list)
+
+
+@dataclass
+class TierCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per job id, how many workers finished it, and how many failed it (summed over workers)."""
+
+    done: Counter[int] = field(default_factory=Counter)
+    failed: Counter[int] = field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, TierCacheWorkerMetadata):
+            return self
+        return TierCacheWorkerMetadata(self.done + other.done, self.failed + other.failed)

@@ -1,0 +1,121 @@
+"""The connector's options, read from ``--kv-transfer-config``'s ``kv_connector_extra_config``.
+
+- ``topology`` (required): the tiers under vLLM's own GPU pool: a tiercache topology whose first
+  tier is the CPU tier (``type: cpu``, with ``capacity_bytes`` or ``capacity_blocks``), then any
+  remotes (Redis, Redis Cluster, regional + central, file), with its ``queues``, ``cost``,
+  ``events``, ``mrc`` and ``model`` (``tenant``, ``secret_env``) sections; as the path of a YAML
+  file or inline as a mapping. The model id and the layout come from vLLM and may not be given;
+- ``overrides``: dotted field paths set on the topology, e.g. ``{"tiers.redis.options.url": ...}``;
+- ``force_latest``: loads ask a regional topology's central store for the newest version
+  (refused for a topology without a versioned tier);
+- ``shared_dir``: where the CPU tier's shared memory lives (default ``/dev/shm``).
+
+A key that is none of these is refused with the one it resembles. Every error names the flag,
+the field and what was expected, before vLLM serves a request.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiercache.config import ConfigError, TierCacheConfig, config_from_dict
+from tiercache.config.env import apply_overrides
+from tiercache.config.topology import read_yaml
+from tiercache.integrations.vllm.connector.identity import SlotGeometry
+from tiercache.tiers import tier_class
+
+SOURCE = "--kv-transfer-config kv_connector_extra_config"
+"""Where the options come from, as errors name it."""
+OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir")
+ENGINE_FIELDS = ("id", "tp_rank")
+"""``model`` fields vLLM supplies: a topology may not set them."""
+DEFAULT_SHARED_DIR = "/dev/shm"
+"""Shared memory on Linux: the CPU tier's region lives in RAM, not on a disk."""
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """What a ``TierCacheConnector`` is configured with (the topology still without vLLM's part)."""
+
+    topology: Mapping[str, Any]
+    source: str
+    force_latest: bool
+    shared_dir: Path
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
+        extra = dict(extra or {})
+        for key in extra:
+            if key not in OWN_KEYS:
+                meant = difflib.get_close_matches(str(key), OWN_KEYS, n=1)
+                hint = f" (did you mean {meant[0]!r}?)" if meant else ""
+                raise ConfigError(SOURCE, str(key), f"one of {list(OWN_KEYS)}{hint}", "an unknown key")
+        if "topology" not in extra:
+            raise ConfigError(SOURCE, "topology", "the tiers under vLLM's pool: a YAML path or a mapping whose "
+                              "first tier is {'type': 'cpu', 'capacity_bytes': ...}", "nothing")
+        topology, source = _raw_topology(extra["topology"])
+        overrides = extra.get("overrides") or {}
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(SOURCE, "overrides", "a mapping of dotted field paths to values", overrides)
+        topology = apply_overrides(topology, overrides, f"{SOURCE} overrides")
+        force_latest = extra.get("force_latest", False)
+        if not isinstance(force_latest, bool):
+            raise ConfigError(SOURCE, "force_latest", "true or false", force_latest)
+        shared = extra.get("shared_dir", DEFAULT_SHARED_DIR if os.path.isdir(DEFAULT_SHARED_DIR) else None)
+        shared_dir = Path(shared or tempfile.gettempdir())
+        if not shared_dir.is_dir():
+            raise ConfigError(SOURCE, "shared_dir", "an existing directory (shared memory: /dev/shm)", str(shared))
+        return cls(topology, source, force_latest, shared_dir)
+
+    def config(self, model_id: str, geometry: SlotGeometry) -> TierCacheConfig:
+        """The whole topology: the user's tiers with vLLM's model id and a layout of the slot's bytes."""
+        data = dict(self.topology)
+        model = data.get("model") or {}
+        if not isinstance(model, Mapping):
+            raise ConfigError(self.source, "model", "a mapping (tenant, secret_env)", model)
+        for name in ENGINE_FIELDS:
+            if name in model:
+                raise ConfigError(self.source, f"model.{name}", "nothing: vLLM supplies it", model[name])
+        if "layout" in data:
+            raise ConfigError(self.source, "layout", "nothing: vLLM's KV cache fixes it", data["layout"])
+        data["model"] = {**model, "id": model_id}
+        data["layout"] = _opaque_layout(geometry)
+        config = config_from_dict(data, self.source, engine_pool=True)
+        if self.force_latest and not any(tier_class(t.type).capabilities.versioned for t in config.tiers[1:]):
+            raise ConfigError(SOURCE, "force_latest", "false, or a topology with a versioned tier (type: regional)",
+                              True)
+        return config
+
+
+def _raw_topology(value: Any) -> tuple[dict[str, Any], str]:
+    """The topology as a raw mapping, and where it came from (for errors)."""
+    if isinstance(value, str | os.PathLike) and str(value):
+        data = read_yaml(value)
+        if not isinstance(data, Mapping):
+            raise ConfigError(str(value), "", "a mapping with the tiers under 'tiers'", data)
+        return dict(data), str(value)
+    if isinstance(value, Mapping):
+        return dict(value), f"{SOURCE} topology"
+    raise ConfigError(SOURCE, "topology", "the path of a tiercache topology (YAML), or that topology as a mapping",
+                      value)
+
+
+def _opaque_layout(geometry: SlotGeometry) -> dict[str, Any]:
+    """A layout whose blocks have a slot's bytes (one byte per element: the pages are vLLM's, copied whole)."""
+    pair = 2 * geometry.block_size
+    if geometry.page_bytes % pair:
+        raise ConfigError(SOURCE, "topology", f"a vLLM page of a multiple of {pair} bytes", geometry.page_bytes)
+    return {
+        "num_layers": geometry.world * len(geometry.layer_names),
+        "num_kv_heads": 1,
+        "head_dim": geometry.page_bytes // pair,
+        "dtype": "uint8",
+        "block_size": geometry.block_size,
+        "memory": "layer_major",
+    }

@@ -1,0 +1,59 @@
+"""vLLM's KV tensors as pages: per layer, one byte row per block, copied to and from the shared CPU slots.
+
+vLLM hands a worker one tensor per layer. What the connector needs of it is that
+each block's page of a layer is one contiguous run of bytes (true of the CPU
+backend's layout and of every layout whose block dimension is outside a page):
+the page is then copied whole, its interior never read. A layout whose page is
+split across the tensor (heads outside blocks, say) is refused with the layer
+and strides, before anything is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from tiercache.integrations.vllm.connector.identity import SlotGeometry, UnsupportedLayoutError
+
+
+def page_rows(name: str, tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """``tensor`` as a ``[num_blocks, page_bytes]`` uint8 view of the same memory (blocks on its first dim)."""
+    if tensor.dim() < 2 or not tensor[0].is_contiguous():
+        raise UnsupportedLayoutError(
+            f"layer {name}: a block's page is not contiguous (shape {tuple(tensor.shape)}, strides "
+            f"{tensor.stride()}); tiercache's connector copies whole pages"
+        )
+    item = tensor.element_size()
+    if tensor[0].numel() * item != page_bytes:
+        raise UnsupportedLayoutError(
+            f"layer {name}: a block's page has {tensor[0].numel() * item} bytes, vLLM's KV cache spec says {page_bytes}"
+        )
+    raw = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
+    return raw.as_strided((tensor.shape[0], page_bytes), (tensor.stride(0) * item, 1), raw.storage_offset())
+
+
+class KVPages:
+    """A worker's KV tensors as page rows, in the geometry's layer order."""
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], geometry: SlotGeometry) -> None:
+        missing = [name for name in geometry.layer_names if name not in kv_caches]
+        if missing:
+            raise UnsupportedLayoutError(f"vLLM registered no KV tensor for layers {missing}")
+        self.rows = [page_rows(name, kv_caches[name], geometry.page_bytes) for name in geometry.layer_names]
+        self.index = {name: layer for layer, name in enumerate(geometry.layer_names)}
+        self.device = self.rows[0].device
+
+    def load(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor, region_rows: torch.Tensor) -> None:
+        """Copy ``region_rows[slots]`` (this rank's pages of ``layer``) into blocks ``blocks``."""
+        source = region_rows.index_select(0, slots)
+        self.rows[layer].index_copy_(0, blocks.to(self.device), source.to(self.device))
+
+    def save(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, region_rows: torch.Tensor) -> None:
+        """Copy blocks ``blocks`` of ``layer`` into ``region_rows[slots]``."""
+        pages = self.rows[layer].index_select(0, blocks.to(self.device))
+        region_rows.index_copy_(0, slots, pages.to(region_rows.device))
+
+
+def index(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.long)

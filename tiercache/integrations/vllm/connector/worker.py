@@ -1,0 +1,135 @@
+"""The worker side: copies between vLLM's KV tensors and the shared CPU slots, layer by layer, as told.
+
+Each step the scheduler side sends jobs (``metadata``). A load's pages are copied
+into their blocks for each layer just before that layer's attention reads them
+(``wait_for_layer_load``); a store's pages are copied out of their blocks right
+after the layer wrote them (``save_kv_layer``). A layer the engine did not call
+a hook for is done at the end of the step: a store then (its pages are complete
+after the forward), a load as failed, since the forward has read the blocks
+already: its blocks are reported (``get_block_ids_with_load_errors``) so vLLM
+recomputes them, never serves them. Every finished job is reported back once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiercache.integrations.vllm.connector.identity import SlotGeometry
+from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.integrations.vllm.connector.pages import KVPages, index
+from tiercache.integrations.vllm.connector.region import SharedRegion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    """A job of this step and the layers it still has to copy."""
+
+    job: CopyJob
+    slots: torch.Tensor
+    blocks: torch.Tensor
+    layers_left: set[int] = field(default_factory=set)
+
+
+class ConnectorWorker:
+    """One worker's half of the connector (see the module docstring)."""
+
+    def __init__(self, geometry: SlotGeometry, num_slots: int, region_path: Any, rank: int) -> None:
+        self.geometry = geometry
+        self.num_slots = num_slots
+        self.region_path = region_path
+        self.rank = rank
+        self.pages: KVPages | None = None
+        self.region: SharedRegion | None = None
+        self._rows: list[torch.Tensor] = []
+        """Per layer, this rank's pages of every slot: ``[num_slots, page_bytes]`` views of the region."""
+        self._loads: list[_Job] = []
+        self._stores: list[_Job] = []
+        self._forward = False
+        self._done: Counter[int] = Counter()
+        self._failed: Counter[int] = Counter()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Check vLLM's tensors against the geometry, then map the shared CPU slots."""
+        self.pages = KVPages(kv_caches, self.geometry)
+        self.region = SharedRegion.for_worker(self.region_path, self.num_slots, self.geometry.slot_bytes, self.rank)
+        geometry, slots = self.geometry, self.region.slots
+        self._rows = [
+            slots[:, geometry.offset(self.rank, layer) : geometry.offset(self.rank, layer) + geometry.page_bytes]
+            for layer in range(len(geometry.layer_names))
+        ]
+
+    def start(self, metadata: TierCacheConnectorMetadata, forward: bool) -> None:
+        """A step begins: its jobs; ``forward``: the engine runs a forward (its layers will call the hooks)."""
+        layers = set(range(len(self.geometry.layer_names)))
+        self._loads = [_Job(job, index(job.slots), index(job.block_ids), set(layers)) for job in metadata.loads]
+        self._stores = [_Job(job, index(job.slots), index(job.block_ids), set(layers)) for job in metadata.stores]
+        self._forward = forward
+        if not forward:  # nothing reads the blocks this step: load every layer now
+            for layer in layers:
+                self._copy_loads(layer)
+
+    def before_layer(self, layer_name: str) -> None:
+        """A layer's attention is about to read its KV: load that layer's pages."""
+        layer = self._layer(layer_name)
+        if layer is not None:
+            self._copy_loads(layer)
+
+    def after_layer(self, layer_name: str) -> None:
+        """A layer has written this step's KV: save that layer's pages."""
+        layer = self._layer(layer_name)
+        if layer is not None:
+            self._copy_stores(layer)
+
+    def end(self) -> None:
+        """The step's forward is over: finish the stores, fail loads a layer was never loaded for, report."""
+        for layer in range(len(self.geometry.layer_names)):
+            self._copy_stores(layer)
+        for job in self._loads:
+            if job.layers_left:
+                log.warning("tiercache connector: load %d missed layers %s; vLLM recomputes its blocks",
+                            job.job.job_id, sorted(job.layers_left))
+                self._failed[job.job.job_id] += 1
+                self._load_errors.update(job.job.block_ids)
+            else:
+                self._done[job.job.job_id] += 1
+        for job in self._stores:
+            self._done[job.job.job_id] += 1
+        self._loads, self._stores = [], []
+
+    def _layer(self, layer_name: str) -> int | None:
+        return None if self.pages is None else self.pages.index.get(layer_name)
+
+    def _copy_loads(self, layer: int) -> None:
+        assert self.pages is not None
+        for job in self._loads:
+            if layer in job.layers_left:
+                self.pages.load(layer, job.slots, job.blocks, self._rows[layer])
+                job.layers_left.discard(layer)
+
+    def _copy_stores(self, layer: int) -> None:
+        assert self.pages is not None
+        for job in self._stores:
+            if layer in job.layers_left:
+                self.pages.save(layer, job.blocks, job.slots, self._rows[layer])
+                job.layers_left.discard(layer)
+
+    def take_report(self) -> TierCacheWorkerMetadata | None:
+        """The jobs finished (and failed) since the last report."""
+        if not self._done and not self._failed:
+            return None
+        report = TierCacheWorkerMetadata(self._done, self._failed)
+        self._done, self._failed = Counter(), Counter()
+        return report
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
