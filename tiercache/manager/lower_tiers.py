@@ -24,6 +24,7 @@ else is the same as under a ``TierManager``: the same parts, wired by the stack.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,10 @@ from tiercache.manager.books import Books
 from tiercache.manager.lookup import Found
 from tiercache.manager.stack import Stack
 from tiercache.remote.answers import resolved
+
+START_TIMEOUT_S = 5.0
+"""How long ``start`` waits for the remotes to connect before going on without them."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -104,12 +109,19 @@ class LowerTiers:
         self._started = self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the background loop and connect the remote tiers (an unreachable one reads as misses)."""
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start the background loop and connect the remote tiers, waiting at most ``timeout_s`` (a remote still
+        connecting, or unreachable, reads as misses until it answers)."""
         if not self._started:
             self._started = True
             self.parts.runtime.start()
-            self.parts.runtime.submit(self.parts.start_remotes(), track=False).result()
+            started = self.parts.runtime.submit(self.parts.start_remotes(), track=False)
+            try:
+                started.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                log.warning("lower tiers: remotes still connecting after %.1f s; continuing", timeout_s)
+            except Exception:
+                log.exception("lower tiers: a remote tier failed to start; it reads as misses")
 
     def close(self) -> None:
         """Finish or drop work in flight (bounded), close the remotes, stop."""

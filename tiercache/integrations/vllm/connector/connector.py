@@ -76,7 +76,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             tiers = LowerTiers(config, cpu_buffer=region.slots)
             tiers.start()
             self._region = region
-            self._scheduler = ConnectorScheduler(tiers, geometry.world, options.force_latest)
+            events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+            self._scheduler = ConnectorScheduler(tiers, geometry.world, options.force_latest, events=bool(events))
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank())
         self._errors = 0
@@ -113,8 +114,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         self._scheduler_part.finished(request)
         return False, None
 
+    @guarded(list)
     def take_events(self) -> Iterable[Any]:
-        return ()
+        return self._scheduler.take_events() if self._scheduler is not None else []
 
     def get_kv_connector_stats(self) -> TierCacheConnectorStats | None:
         return self._scheduler.counters.take() if self._scheduler is not None else None

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.config.topology import PrefetchPolicy
+from tiercache.integrations.vllm.connector.events import stored_events
 from tiercache.integrations.vllm.connector.identity import block_extra
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.stats import TIER_SEPARATOR, SchedulerCounters
@@ -71,6 +72,9 @@ class _Pending:
     fetch: HostFetch | None = None
     keys: list[bytes] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
+    request: Any = None
+    positions: list[int] = field(default_factory=list)
+    """A store's block positions in its request (for KV events)."""
     reports: int = 0
     failed: bool = False
 
@@ -78,8 +82,10 @@ class _Pending:
 class ConnectorScheduler:
     """The scheduler's half of the connector (see the module docstring)."""
 
-    def __init__(self, tiers: LowerTiers, world: int, force_latest: bool) -> None:
+    def __init__(self, tiers: LowerTiers, world: int, force_latest: bool, *, events: bool = False) -> None:
         self.tiers = tiers
+        self.events: list[Any] | None = [] if events else None
+        """vLLM KV events of what the CPU tier took (None: vLLM's KV events are off)."""
         self.world = world
         self.force_latest = force_latest
         self.block_size = tiers.block_size
@@ -192,11 +198,18 @@ class ConnectorScheduler:
         blocks = state.block_ids[state.stored : end]
         state.stored = end
         slots = self.tiers.begin_writes(keys)
-        chosen = [(key, slot, block) for key, slot, block in zip(keys, slots, blocks, strict=True) if slot is not None]
+        first = end - len(keys)
+        chosen = [
+            (key, slot, block, first + i)
+            for i, (key, slot, block) in enumerate(zip(keys, slots, blocks, strict=True))
+            if slot is not None
+        ]
         if not chosen:
             return None
-        job = CopyJob(next(self._job_ids), tuple(slot for _, slot, _ in chosen), tuple(b for _, _, b in chosen))
-        self._pending[job.job_id] = _Pending(keys=[key for key, _, _ in chosen], slots=list(job.slots))
+        job = CopyJob(next(self._job_ids), tuple(c[1] for c in chosen), tuple(c[2] for c in chosen))
+        self._pending[job.job_id] = _Pending(
+            keys=[c[0] for c in chosen], slots=list(job.slots), request=state.request, positions=[c[3] for c in chosen]
+        )
         self.counters.add("stored_blocks", len(chosen))
         return job
 
@@ -224,6 +237,16 @@ class ConnectorScheduler:
             self.tiers.end_writes(pending.keys, pending.slots, [ok] * len(pending.keys))
             if not ok:
                 self.counters.add("failed_stores")
+            elif self.events is not None:
+                tier = self.tiers.names[0]
+                self.events.extend(stored_events(pending.request, pending.positions, self.block_size, tier))
+
+    def take_events(self) -> list[Any]:
+        """The KV events since the last call."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def finished(self, request: Any) -> None:
         """A request finished or was aborted: what only it held goes (jobs in flight finish on their own)."""
