@@ -8,8 +8,9 @@ attention backend and, on CPU, by the kernel's instruction set: K is stored
 transposed there) and is copied as opaque bytes, never reinterpreted.
 
 Two instances share a block exactly when everything below agrees: the model
-(resolved path, revision, and a digest of its config and weight files' names and
-sizes, so two deployments serving other weights under one name never share), the
+(its directory's name, revision, and a digest of its config and of its weight
+files' names, sizes and leading and trailing bytes, so two deployments serving
+other weights under one name, or one directory name, never share), the
 dtypes, the block size, the layers, the page's shape and bytes, the backend's
 layout and the parallel sizes. A request's ``cache_salt`` and LoRA go into each
 chain's keys (``block_extra``).
@@ -28,6 +29,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 """Files whose names and sizes stand for a model directory's weights in its identity."""
 IDENTITY_FILES = ("config.json", "generation_config.json")
 """Small files of a model directory whose content is part of its identity."""
+WEIGHT_SAMPLE_BYTES = 1 << 20
+"""Bytes read from each end of a weight file for the model's digest."""
 DIGEST_HEX = 32
 """Hex digits of the model and layout digests (128 bits of SHA-256)."""
 
@@ -80,18 +83,25 @@ def slot_geometry(vllm_config: Any, kv_cache_config: Any) -> SlotGeometry:
 
 
 def model_digest(model: str) -> str:
-    """A digest of a local model directory: its identity files' content and its weight files' names and sizes
-    (not their mtimes, so copies on other hosts agree); of the name alone when it is not a directory."""
-    digest = hashlib.sha256(model.encode())
+    """A digest of a local model directory (of the name alone when it is not one): its identity files' content,
+    and per weight file its name, size and first and last ``WEIGHT_SAMPLE_BYTES`` (weights of one shape differ
+    there; their mtimes do not count, so copies on other hosts agree, and reading the samples is cheap)."""
     directory = Path(model)
-    if directory.is_dir():
-        for name in IDENTITY_FILES:
-            path = directory / name
-            if path.is_file():
-                digest.update(name.encode() + b"\0" + path.read_bytes())
-        for path in sorted(directory.rglob("*")):
-            if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES):
-                digest.update(f"{path.relative_to(directory)}:{path.stat().st_size}".encode())
+    if not directory.is_dir():
+        return hashlib.sha256(model.encode()).hexdigest()[:DIGEST_HEX]
+    digest = hashlib.sha256()
+    for name in IDENTITY_FILES:
+        path = directory / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES):
+            size = path.stat().st_size
+            digest.update(f"{path.relative_to(directory)}:{size}".encode())
+            with path.open("rb") as weights:
+                digest.update(weights.read(WEIGHT_SAMPLE_BYTES))
+                weights.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
+                digest.update(weights.read(WEIGHT_SAMPLE_BYTES))
     return digest.hexdigest()[:DIGEST_HEX]
 
 
