@@ -5,9 +5,11 @@ Each fenced block follows an HTML comment (invisible on GitHub) that says what h
 - ``<!-- example: NAME -->``: run by the test here that asks for ``example("NAME")``: Python is
   executed, YAML is loaded (and validated) as a topology, a ``bash`` block of ``tiercache`` commands
   is run line by line with the installed command.
-- ``<!-- engine: vllm -->`` / ``<!-- engine: sglang -->``: an engine's configuration, run by that
-  engine's suite in its own venv, which reads the blocks from docs/engines.md; a copy in README.md
-  must equal one of them.
+- ``<!-- engine: vllm -->`` / ``<!-- engine: vllm-connector -->`` / ``<!-- engine: sglang -->``: an
+  engine's configuration, run by that engine's suite in its own venv (vLLM 0.33's offloading tiers,
+  tiercache's KV connector under ``vllm serve`` of vLLM's CPU build, SGLang), which reads the blocks
+  from docs/engines.md (the connector's suite from README.md); a copy in README.md must equal one of
+  them. Here each configuration must parse as JSON, and the connector's topologies load.
 - ``<!-- not run: WHY -->``: shown, not run (an install command, a transcript, the test script).
 
 A block without such a mark, an indented (unfenced) code block, an example no test here asks for, and
@@ -16,6 +18,7 @@ a link out of the repository all fail.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -44,10 +47,12 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 ENGINE_PAGE = REPO / "docs" / "engines.md"
 """Where the engine suites (``tests/*/{vllm,sglang}/test_*_readme.py``) read their configurations."""
 ENGINE_CONFIGS = {
-    "vllm": (r"--kv-transfer-config '(\{.*?\})'", 3),
-    "sglang": (r"--hicache-storage-backend-extra-config '(\{.*?\})'", 2),
+    "vllm": (r"--kv-transfer-config '(\{\s*\"kv_connector\": \"OffloadingConnector\".*?\})'", 3, 3),
+    "vllm-connector": (r"--kv-transfer-config '(\{\"kv_connector\":\"TierCacheConnector\".*?\})'", 3, 4),
+    "sglang": (r"--hicache-storage-backend-extra-config '(\{.*?\})'", 2, 2),
 }
-"""Per engine: the pattern its suite extracts a configuration with, and how many it expects."""
+"""Per engine: the pattern its suite extracts a configuration with, how many configurations it expects,
+and how many blocks docs/engines.md marks for it (the connector's fourth is the ``LLM(...)`` form)."""
 MARK = re.compile(r"<!-- (example|engine|not run): (.+?) -->")
 FENCE = re.compile(r"```(\S*)\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
@@ -146,10 +151,10 @@ def test_engine_blocks_are_the_ones_the_engine_suites_run() -> None:
     """docs/engines.md holds every engine configuration (the engine venvs run those); README's are copies."""
     page = ENGINE_PAGE.relative_to(REPO).as_posix()
     text = ENGINE_PAGE.read_text()
-    for engine, (pattern, count) in ENGINE_CONFIGS.items():
+    for engine, (pattern, count, marked) in ENGINE_CONFIGS.items():
         blocks = [b for b in BLOCKS if b.kind == "engine" and b.label == engine]
         served = [b.text for b in blocks if b.page == page]
-        assert len(served) == count, f"{page} has {len(served)} {engine} blocks; its suite runs {count}"
+        assert len(served) == marked, f"{page} has {len(served)} {engine} blocks; its suite runs {marked}"
         configs = re.findall(pattern, text, flags=re.DOTALL)
         assert len(configs) == count, f"{engine}'s pattern finds {len(configs)} configurations in {page}"
         assert sorted(configs) == sorted(c for t in served for c in re.findall(pattern, t, flags=re.DOTALL))
@@ -378,6 +383,60 @@ def test_transformers_chat_example(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype='float16'")
     assert printed[2] == "{'gpu': 80, 'cpu': 0} computed 32"  # what the example's comment says
+
+
+CONNECTOR_SERVER = "redis://127.0.0.1:6379"
+"""The address README's connector lines give the (central) Redis server."""
+
+
+def connector_configs() -> dict[str, dict[str, Any]]:
+    """README's three connector lines, by the remote below the CPU tier ("" for none)."""
+    pattern = ENGINE_CONFIGS["vllm-connector"][0]
+    configs = [json.loads(c) for c in re.findall(pattern, (REPO / "README.md").read_text(), flags=re.DOTALL)]
+    by_remote = {"".join(t["type"] for t in c["kv_connector_extra_config"]["topology"]["tiers"][1:]): c
+                 for c in configs}
+    assert len(configs) == len(by_remote) == 3, f"README's connector lines: {configs}"
+    return by_remote
+
+
+def test_the_connector_lines_load_as_the_connector_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each line names the connector, recomputes failed loads, and its topology is valid under an engine's pool
+    (the layout and model id vLLM supplies, a made-up one here; the host's memory is the server's to check)."""
+    monkeypatch.setattr("tiercache.config.checks.host_memory_available", lambda: 1 << 40)
+    configs = connector_configs()
+    assert set(configs) == {"", "redis", "regional"}
+    layout = {"num_layers": 8, "num_kv_heads": 1, "head_dim": 512, "dtype": "uint8", "block_size": 32,
+              "memory": "layer_major"}
+    for remote, config in configs.items():
+        extra = config.pop("kv_connector_extra_config")
+        assert config == {
+            "kv_connector": "TierCacheConnector",
+            "kv_connector_module_path": "tiercache.integrations.vllm.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+        }
+        assert names_something(f"{config['kv_connector_module_path']}.{config['kv_connector']}")
+        assert extra.pop("force_latest", False) is (remote == "regional")
+        assert set(extra) == {"topology"}
+        topology = extra["topology"]
+        loaded = config_from_dict({**topology, "model": {"id": "docs"}, "layout": layout}, engine_pool=True)
+        assert [t.type for t in loaded.tiers] == ["cpu", *([remote] if remote else [])]
+        assert loaded.tiers[0].capacity_bytes == 4 * 10**9
+        if remote == "redis":
+            assert loaded.tiers[1].options.url == CONNECTOR_SERVER
+        if remote == "regional":
+            options = loaded.tiers[1].options
+            assert (options.central_url, options.region_url) == (CONNECTOR_SERVER, "redis://127.0.0.1:6380")
+
+
+def test_the_connectors_python_form_is_the_redis_line() -> None:
+    """``LLM(..., kv_transfer_config=KVTransferConfig(...))``: the same fields as README's Redis line."""
+    (block,) = [b for b in BLOCKS if b.label == "vllm-connector" and b.lang == "python" and b.page == "README.md"]
+    calls = [node for node in ast.walk(ast.parse(block.text))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "KVTransferConfig"]
+    (call,) = calls
+    fields = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    assert fields == connector_configs()["redis"]
 
 
 # ---- docs/topologies.md -----------------------------------------------------------------------------------

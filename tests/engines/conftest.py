@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 ENGINE_VARIABLE = "TC_TEST_ENGINE"
-OWN_VENV_ENGINES = ("vllm", "sglang")
+OWN_VENV_ENGINES = ("vllm", "sglang", "vllm_serve")
 """The engines whose tests need the engine's own venv (``.venv-<engine>``)."""
 
 _selected = os.environ.get(ENGINE_VARIABLE)

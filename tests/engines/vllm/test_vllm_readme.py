@@ -15,7 +15,12 @@ from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.vllm_offloading import Engine, chunk_keys, offloading_config, payloads, wait_replicated
 
 REPO = Path(__file__).resolve().parents[3]
-CONFIGS = re.findall(r"--kv-transfer-config '(\{.*?\})'", (REPO / "docs" / "engines.md").read_text(), flags=re.DOTALL)
+CONFIGS = re.findall(
+    r"--kv-transfer-config '(\{\s*\"kv_connector\": \"OffloadingConnector\".*?\})'",
+    (REPO / "docs" / "engines.md").read_text(),
+    flags=re.DOTALL,
+)
+"""The OffloadingConnector configurations (the page's TierCacheConnector lines are tests/engines/vllm_serve/'s)."""
 README_CENTRAL, README_REGION = "redis://127.0.0.1:6379", "redis://127.0.0.1:6380"
 COUNT = 4
 
