@@ -25,6 +25,14 @@ and what this base does for it:
   through ``note_error``; ``tiercache inspect`` prints it).
 - **Bounded close.** ``close`` returns within a bound whatever the store does;
   the base stops the background removals within ``CLEANUP_CLOSE_S``.
+- **One breaker, the lane's.** The engine reaches a remote tier through one
+  transfer lane (``tiercache.movement.lanes``), whose circuit breaker is the
+  tier's: it sees every call and its deadline. ``breaker_settings`` configures
+  it (None: the lane's defaults). The lane counts a call failed when it raised,
+  passed its deadline, or the tier said during it that its server failed
+  (``server_failed``: refused, reset, timed out; a miss or a bad value is no
+  failure). A tier keeps breakers of its own only where it has several servers
+  and must route around one while it still serves the others.
 
 A new remote tier is a subclass in its own module (or package); a topology
 names it by registered type or by module path (``type: mypkg.tiers:S3Tier``).
@@ -42,6 +50,7 @@ import enum
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -108,6 +117,37 @@ class Capabilities:
     told about this tier is best effort (a block the store dropped stays announced until a read misses it)."""
 
 
+@dataclass(frozen=True)
+class BreakerSettings:
+    """How the breaker of a tier's lane is set (``tiercache.common.breaker.CircuitBreaker``)."""
+
+    failures: int
+    """Consecutive failed calls after which the lane answers misses at once."""
+    backoff_s: float
+    """First back-off; it doubles per failed probe up to ``backoff_max_s``."""
+    backoff_max_s: float
+
+
+@dataclass
+class CallReport:
+    """What a tier said about one call beside its per-key results (see ``report_calls_into``)."""
+
+    server_failed: str | None = None
+    """The cause, when the tier's server failed during the call (None: it answered)."""
+
+
+_CALL_REPORT: ContextVar[CallReport | None] = ContextVar("tiercache_tier_call_report", default=None)
+
+
+def report_calls_into(report: CallReport) -> None:
+    """Make ``server_failed`` of the calls the current task makes from now on write into ``report``.
+
+    The lane calls it in the task that runs one tier call (tasks the tier starts
+    from there share it); outside such a task ``server_failed`` tells nobody.
+    """
+    _CALL_REPORT.set(report)
+
+
 EvictionListener = Callable[[Sequence[bytes]], None]
 """Told the keys a remote store dropped by itself; called from any thread, must not block."""
 
@@ -148,6 +188,17 @@ class RemoteTier(ABC):
     def note_error(self, error: str) -> None:
         """Remember a failure for ``last_error`` (called on the event loop, or from one I/O thread at a time)."""
         self._last_error = error
+
+    def breaker_settings(self) -> BreakerSettings | None:
+        """How the breaker of this tier's lane is set; None (the default): the lane's defaults."""
+        return None
+
+    def server_failed(self, cause: str) -> None:
+        """For tiers, on the event loop, inside a data-path call: the server failed it (refused, reset, timed
+        out), so the lane counts the call as a failure for the tier's breaker. Not for misses or bad values."""
+        report = _CALL_REPORT.get()
+        if report is not None:
+            report.server_failed = cause
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Connect or prepare; an unreachable store is not an error (it reads as misses)."""

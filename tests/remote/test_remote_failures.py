@@ -1,5 +1,10 @@
 """Remote failures are misses, counted, never exceptions; a dead server is not hammered;
-the tier recovers by itself. All with real redis-server processes."""
+the tier recovers by itself. All with real redis-server processes.
+
+A single Redis server's breaker is its transfer lane's (the one breaker a read
+passes), so what an open breaker does is checked through ``RemoteStore``, as
+engines reach the tier; the tier alone only tells the lane when its server failed.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,14 @@ import time
 from collections.abc import Awaitable, Callable
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tiercache.blocks.codec import HEADER_SIZE, Codec
+from tiercache.blocks.keys import Namespace
+from tiercache.common.breaker import BreakerState
+from tiercache.config.remote import remote_topology_from_dict
+from tiercache.remote.store import RemoteStore
+from tiercache.telemetry.prometheus import render_prometheus
 from tiercache.testing.redis_servers import (
     FINGERPRINT,
     OTHER_FINGERPRINT,
@@ -18,7 +29,7 @@ from tiercache.testing.redis_servers import (
     random_blocks,
     remote_context,
 )
-from tiercache.tiers.base import Presence, RemoteContext
+from tiercache.tiers.base import CallReport, Presence, RemoteContext, report_calls_into
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 BLOCK = 64 * 1024
@@ -29,6 +40,26 @@ FAST = {
     "breaker_backoff_s": 0.2,
     "breaker_backoff_max_s": 0.4,
 }
+WAIT_S = 10.0
+"""A hang detector for a store's futures, never a speed judgement."""
+
+
+def store_over(url: str, **options: object) -> RemoteStore:
+    """A ``RemoteStore`` over one Redis tier at ``url`` (its lane in front, as engines have it), started."""
+    tier = {"name": "redis", "type": "redis", "options": {"url": url, "allow_unbounded": True, **FAST, **options}}
+    data = {"tiers": [tier], "queues": {"remote_lookup_timeout_ms": 500}}
+    store = RemoteStore(remote_topology_from_dict(data), Namespace("test-model", "fp16:64k"), BLOCK)
+    store.start()
+    return store
+
+
+def refused_server(tmp_path) -> RedisServer:
+    """A server that is not running: its port refuses connections until ``start``."""
+    server = RedisServer(tmp_path)
+    server.port = 0
+    server.start()
+    server.kill()
+    return server
 
 
 async def open_tier(url: str, block_bytes: int = BLOCK, **options: object) -> RedisTier:
@@ -44,31 +75,57 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
         await asyncio.sleep(0.05)
 
 
-async def test_refused_then_breaker_then_recovery(tmp_path) -> None:
-    server = RedisServer(tmp_path)
-    server.port = 0
-    server.start()
-    server.kill()  # the port is now refused
-    tier = await open_tier(server.url)
+def test_refused_then_breaker_then_recovery(tmp_path) -> None:
+    server = refused_server(tmp_path)
+    store = store_over(server.url)
     try:
         keys, payloads = random_blocks(4, BLOCK)
         for _ in range(4):
-            assert await tier.get_into(keys, empty_dests(4, BLOCK)) == [False] * 4
-            assert await tier.put(keys, payloads) == [False] * 4
-        stats = tier.stats()
-        assert stats.get("get_connect", 0) >= 4 and stats["breaker_opened"] >= 1
-        assert stats.get("get_breaker_open", 0) + stats.get("put_breaker_open", 0) > 0
-        assert stats["misses"] == 16
+            assert store.read(keys, empty_dests(4, BLOCK)).result(WAIT_S) == [False] * 4
+            assert store.write(keys, payloads).result(WAIT_S) == [False] * 4
+        stats = store.stats()
+        lane = stats["tiers"]["redis"]
+        assert lane["store"].get("get_connect", 0) >= 4 and lane["lane_breaker_opened"] >= 1
+        assert lane["lane_open_skips"] > 0, "an open breaker answers misses without asking the server"
+        assert stats["store"]["read_misses"] == 16 and stats["store"]["writes_failed"] == 16
         server.start()
-
-        async def writes() -> bool:
-            return all(await tier.put(keys, payloads))
-
-        await wait_until(writes)
-        assert tier.stats()["breaker_state"] == 0
-        assert await tier.get_into(keys, empty_dests(4, BLOCK)) == [True] * 4
+        deadline = time.monotonic() + 5.0
+        while not all(store.write(keys, payloads).result(WAIT_S)):
+            assert time.monotonic() < deadline, "the server that came back was not used again"
+            time.sleep(0.05)
+        assert store.stats()["tiers"]["redis"]["lane_breaker_state"] == BreakerState.CLOSED
+        assert store.read(keys, empty_dests(4, BLOCK)).result(WAIT_S) == [True] * 4
     finally:
-        await tier.close()
+        store.close()
+        server.close()
+
+
+def test_a_single_servers_read_passes_one_breaker_set_by_its_options(tmp_path) -> None:
+    """The lane's breaker is the tier's, set by its ``breaker_*`` options; the node has none, so after
+    ``breaker_failures`` failed reads the server was tried exactly that often, and then not at all."""
+    server = refused_server(tmp_path)
+    failures, backoff_s, backoff_max_s = 3, 20.0, 40.0  # open for the rest of the test
+    store = store_over(
+        server.url, breaker_failures=failures, breaker_backoff_s=backoff_s, breaker_backoff_max_s=backoff_max_s
+    )
+    try:
+        breaker = store.lanes[0].breaker
+        assert (breaker.failure_threshold, breaker.base_backoff_s, breaker.backoff_max_s) == (
+            failures, backoff_s, backoff_max_s,
+        )
+        key = store.key(b"one block")
+        for _ in range(failures + 2):
+            assert store.read([key], empty_dests(1, BLOCK)).result(WAIT_S) == [False]
+        lane = store.stats()["tiers"]["redis"]
+        assert lane["lane_breaker_state"] == BreakerState.OPEN and lane["lane_breaker_opened"] == 1
+        assert lane["server_failures"] == failures and lane["lane_open_skips"] == 2
+        assert lane["store"]["get_connect"] == failures, "each failed read was one attempt on the server"
+        assert not [name for name in lane["store"] if name.startswith("breaker_")], "no second breaker"
+        exported = {family.name: family.type for family in text_string_to_metric_families(
+            render_prometheus(store.stats()))}
+        assert exported["tiercache_tier_lane_breaker_state"] == "gauge"
+    finally:
+        store.close()
         server.close()
 
 
@@ -133,6 +190,8 @@ async def test_bad_values_are_misses_and_the_rest_is_served(redis_server) -> Non
             client.set(tier.redis_key(keys[4]), foreign)
             client.set(tier.redis_key(keys[5]), good)  # another key's value
             reader = await open_tier(redis_server.url, stage_reads=stage_reads)
+            told = CallReport()
+            report_calls_into(told)  # what the tier tells its lane's breaker, as a lane would hear it
             out = empty_dests(7, BLOCK)
             assert await reader.get_into(keys, out) == [True, False, False, False, False, False, True]
             assert bytes(out[0]) == bytes(payloads[0]) and bytes(out[6]) == bytes(payloads[6])
@@ -140,7 +199,7 @@ async def test_bad_values_are_misses_and_the_rest_is_served(redis_server) -> Non
             assert stats.get("get_bad_magic", 0) == 1 and stats.get("get_bad_checksum", 0) == 1
             assert stats.get("get_truncated", 0) == 1
             assert stats.get("get_wrong_namespace", 0) == 1 and stats.get("get_wrong_key", 0) == 1
-            assert stats["misses"] == 5 and stats["breaker_state"] == 0
+            assert stats["misses"] == 5 and told.server_failed is None, "bad values are no server failure"
             await reader.settle()
             # damaged values go; another namespace's value is not this reader's to judge and stays
             assert reader.stats()["invalid_deleted"] == 4 and reader.stats()["invalid_kept"] == 1

@@ -2,14 +2,18 @@
 
 A lane bounds the operations in flight to its tier (``PriorityLimiter``: loads
 before stores, a slot kept for loads), turns any exception or wrong-sized answer
-into failures of the keys involved, times every call, and keeps a breaker of its
-own fed by what the engine feels: a lookup or a read that passes its deadline
-counts as a failure exactly like a refused connection. The deadline bounds what
-the engine waits for whatever the tier's sockets do: the lane stops waiting and
-the late call runs out by itself; a late read hands its call to the caller, who
-keeps the read's buffers reserved until it is done. After
-``LANE_BREAKER_FAILURES`` failures in a row the lane answers misses at once
-until its back-off has passed; then one call probes the tier again.
+into failures of the keys involved, times every call, and keeps the tier's
+breaker (the one breaker a read passes on its way to a single server), fed by
+what the engine feels: a lookup or a read that passes its deadline counts as a
+failure exactly like a refused connection (a call during which the tier said
+``server_failed``) or an exception. The deadline bounds what the engine waits
+for whatever the tier's sockets do: the lane stops waiting and the late call
+runs out by itself; a late read hands its call to the caller, who keeps the
+read's buffers reserved until it is done. The tier sets the breaker
+(``RemoteTier.breaker_settings``; by default ``LANE_BREAKER_FAILURES`` failures
+in a row open it, for ``LANE_BACKOFF_SECONDS`` doubling to
+``LANE_BACKOFF_MAX_SECONDS``); while open the lane answers misses at once, and
+after the back-off one call probes the tier again.
 
 A lane reads one tier; ``reads`` walks the lanes of a read fastest first, and
 ``probes`` remembers the lookups in flight.
@@ -29,7 +33,7 @@ from tiercache.common.units import MS_PER_SECOND
 from tiercache.movement.base import LinkObserver
 from tiercache.movement.limiter import Priority, PriorityLimiter
 from tiercache.telemetry.counters import Metrics
-from tiercache.tiers.base import Presence, RemoteTier
+from tiercache.tiers.base import BreakerSettings, CallReport, Presence, RemoteTier, report_calls_into
 
 T = TypeVar("T")
 
@@ -40,6 +44,8 @@ LANE_BREAKER_FAILURES = 3
 LANE_BACKOFF_SECONDS = 0.5
 """First back-off of an open lane; it doubles per failed probe up to ``LANE_BACKOFF_MAX_SECONDS``."""
 LANE_BACKOFF_MAX_SECONDS = 30.0
+LANE_BREAKER = BreakerSettings(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
+"""A lane's breaker where its tier names no settings of its own."""
 LOAD_DEADLINE_FACTOR = 20
 """A read may take this many remote-lookup timeouts before it counts as late (and fails)."""
 
@@ -72,7 +78,9 @@ class Lane:
         self.limiter = PriorityLimiter(concurrency)
         self.metrics = metrics
         self.lookup_timeout_s = lookup_timeout_s
-        self.breaker = CircuitBreaker(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
+        settings = tier.breaker_settings() or LANE_BREAKER
+        self.breaker = CircuitBreaker(settings.failures, settings.backoff_s, settings.backoff_max_s)
+        """The tier's breaker: every call the engine makes passes it."""
         self.link: LinkObserver | None = None
         """Told how long every answered ``contains`` took (the cost model's live round trip)."""
 
@@ -91,16 +99,20 @@ class Lane:
         cancelled: a tier's cancel may return before its threads let go of the
         caller's buffers). ``on_late`` gets that call; it is done once the tier no
         longer touches what it was given. A call still waiting for a slot is dropped.
+        A call during which the tier said its server failed counts against the
+        breaker but keeps its per-key results.
         """
         if not self.breaker.allow():
             self.metrics.add(self.name, "lane_open_skips")
             return None
         started = time.perf_counter()
         asked = False
+        report = CallReport()
 
         def ask() -> Awaitable[list[T]]:
             nonlocal asked
             asked = True
+            report_calls_into(report)  # in the call's own task: what the tier says of its server lands here
             return operation()
 
         call = asyncio.ensure_future(self.limiter.run(priority, ask))
@@ -133,6 +145,10 @@ class Lane:
             log.error("tier %s returned %d results for %d keys", self.name, len(result), count)
             self.breaker.failure()
             return None
+        if report.server_failed is not None:  # the per-key results stand (a valid prefix is still served)
+            self.metrics.add(self.name, "server_failures")
+            self.breaker.failure()
+            return result
         self.breaker.success()
         self.metrics.observe(self.name, "call", (time.perf_counter() - started) * MS_PER_SECOND)
         return result

@@ -68,9 +68,10 @@ async def close_remotes(
 
 
 def lane_stats(lane: Lane) -> dict[str, Any]:
-    """A remote tier's lane breaker openings and the tier's own counters (empty when it fails to say)."""
+    """A remote tier's breaker (its lane's: state and openings) and the tier's own counters (empty when it fails
+    to say; a tier with several servers reports their breakers there)."""
     try:
         own = dict(lane.tier.stats())
     except Exception:
         own = {}
-    return {"lane_breaker_opened": lane.breaker.opened, "store": own}
+    return {"lane_breaker_state": int(lane.breaker.state), "lane_breaker_opened": lane.breaker.opened, "store": own}

@@ -19,6 +19,7 @@ GAUGE_FIELDS = frozenset(
         "free_blocks",
         "evictable_blocks",
         "breaker_state",
+        "lane_breaker_state",
         "pending_stores",
         "late_calls_in_flight",
     }

@@ -9,8 +9,8 @@ calls (up to ``pipeline_bytes`` / at most 32 requests in flight, topped up as
 replies come in) and parses replies in place; coroutines await a future the
 thread completes with ``call_soon_threadsafe`` (the event loop never blocks).
 The modules: ``resp`` (RESP connection and parsing), ``pipelined`` (the I/O thread),
-``commands`` (GET/SET/EXISTS/UNLINK as jobs), ``node`` (one server: breaker,
-lanes, TLS/AUTH, capacity check; the regional tier's data path too), ``cluster``
+``commands`` (GET/SET/EXISTS/UNLINK as jobs), ``node`` (one server: lanes,
+TLS/AUTH, capacity check, a cluster node's breaker; the regional tier's data path too), ``cluster``
 (slot routing), ``control`` (a redis-py client for what the data path does not
 speak: CONFIG, pub/sub, Lua), ``evictions`` (the server's own evictions and
 expiries, heard as keyspace notifications), ``tier``.
@@ -56,9 +56,23 @@ Authentication is diagnosed by cause: ``auth_noauth`` (the server wants
 credentials we did not send), ``auth_wrongpass``, ``auth_noperm`` (an ACL denies
 the command or key); ``stats()["last_error"]`` holds the latest error text and
 each new cause is logged once. Blocks finished before a failure in a batch keep
-their result, so the longest valid prefix is still served. A per-node
-``CircuitBreaker`` stops a dead node from being hammered and lets the tier
-recover by itself when it returns.
+their result, so the longest valid prefix is still served.
+
+Breakers: one per tier on a read's path. The engine reaches the tier through
+its transfer lane, whose breaker sees every call and its deadline, so it is the
+tier's: ``breaker_settings`` sets it from the ``breaker_*`` options, and a call
+whose server failed (refused, reset, timed out: ``server_failed``) counts
+against it like a call past its deadline. After ``breaker_failures`` such calls
+the lane answers misses at once; after ``breaker_backoff_s`` (doubling per
+failed probe up to ``breaker_backoff_max_s``) one call probes the server, and a
+server that answers is used again without a restart. A single server has no
+breaker of its own: a second one on the same calls would count their failures
+again on its own back-off, and could refuse the one probe the lane lets through
+(the lane then closing on an answer the server never gave). Only a cluster's
+nodes keep one each (set by the same options), because the tier must skip a
+dead node's slots while it still serves the others; the lane counts a cluster
+call as failed only when no node answered. A tier used without a lane (a test, the
+conformance suite) therefore has no breaker on a single server.
 
 Cluster (``cluster: true``): the slot map comes from ``CLUSTER SLOTS`` of any
 reachable node; keys are grouped per owning node (CRC16 of the key, with hash

@@ -1,7 +1,11 @@
-"""One Redis server: a breaker, its lanes (connection + I/O thread each), TLS/AUTH, capacity check.
+"""One Redis server: its lanes (connection + I/O thread each), TLS/AUTH, capacity check, and a breaker where
+its owner routes around it.
 
 A ``Node`` serves any ``NodeOwner``: the Redis tier, and each server of the
-regional tier (``tiers/regional/plane.py``), so both run one data path.
+regional tier (``tiers/regional/plane.py``), so both run one data path. Only an
+owner with several servers gives a node a breaker (``server_breaker``): a Redis
+Cluster's nodes, the regional tier's region and central. A single server's
+breaker is its tier's lane's (``tiers/base.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from urllib.parse import unquote, urlparse
 
 from tiercache.blocks.codec import HEADER_SIZE
 from tiercache.common.breaker import CircuitBreaker
-from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions
+from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions, RedisServerOptions
 from tiercache.tiers.redis.pipelined import PipelinedConnection, RedisJob
 from tiercache.tiers.redis.resp import Connection, ConnectionFailed, ServerError
 
@@ -119,18 +123,21 @@ class NodeOwner(Protocol):
         """Remember the most recent error (called on the event loop)."""
 
 
-class Node:
-    """One server: a breaker and ``connections`` lanes, each a connection driven by its own thread."""
+def server_breaker(options: RedisServerOptions) -> CircuitBreaker:
+    """The breaker of one of several servers, set by the tier's ``breaker_*`` options."""
+    return CircuitBreaker(options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s)
 
-    def __init__(self, host: str, port: int, tier: NodeOwner) -> None:
+
+class Node:
+    """One server: ``connections`` lanes, each a connection driven by its own thread, and an optional breaker."""
+
+    def __init__(self, host: str, port: int, tier: NodeOwner, breaker: CircuitBreaker | None = None) -> None:
         self.host = host
         self.port = port
         self.address = f"{host}:{port}"
         self._tier = tier
-        options = tier.options
-        self.breaker = CircuitBreaker(
-            options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s
-        )
+        self.breaker = breaker
+        """This server's own breaker, where its owner routes around it (None: the tier's lane guards it)."""
         self.lanes = [
             PipelinedConnection(f"{tier.name}-{self.address}-{i}", self._open, tier.window)
             for i in range(tier.connections)
@@ -190,14 +197,15 @@ class Node:
     async def call(self, job: RedisJob, lane: int = 0) -> RedisJob:
         """Run ``job`` on lane ``lane`` (modulo the lanes); failures become its outcomes, never raise.
 
-        While the breaker is open the job is not sent and fails as ``breaker_open``.
+        While the node's breaker (if any) is open the job is not sent and fails as ``breaker_open``.
 
         If the caller is cancelled, the job is told to stop touching the caller's
         buffers and the cancel waits until the lane has let go of them.
         """
         if not job.count:
             return job
-        if not self.breaker.allow():
+        breaker = self.breaker
+        if breaker is not None and not breaker.allow():
             job.outcomes[BREAKER_OPEN] += job.count
             job.failure = BREAKER_OPEN  # not asked: no answer at all, never "absent" or "no version"
             return job
@@ -208,14 +216,16 @@ class Node:
         except asyncio.CancelledError:
             job.cancelled = True
             await asyncio.wait([future])
-            self.breaker.abandon()
+            if breaker is not None:
+                breaker.abandon()
             raise
         if job.failure is None:
-            self.breaker.success()
+            if breaker is not None:
+                breaker.success()
             if chosen.last_connection is not None:
                 self._check_capacity(chosen.last_connection)
-        else:
-            self.breaker.failure()
+        elif breaker is not None:
+            breaker.failure()
         self._note(job.error)
         return job
 

@@ -79,7 +79,9 @@ class RedisServerOptions:
     completely before copying any of it into the destination.
     ``allow_unbounded``: write even when the server has no ``maxmemory``.
     ``breaker_*``: consecutive failures before a server is skipped, first and
-    longest back-off.
+    longest back-off: for a ``redis`` tier, of its one breaker (its transfer
+    lane's; a cluster's nodes each keep one too), for the regional tier, of
+    region's and central's.
     """
 
     key_prefix: str = "tiercache:"

@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tiercache.common.units import MS_PER_SECOND
-from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, outcome_stats
+from tiercache.tiers.base import BreakerSettings, Capabilities, Presence, RemoteContext, RemoteTier, outcome_stats
 from tiercache.tiers.redis.cluster import key_slot, slot_map
 from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
 from tiercache.tiers.redis.evictions import EvictionWatcher
-from tiercache.tiers.redis.node import Endpoint, Node
+from tiercache.tiers.redis.node import BREAKER_OPEN, Endpoint, Node, server_breaker
 from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF
@@ -29,6 +29,8 @@ CLUSTER_REFRESH_MIN_INTERVAL_S = 1.0
 """A cluster's slot map is reloaded at most this often."""
 TOPOLOGY_HINTS = frozenset({"moved", "connect", "connection", "timeout", "unrouted"})
 """Outcomes after which a cluster's slot map may be stale."""
+DATA_PATH_OPS = frozenset({"get", "put", "contains", "delete"})
+"""The operations a lane calls, whose server failures its breaker hears (``RemoteTier.server_failed``)."""
 
 
 class RedisTier(RemoteTier):
@@ -64,10 +66,18 @@ class RedisTier(RemoteTier):
 
     # -- routing ---------------------------------------------------------
 
+    def breaker_settings(self) -> BreakerSettings:
+        """The lane's breaker is this tier's: set by the ``breaker_*`` options."""
+        options = self.options
+        return BreakerSettings(options.breaker_failures, options.breaker_backoff_s, options.breaker_backoff_max_s)
+
     def _node(self, host: str, port: int) -> Node:
+        """The node of ``host:port``; a cluster's nodes each get a breaker (the slots of a dead one are skipped
+        while the others are served), a single server none (its tier's lane guards it)."""
         address = f"{host}:{port}"
         if address not in self._nodes:
-            self._nodes[address] = Node(host, port, self)
+            breaker = server_breaker(self.options) if self.options.cluster else None
+            self._nodes[address] = Node(host, port, self, breaker)
         return self._nodes[address]
 
     def redis_key(self, key: bytes) -> bytes:
@@ -163,19 +173,23 @@ class RedisTier(RemoteTier):
     ) -> list[RedisJob]:
         """Route, split per node (and over its lanes), run, count outcomes; the jobs run."""
         groups, unrouted = self._route(keys)
-        calls = []
+        calls, sent_to = [], []
         for node, indices in groups.items():
             if spread:
                 pieces = max(1, min(self.connections, len(indices) // MIN_KEYS_PER_CONNECTION))
                 for piece in range(pieces):
                     calls.append(node.call(make_job(indices[piece::pieces]), piece))
+                    sent_to.append(node)
             else:
                 calls.append(node.call(make_job(indices), self._next_lane))
+                sent_to.append(node)
         self._next_lane += 1
         outcomes: Counter = Counter(unrouted=len(unrouted)) if unrouted else Counter()
         jobs = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         for job in jobs:
             outcomes.update(job.outcomes)
+        if op in DATA_PATH_OPS:
+            self._tell_failure(sent_to, jobs)
         moved = outcomes.pop(BYTES, 0)
         if moved:
             self._counts["bytes_read" if op == "get" else "bytes_written"] += moved
@@ -184,6 +198,15 @@ class RedisTier(RemoteTier):
         if self.options.cluster and outcomes.keys() & TOPOLOGY_HINTS:
             self._schedule_refresh()
         return jobs
+
+    def _tell_failure(self, nodes: Sequence[Node], jobs: Sequence[RedisJob]) -> None:
+        """Tell the lane's breaker that the call failed (``server_failed``) when every node asked failed a part
+        of it and one of them was really asked (not only refused by its own open breaker): a single server, any
+        failed job; a cluster, no node answering (one dead node costs only its slots, its breaker skips it)."""
+        failed = {node for node, job in zip(nodes, jobs, strict=True) if job.failure is not None}
+        causes = [job.failure for job in jobs if job.failure not in (None, BREAKER_OPEN)]
+        if causes and failed == set(nodes):
+            self.server_failed(causes[0])
 
     async def get_into(
         self, keys: Sequence[bytes], dests: Sequence[memoryview], *, force_latest: bool = False
@@ -241,14 +264,16 @@ class RedisTier(RemoteTier):
     # -- stats -------------------------------------------------------------
 
     def tier_stats(self) -> dict[str, float]:
-        """``<op>_<outcome>`` counts per block, hits/misses, bytes, breaker and connection state."""
+        """``<op>_<outcome>`` counts per block, hits/misses, bytes, connection state and, for a cluster, its
+        nodes' breakers (``breaker_*``; a single server's breaker is its lane's: ``lane_breaker_*``)."""
         out = outcome_stats(self._counts)
-        breakers = [node.breaker for node in self._nodes.values()]
         out["nodes"] = float(len(self._nodes))
-        out["breaker_open_nodes"] = float(sum(b.state != 0 for b in breakers))
-        out["breaker_state"] = float(max((b.state for b in breakers), default=0))
-        out["breaker_opened"] = float(sum(b.opened for b in breakers))
-        out["breaker_rejected"] = float(sum(b.rejected for b in breakers))
+        if self.options.cluster:
+            breakers = [node.breaker for node in self._nodes.values() if node.breaker is not None]
+            out["breaker_open_nodes"] = float(sum(b.state != 0 for b in breakers))
+            out["breaker_state"] = float(max((b.state for b in breakers), default=0))
+            out["breaker_opened"] = float(sum(b.opened for b in breakers))
+            out["breaker_rejected"] = float(sum(b.rejected for b in breakers))
         out["connects"] = float(sum(node.connects for node in self._nodes.values()))
         out["connections_replaced"] = float(sum(node.replaced for node in self._nodes.values()))
         return out

@@ -31,7 +31,7 @@ from tiercache.tiers.redis.commands import (
     PutJob,
     ReadPlan,
 )
-from tiercache.tiers.redis.node import BREAKER_OPEN, Endpoint, Node
+from tiercache.tiers.redis.node import BREAKER_OPEN, Endpoint, Node, server_breaker
 from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF, Connection, ServerError, command
@@ -130,16 +130,14 @@ class Plane:
         self.codec = codec
         self.plan = ReadPlan.of(codec, block_bytes, options.stage_reads)
         self.diagnosis = diagnosis
-        self.node = Node(endpoint.host, endpoint.port, self)
+        self.breaker: CircuitBreaker = server_breaker(options)
+        """The server's breaker (the control plane's client shares it): the tier has two servers and goes on
+        with one while the other is down, so each keeps its own (the lane's breaker guards the tier as a whole)."""
+        self.node = Node(endpoint.host, endpoint.port, self, self.breaker)
         self.counts: Counter = Counter()
         """``{op}_{outcome}`` per key, as the Redis tier counts them."""
         self.last_error: str | None = None
         self._next_lane = 0
-
-    @property
-    def breaker(self) -> CircuitBreaker:
-        """The server's breaker (the control plane's client shares it)."""
-        return self.node.breaker
 
     def note_error(self, error: str) -> None:
         """``NodeOwner``: the most recent error, with its cause."""
