@@ -7,10 +7,12 @@ into the slots ``begin_writes`` gives and out of those a fetch pins.
 
 from __future__ import annotations
 
+import binascii
 import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 import torch
 from support.lower_tiers_helpers import (
     LAYOUT,
@@ -325,3 +327,25 @@ def test_close_is_bounded_with_a_sigstopped_redis(opened: list[LowerTiers], redi
         assert after is not None and after.num_blocks == 2, "after close, lookups answer from the CPU tier"
     finally:
         redis_server.cont()
+
+
+def test_a_real_redis_serves_exact_bytes_and_a_damaged_value_cuts_the_prefix_and_goes(
+    opened: list[LowerTiers], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    remote = {"type": "redis", "name": "redis", "options": {"url": redis_server.url}}
+    writer = started(lower_config(remotes=[remote]), opened)
+    keys = chain(writer, 4, salt=1)
+    write(writer, keys)
+    names = [b"tiercache:" + binascii.hexlify(key) for key in keys]
+    until(lambda: redis_client.exists(*names) == 4)
+    damaged = bytearray(redis_client.get(names[2]))
+    damaged[-1] ^= 0xFF
+    redis_client.set(names[2], bytes(damaged))
+    reader = started(lower_config(remotes=[remote]), opened)
+    fetch = reader.fetch(settled_lookup(reader, keys))
+    until(fetch.ready)
+    assert [slot_bytes(reader, slot) for slot in fetch.slots()] == [block_bytes(writer, key) for key in keys[:2]]
+    fetch.release()
+    until(lambda: not redis_client.exists(names[2]))  # proven damaged (its checksum): removed, to be rewritten
+    assert redis_client.exists(names[3]) == 1
+    assert held_slots(reader) == 0
