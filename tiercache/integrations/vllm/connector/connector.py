@@ -90,7 +90,8 @@ class TierCacheConnector(KVConnectorBase_V1):
     # ---- scheduler side ------------------------------------------------------------------
     @guarded(lambda: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self._kv_transfer_config.is_kv_consumer:  # a kv_producer writes only
+        if not self._kv_transfer_config.is_kv_consumer:  # a kv_producer writes only (but keeps the request)
+            self._scheduler_part.track(request)
             return 0, False
         return self._scheduler_part.matched_tokens(request, num_computed_tokens)
 

@@ -128,6 +128,10 @@ class ConnectorScheduler:
         self.counters.add("offered_blocks", len(state.offer))
         return len(state.offer) * self.block_size, False
 
+    def track(self, request: Any) -> None:
+        """Keep a request tiercache does not load for (a kv_producer's): its blocks are still stored."""
+        self._state(request)
+
     def _may_wait(self, state: _Request, blocks: int) -> bool:
         """Whether a request may still be held back for its remote blocks (the topology's prefetch policy)."""
         policy = self.queues.prefetch

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,8 @@ class _Job:
     slots: torch.Tensor
     blocks: torch.Tensor
     layers_left: set[int] = field(default_factory=set)
+    failed: bool = False
+    """A copy of it raised: it is reported failed (a load's blocks recomputed, a store aborted)."""
 
 
 class ConnectorWorker:
@@ -94,7 +96,7 @@ class ConnectorWorker:
         for layer in range(len(self.geometry.layer_names)):
             self._copy_stores(layer)
         for job in self._loads:
-            if job.layers_left:
+            if job.failed or job.layers_left:
                 log.warning("tiercache connector: load %d missed layers %s; vLLM recomputes its blocks",
                             job.job.job_id, sorted(job.layers_left))
                 self._failed[job.job.job_id] += 1
@@ -102,25 +104,36 @@ class ConnectorWorker:
             else:
                 self._done[job.job.job_id] += 1
         for job in self._stores:
-            self._done[job.job.job_id] += 1
+            (self._failed if job.failed else self._done)[job.job.job_id] += 1
         self._loads, self._stores = [], []
 
     def _layer(self, layer_name: str) -> int | None:
         return None if self.pages is None else self.pages.index.get(layer_name)
 
     def _copy_loads(self, layer: int) -> None:
-        assert self.pages is not None
+        pages = self.pages
+        assert pages is not None
         for job in self._loads:
-            if layer in job.layers_left:
-                self.pages.load(layer, job.slots, job.blocks, self._rows[layer])
-                job.layers_left.discard(layer)
+            self._copy(job, layer, lambda job=job: pages.load(layer, job.slots, job.blocks, self._rows[layer]))
 
     def _copy_stores(self, layer: int) -> None:
-        assert self.pages is not None
+        pages = self.pages
+        assert pages is not None
         for job in self._stores:
-            if layer in job.layers_left:
-                self.pages.save(layer, job.blocks, job.slots, self._rows[layer])
-                job.layers_left.discard(layer)
+            self._copy(job, layer, lambda job=job: pages.save(layer, job.blocks, job.slots, self._rows[layer]))
+
+    @staticmethod
+    def _copy(job: _Job, layer: int, copy: Callable[[], None]) -> None:
+        """One layer of one job; a copy that raises fails its job (reported at the step's end), not the others."""
+        if job.failed or layer not in job.layers_left:
+            return
+        try:
+            copy()
+        except Exception:
+            log.exception("tiercache connector: job %d failed at layer %d", job.job.job_id, layer)
+            job.failed = True
+            return
+        job.layers_left.discard(layer)
 
     def take_report(self) -> TierCacheWorkerMetadata | None:
         """The jobs finished (and failed) since the last report."""

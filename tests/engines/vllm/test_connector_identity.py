@@ -1,0 +1,138 @@
+"""What keeps one instance's KV from another's, and what the connector refuses before it copies a byte (vLLM 0.33).
+
+Tenants (``cache_salt``) and models (another ``config.json``) never share blocks;
+an unknown ``kv_connector_extra_config`` key, a KV cache of several groups or a
+page layout it cannot copy whole is refused when vLLM builds the connector or
+registers its tensors. The version guard lets the connector import on 0.33 and
+keeps the package's other exports lazy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from support.vllm_connector import (
+    BLOCK,
+    HEAD_SIZE,
+    KV_HEADS,
+    LAYERS,
+    NUM_BLOCKS,
+    Instances,
+    cpu_topology,
+    kv_cache_config,
+    model_dir,
+    remote_written,
+    request,
+    simulated_remote,
+    vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+from tiercache.config import ConfigError
+from tiercache.integrations.vllm.connector.identity import UnsupportedLayoutError
+
+PROMPT = list(range(3, 103))
+_stores = itertools.count()
+
+
+@pytest.fixture
+def vllm(tmp_path: Path) -> Iterator[Instances]:
+    made = Instances(tmp_path)
+    yield made
+    made.close()
+
+
+def served_tokens(instances: Instances, engine_id: str, remote: dict, req_id: str, *, salt: str | None = None,
+                  model: Path | None = None) -> int:
+    """A fresh instance serves ``PROMPT``: the tokens it had without computing them (vLLM's or loaded)."""
+    instance = instances.new(engine_id, cpu_topology(remotes=[remote]), model=model)
+    records = instance.serve(request(req_id, PROMPT, cache_salt=salt))
+    return instance.new_request(records, req_id).num_computed_tokens
+
+
+def test_cache_salt_keeps_tenants_apart(vllm: Instances) -> None:
+    remote = simulated_remote(f"identity-{next(_stores)}")
+    writer = vllm.new("writer", cpu_topology(remotes=[remote]))
+    writer.serve(request("a", PROMPT, cache_salt="tenant-1"))
+    remote_written(writer, "sim", 6)
+    assert served_tokens(vllm, "other-tenant", remote, "b", salt="tenant-2") == 0
+    assert served_tokens(vllm, "no-tenant", remote, "c") == 0
+    assert served_tokens(vllm, "same-tenant", remote, "d", salt="tenant-1") == 6 * BLOCK
+
+
+def test_another_model_config_is_another_namespace(vllm: Instances) -> None:
+    remote = simulated_remote(f"identity-{next(_stores)}")
+    path = model_dir(vllm.root / "served", "model", vocab_size=512)
+    writer = vllm.new("writer", cpu_topology(remotes=[remote]), model=path)
+    writer.serve(request("a", PROMPT))
+    remote_written(writer, "sim", 6)
+    model_dir(vllm.root / "served", "model", vocab_size=640)  # other weights under the same path and name
+    assert served_tokens(vllm, "other-model", remote, "b", model=path) == 0
+    model_dir(vllm.root / "served", "model", vocab_size=512)  # the first model back: its blocks again
+    assert served_tokens(vllm, "same-model", remote, "c", model=path) == 6 * BLOCK
+
+
+@pytest.mark.parametrize(("wrong", "meant"), [("shard_dir", "shared_dir"), ("topolgy", "topology"),
+                                              ("force-latest", "force_latest")])
+def test_an_unknown_extra_config_key_is_refused_naming_the_one_it_resembles(
+    vllm: Instances, wrong: str, meant: str
+) -> None:
+    extra = {**vllm.extra(cpu_topology()), wrong: "x"}
+    config = vllm_config(vllm.model, "typo", extra)
+    with pytest.raises(ConfigError) as refused:
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+    assert wrong in str(refused.value) and f"did you mean {meant!r}" in str(refused.value)
+
+
+def test_a_page_that_is_not_contiguous_is_refused_before_anything_is_mapped(vllm: Instances) -> None:
+    config = vllm_config(vllm.model, "layout", vllm.extra(cpu_topology()))
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+    token_major = torch.zeros(len(LAYERS), BLOCK, NUM_BLOCKS, KV_HEADS, 2 * HEAD_SIZE)  # blocks inside a token
+    tensors = {name: token_major[i].permute(1, 2, 0, 3) for i, name in enumerate(LAYERS)}
+    with pytest.raises(UnsupportedLayoutError, match=rf"layer {LAYERS[0]}: a block's page is not contiguous"):
+        worker.register_kv_caches(tensors)
+    assert not list(vllm.root.glob("tiercache-*")), "no region is made for a layout that is refused"
+
+
+def test_pages_of_another_size_than_the_spec_are_refused(vllm: Instances) -> None:
+    config = vllm_config(vllm.model, "size", vllm.extra(cpu_topology()))
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+    half = {name: torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.float16) for name in LAYERS}
+    with pytest.raises(UnsupportedLayoutError, match="vLLM's KV cache spec says"):
+        worker.register_kv_caches(half)
+
+
+def test_a_kv_cache_of_several_groups_is_refused(vllm: Instances) -> None:
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
+                                sliding_window=64)
+    groups = [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], sliding)]
+    two_groups = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    config = vllm_config(vllm.model, "groups", vllm.extra(cpu_topology()))
+    with pytest.raises(UnsupportedLayoutError, match="one KV cache group"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, two_groups)
+
+
+def test_the_connector_imports_on_this_vllm_and_the_other_exports_stay_lazy() -> None:
+    script = (
+        "import sys\n"
+        "import tiercache.integrations.vllm as adapter\n"
+        "assert 'vllm' not in sys.modules, 'importing the package imports vLLM'\n"
+        "from tiercache.integrations.vllm.connector import TierCacheConnector\n"
+        "assert adapter.TierCacheConnector is TierCacheConnector\n"
+        "assert 'tiercache.integrations.vllm.tier' not in sys.modules\n"
+        "assert 'tiercache.integrations.vllm.policies' not in sys.modules\n"
+        "assert adapter.TierCacheTier.__name__ == 'TierCacheTier'\n"
+        "assert {adapter.TierCacheLRU.__name__, adapter.TierCacheS3FIFO.__name__} == {'TierCacheLRU', "
+        "'TierCacheS3FIFO'}\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

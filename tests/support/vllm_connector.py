@@ -1,0 +1,339 @@
+"""One vLLM instance with tiercache's KV connector, driven by vLLM's own scheduler, in one process (vLLM 0.33).
+
+``Instance`` builds what vLLM builds: the WORKER connector through vLLM's factory,
+registered with real CPU KV tensors (one storage, a view per layer, as vLLM's CPU
+runner allocates them) before vLLM's ``Scheduler`` (which makes the SCHEDULER
+connector). ``step`` runs one engine step the way vLLM's model runner does
+(``kv_connector_model_runner_mixin``): bind the metadata, ``start_load_kv``
+before the forward when the step has sync loads, per layer
+``wait_for_layer_load`` -> attention -> ``save_kv_layer``, ``wait_for_save``,
+then the connector's output into a ``ModelRunnerOutput`` for
+``Scheduler.update_from_output``. The "model" writes, for each block it
+computes, a page derived from the block's whole token prefix and the layer
+(``page_bytes``), so a page loaded from elsewhere can be checked bit for bit;
+right after each ``wait_for_layer_load`` the step records every page of the
+prefix the attention is about to read that differs from that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.forward_context import ForwardContext
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tiercache.testing.tiny_llama import tiny_llama_config
+
+BLOCK = 16
+"""Tokens per vLLM block."""
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+KV_HEADS, HEAD_SIZE = 1, 8
+NUM_BLOCKS = 64
+"""vLLM's own pool, in blocks (small: a test sees what it frees and reuses)."""
+PAGE_SHAPE = (KV_HEADS, BLOCK, 2 * HEAD_SIZE)
+"""A block's page of one layer as vLLM's CPU backend lays it out (``[H, N, 2D]``, LBHNC)."""
+CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.integrations.vllm.connector"}
+SAMPLED = 7
+"""The token the "model" samples."""
+WAIT_S = 20.0
+"""Bound on steps spent waiting for background work: a hang detector, never a speed judgement."""
+
+init_none_hash(sha256)
+
+
+def model_dir(root: Path, name: str = "m", vocab_size: int = 512) -> Path:
+    """A model directory with a tiny Llama's ``config.json`` only (vLLM reads no weights here)."""
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_llama_config(hidden_size=64, num_layers=len(LAYERS), num_heads=2, num_kv_heads=KV_HEADS,
+                               vocab_size=vocab_size, max_position_embeddings=1024)
+    config.save_pretrained(directory)
+    return directory
+
+
+def cpu_topology(blocks: int = 48, remotes: Iterable[dict[str, Any]] = (), **top: Any) -> dict[str, Any]:
+    """A connector topology: a CPU tier of ``blocks`` slots, then ``remotes``."""
+    return {"tiers": [{"type": "cpu", "capacity_blocks": blocks}, *remotes], **top}
+
+
+def vllm_config(model: Path, engine_id: str, extra: dict[str, Any], *, kv_role: str = "kv_both",
+                events: KVEventsConfig | None = None, tensor_parallel_size: int = 1) -> VllmConfig:
+    """The smallest real ``VllmConfig`` with the connector (float32, prefix caching, chunked prefill)."""
+    model_config = ModelConfig(model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True,
+                               max_model_len=1024)
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=engine_id,
+                                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
+        device_config=DeviceConfig("cpu"),
+        kv_events_config=events,
+    )
+    config.parallel_config.tensor_parallel_size = tensor_parallel_size
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config
+
+
+def kv_cache_config(layers: Iterable[str] = LAYERS) -> KVCacheConfig:
+    """One group of full attention over ``layers``, as vLLM's engine core resolves it for the CPU backend."""
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(layers),
+                         spec)], kv_cache_layout="LBHNC")
+
+
+def kv_tensors(layers: Iterable[str] = LAYERS) -> dict[str, torch.Tensor]:
+    """vLLM's CPU KV cache: one storage, a ``[blocks, H, N, 2D]`` view per layer, filled with a marker."""
+    names = list(layers)
+    storage = torch.full((len(names), NUM_BLOCKS, *PAGE_SHAPE), -1.0, dtype=torch.float32)
+    return {name: storage[i] for i, name in enumerate(names)}
+
+
+def totals(records: Iterable[StepRecord]) -> dict[str, int]:
+    """The connector's counts summed over ``records``."""
+    summed: dict[str, int] = {}
+    for record in records:
+        for name, count in record.connector_stats.items():
+            summed[name] = summed.get(name, 0) + count
+    return summed
+
+
+def page_bytes(layer: int, prefix: list[int]) -> torch.Tensor:
+    """The page the "model" computes for a block whose token prefix (its own tokens included) is ``prefix``."""
+    seed = hashlib.sha256(repr((layer, prefix)).encode()).digest()
+    size = KV_HEADS * BLOCK * 2 * HEAD_SIZE * 4
+    return torch.frombuffer(bytearray(hashlib.shake_256(seed).digest(size)), dtype=torch.uint8)
+
+
+def request(req_id: str, tokens: list[int], *, max_tokens: int = 1, cache_salt: str | None = None) -> Request:
+    """A real vLLM request with vLLM's block hasher (sha256, as the engine's default)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params, pooling_params=None,
+                   cache_salt=cache_salt, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+@dataclass
+class StepRecord:
+    """What one step did: vLLM's output, and the prefix pages the attention would have read wrong."""
+
+    output: SchedulerOutput
+    wrong_pages: list[tuple[str, str, int]] = field(default_factory=list)
+    """(request id, layer, block position) of a prefix page unequal to the model's, at the layer's read."""
+    invalid_blocks: set[int] = field(default_factory=set)
+    connector_stats: dict[str, Any] = field(default_factory=dict)
+    """vLLM's ``SchedulerStats.kv_connector_stats`` of the step (the counts the API server gets)."""
+    external_hits: int = 0
+    """Tokens vLLM counted as external prefix-cache hits in the step."""
+
+
+class Instance:
+    """One vLLM instance (see the module docstring)."""
+
+    def __init__(self, config: VllmConfig, layers: Iterable[str] = LAYERS) -> None:
+        self.config = config
+        self.layers = list(layers)
+        self.kv_cache_config = kv_cache_config(self.layers)
+        self.kv = kv_tensors(self.layers)
+        self.worker: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker.register_kv_caches(self.kv)
+        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(config), block_size=BLOCK,
+                                   log_stats=True)
+        self.connector: Any = self.scheduler.connector
+        self.skip_layer_loads: set[str] = set()
+        """Layers whose ``wait_for_layer_load`` the "engine" does not call (a broken backend)."""
+        self.worker_stats: list[Any] = []
+
+    def add(self, req: Request) -> Request:
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> StepRecord:
+        """One engine step (see the module docstring)."""
+        output = self.scheduler.schedule()
+        record = StepRecord(output)
+        worker = self.worker
+        worker.bind_connector_metadata(output.kv_connector_metadata)
+        forward = output.total_num_scheduled_tokens > 0
+        context = ForwardContext(no_compile_layers={}, slot_mapping={},
+                                 attn_metadata={name: output for name in self.layers} if forward else {})
+        if output.has_sync_kv_loads:
+            worker.start_load_kv(context)
+        if forward:
+            for index, name in enumerate(self.layers):
+                if name not in self.skip_layer_loads:
+                    worker.wait_for_layer_load(name)
+                record.wrong_pages.extend(self._check_prefix(output, index, name))
+                self._compute(output, index, name)
+                worker.save_kv_layer(name, self.kv[name], context.attn_metadata)
+        if not output.has_sync_kv_loads:
+            worker.start_load_kv(context)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(output.finished_req_ids)
+        record.invalid_blocks = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()
+        if stats is not None:
+            self.worker_stats.append(stats)
+        connector_output = KVConnectorOutput(
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving, invalid_block_ids=record.invalid_blocks, kv_connector_stats=stats,
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+        worker.clear_connector_metadata()
+        outputs = self.scheduler.update_from_output(output, self._model_output(output, connector_output))
+        for engine_output in outputs.values():
+            stats = engine_output.scheduler_stats
+            if stats is not None:
+                for name, count in (stats.kv_connector_stats or {}).items():
+                    record.connector_stats[name] = record.connector_stats.get(name, 0) + count
+                hits = stats.connector_prefix_cache_stats
+                record.external_hits += hits.hits if hits is not None else 0
+        return record
+
+    def run(self, done: Callable[[], bool], wait_s: float = WAIT_S) -> list[StepRecord]:
+        """Step until ``done()`` (between steps, background work goes on); fail after ``wait_s``."""
+        records = []
+        deadline = time.monotonic() + wait_s
+        while not done():
+            assert time.monotonic() < deadline, "the instance never got there"
+            records.append(self.step())
+            time.sleep(0.001)
+        return records
+
+    def until_scheduled(self, req_id: str, wait_s: float = WAIT_S) -> StepRecord:
+        """Step until a step schedules ``req_id``; that step's record."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            assert time.monotonic() < deadline, f"{req_id} was never scheduled"
+            record = self.step()
+            if req_id in record.output.num_scheduled_tokens:
+                return record
+            time.sleep(0.001)
+
+    def serve(self, req: Request, wait_s: float = WAIT_S) -> list[StepRecord]:
+        """Add ``req`` and step until it has finished."""
+        self.add(req)
+        return self.run(lambda: req.is_finished() or req.request_id not in self.scheduler.requests, wait_s)
+
+    def new_request(self, records: Iterable[StepRecord], req_id: str) -> Any:
+        """vLLM's ``NewRequestData`` of ``req_id`` in the step that first scheduled it."""
+        return next(new for record in records for new in record.output.scheduled_new_reqs if new.req_id == req_id)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def page(self, layer: str, block: int) -> torch.Tensor:
+        """The bytes of one block's page of ``layer``."""
+        return self.kv[layer][block].contiguous().view(torch.uint8).flatten()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+    # ---- the "model" ------------------------------------------------------------------
+    def _scheduled(self, output: SchedulerOutput) -> Iterable[tuple[Request, int, int]]:
+        """Per scheduled request: the request, the first token computed this step, the end."""
+        for req_id, count in output.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens
+            yield req, end - count, end
+
+    def _check_prefix(self, output: SchedulerOutput, layer: int, name: str) -> list[tuple[str, str, int]]:
+        wrong = []
+        for req, start, _ in self._scheduled(output):
+            tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id)
+            for position in range(start // BLOCK):
+                expected = page_bytes(layer, tokens[: (position + 1) * BLOCK])
+                if not torch.equal(self.page(name, blocks[position]), expected):
+                    wrong.append((req.request_id, name, position))
+        return wrong
+
+    def _compute(self, output: SchedulerOutput, layer: int, name: str) -> None:
+        """Write the pages of the blocks this step's tokens fall in (a partial block: its tokens so far)."""
+        for req, start, end in self._scheduled(output):
+            tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id)
+            for position in range(start // BLOCK, (end - 1) // BLOCK + 1):
+                page = page_bytes(layer, tokens[: min((position + 1) * BLOCK, end)])
+                self.kv[name][blocks[position]].view(-1).view(torch.uint8).copy_(page)
+
+    def _model_output(self, output: SchedulerOutput, connector_output: KVConnectorOutput) -> ModelRunnerOutput:
+        """A sampled token for every request whose prompt is computed after this step."""
+        ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in ids:
+            req = self.scheduler.requests[req_id]
+            sampled.append([SAMPLED] if req.num_computed_tokens >= req.num_prompt_tokens else [])
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled, kv_connector_output=connector_output)
+
+
+class Instances:
+    """The instances a test builds over one model directory and one connector topology; all shut down at the end."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.model = model_dir(root / "models")
+        self.built: list[Instance] = []
+
+    def extra(self, topology: dict[str, Any], **options: Any) -> dict[str, Any]:
+        """``kv_connector_extra_config`` with the region in this test's directory."""
+        return {"topology": topology, "shared_dir": str(self.root), **options}
+
+    def new(self, engine_id: str, topology: dict[str, Any], *, model: Path | None = None, **kwargs: Any) -> Instance:
+        """An instance called ``engine_id``; ``kwargs`` go to ``vllm_config`` (``kv_role``, ``events``)."""
+        config = vllm_config(model or self.model, engine_id, self.extra(topology), **kwargs)
+        instance = Instance(config)
+        self.built.append(instance)
+        return instance
+
+    def close(self) -> None:
+        for instance in self.built:
+            instance.shutdown()
+
+
+def redis_remote(url: str) -> dict[str, Any]:
+    return {"type": "redis", "name": "redis", "options": {"url": url}}
+
+
+def simulated_remote(store: str, **options: Any) -> dict[str, Any]:
+    return {"type": "simulated", "name": "sim", "options": {"store": store, "latency_ms": 0, **options}}
+
+
+def tiers_of(instance: Instance) -> Any:
+    """The scheduler side's ``LowerTiers`` (for a test that looks inside or plays with its remotes)."""
+    return instance.connector._scheduler.tiers
+
+
+def remote_written(instance: Instance, tier: str, blocks: int) -> None:
+    """Wait until ``blocks`` blocks have been written down to the remote ``tier``."""
+    tiers = tiers_of(instance)
+    deadline = time.monotonic() + WAIT_S
+    while tiers.stats()["tiers"].get(tier, {}).get("blocks_in", 0) < blocks:
+        assert time.monotonic() < deadline, f"{blocks} blocks never reached {tier}"
+        time.sleep(0.002)
