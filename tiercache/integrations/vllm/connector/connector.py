@@ -142,12 +142,18 @@ class TierCacheConnector(KVConnectorBase_V1):
         """Map the shared CPU tier and check vLLM's tensors; a layout it cannot copy refuses to start."""
         self._worker_part.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._bind(connector_metadata)
+
+    @guarded(lambda: None)
+    def _bind(self, metadata: KVConnectorMetadata) -> None:
+        if isinstance(metadata, TierCacheConnectorMetadata):
+            self._worker_part.bind(metadata)
+
     @guarded(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        forward = bool(getattr(forward_context, "attn_metadata", None))
-        if isinstance(metadata, TierCacheConnectorMetadata):
-            self._worker_part.start(metadata, forward)
+        self._worker_part.start(bool(getattr(forward_context, "attn_metadata", None)))
 
     @guarded(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -54,7 +54,6 @@ class ConnectorWorker:
         """Per layer, this rank's pages of every slot: ``[num_slots, page_bytes]`` views of the region."""
         self._loads: list[_Job] = []
         self._stores: list[_Job] = []
-        self._forward = False
         self._done: Counter[int] = Counter()
         self._failed: Counter[int] = Counter()
         self._load_errors: set[int] = set()
@@ -69,14 +68,17 @@ class ConnectorWorker:
             for layer in range(len(geometry.layer_names))
         ]
 
-    def start(self, metadata: TierCacheConnectorMetadata, forward: bool) -> None:
-        """A step begins: its jobs; ``forward``: the engine runs a forward (its layers will call the hooks)."""
+    def bind(self, metadata: TierCacheConnectorMetadata) -> None:
+        """A step's jobs, bound before its forward (so the layers' hooks copy as the forward goes)."""
         layers = set(range(len(self.geometry.layer_names)))
         self._loads = [_Job(job, index(job.slots), index(job.block_ids), set(layers)) for job in metadata.loads]
         self._stores = [_Job(job, index(job.slots), index(job.block_ids), set(layers)) for job in metadata.stores]
-        self._forward = forward
-        if not forward:  # nothing reads the blocks this step: load every layer now
-            for layer in layers:
+
+    def start(self, forward: bool) -> None:
+        """Loads may start; ``forward``: the engine runs a forward now (its layers will call the hooks), else
+        nothing reads the blocks this step and every layer is loaded at once."""
+        if not forward:
+            for layer in range(len(self.geometry.layer_names)):
                 self._copy_loads(layer)
 
     def before_layer(self, layer_name: str) -> None:
