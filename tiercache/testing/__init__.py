@@ -9,8 +9,10 @@ What tiercache's tests and benchmarks share (so benchmarks import nothing from
 cluster, test blocks), ``policy_traces`` (synthetic key traces and libCacheSim's
 oracleGeneral files), ``mrc_reference`` (libCacheSim's exact LRU curve; needs
 libcachesim), ``vllm_offloading`` (vLLM's offloading manager driven as its
-scheduler does; needs vLLM) and ``sglang_parts`` (SGLang's KV pools and storage
-factory on CPU; needs SGLang).
+scheduler does; needs vLLM), ``sglang_parts`` (SGLang's KV pools and storage
+factory on CPU; needs SGLang), ``tiny_llama`` (a small Llama built locally) and
+``vllm_server`` (vLLM's OpenAI server as a subprocess; its ``/metrics`` and
+streamed answers parsed by ``server_formats``).
 
 Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
 ``config``, ``remote``, ``manager``.

