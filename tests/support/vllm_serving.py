@@ -5,7 +5,9 @@ Every prompt any of those tests sends is in ``PROMPTS`` (token ids, built from
 fixed seeds), with the number of tokens it is asked for in ``MAX_TOKENS``: the
 session's baseline (a server without the connector and without vLLM's own
 prefix cache) answers each once, and every served answer is compared with it.
-Prompts share prefixes on purpose; ``BLOCK`` is the servers' block size.
+Prompts share prefixes on purpose; ``BLOCK`` is the servers' block size. One
+prompt is made from an answer: ``chat_2`` (``add_second_turn``), which the
+baseline adds once it has answered ``chat_1``.
 """
 
 from __future__ import annotations
@@ -60,11 +62,14 @@ def _prompts() -> dict[str, list[int]]:
         prompts[f"concurrent_{k}"] = shared[: CONCURRENT_PREFIX[k]] + _ids(160, 110 + k % 7)
     for k in range(3):
         prompts[f"aborted_{k}"] = _ids(1200, 120 + k)
+    prompts["chat_1"] = _ids(1000, 125)  # its second turn, chat_2, is made from its answer (add_second_turn)
     # Written by a producer, read by a consumer while Redis is in trouble (test_store_trouble).
     for k, name in enumerate(("pd", "stopped", "killed", "corrupted", "writer_stopped", "writer_killed")):
         prompts[name] = _ids(1500, 130 + k)
     # Written in one region, read in another (test_regional).
     prompts["regional"] = _ids(2000, 145)
+    # Two tensor-parallel workers (test_tensor_parallel).
+    prompts["tp"] = _ids(1500, 146)
     # The CPU tier alone (test_cpu_tier).
     prompts["repeated"] = _ids(2000, 140)
     for k in range(4):
@@ -74,7 +79,19 @@ def _prompts() -> dict[str, list[int]]:
 
 PROMPTS = _prompts()
 PREEMPTED_MAX_TOKENS = 200
+CHAT_MAX_TOKENS = 100
+"""The first chat turn's answer fills blocks of its own (1000 + 100 tokens: 34 whole blocks of KV)."""
 MAX_TOKENS = {name: PREEMPTED_MAX_TOKENS if name.startswith("preempted_") else DEFAULT_MAX_TOKENS for name in PROMPTS}
+MAX_TOKENS["chat_1"] = CHAT_MAX_TOKENS
+SECOND_TURN = "chat_2"
+
+
+def add_second_turn(first_answer: list[int]) -> str:
+    """Add ``chat_2`` to the prompts: ``chat_1``, the answer to it, and a new user turn (greedy float32 answers are
+    the same everywhere, so every server and the baseline make the same one)."""
+    PROMPTS[SECOND_TURN] = PROMPTS["chat_1"] + list(first_answer) + _ids(200, 126)
+    MAX_TOKENS[SECOND_TURN] = DEFAULT_MAX_TOKENS
+    return SECOND_TURN
 
 
 def reusable(tokens: int) -> int:
@@ -233,12 +250,12 @@ _running: list[VllmServer] = []
 
 @contextlib.contextmanager
 def serving(model: Path, log: Path, *, kv_transfer_config: dict[str, Any] | None = None,
-            args: Sequence[str] = ()) -> Iterator[VllmServer]:
+            args: Sequence[str] = (), env: dict[str, str] | None = None) -> Iterator[VllmServer]:
     """A started server, stopped (its whole process group) on leaving, whatever happened; refuses to start a second
     engine while one runs (two cores)."""
     assert not _running, f"a second engine while {_running[0].log_path.name} runs: one at a time on this machine"
     server = VllmServer(model, kv_transfer_config=kv_transfer_config, block_size=BLOCK,
-                        kv_memory_fraction=KV_MEMORY_FRACTION, args=list(args), log_path=log)
+                        kv_memory_fraction=KV_MEMORY_FRACTION, args=list(args), log_path=log, env=env)
     _running.append(server)
     try:
         yield server.start()

@@ -20,7 +20,17 @@ from pathlib import Path
 
 import pytest
 import vllm  # noqa: F401  (the engine these tests exist for: a missing vLLM is an error, never a skip)
-from support.vllm_serving import PROMPTS, ask, log_problems, redis_config, redis_store, serving, settled, wait_until
+from support.vllm_serving import (
+    PROMPTS,
+    add_second_turn,
+    ask,
+    log_problems,
+    redis_config,
+    redis_store,
+    serving,
+    settled,
+    wait_until,
+)
 
 from tiercache.integrations.vllm.connector import TierCacheConnector  # noqa: F401  (imports under this vLLM)
 from tiercache.testing.redis_servers import RedisServer
@@ -29,7 +39,7 @@ from tiercache.testing.tiny_llama import build_tiny_llama
 
 SERVED_NAME = "tiny-llama"
 """Every model directory's name, so that two models are served under one name."""
-FIRST_SERVER_PROMPTS = ("long_a", "long_b", "long_c", "shared_full", "aborted_0", "aborted_1", "aborted_2")
+FIRST_SERVER_PROMPTS = ("long_a", "long_b", "long_c", "shared_full", "aborted_0", "aborted_1", "aborted_2", "chat_1")
 """What the first server over the shared Redis answers (and ``salted`` under the salt ``tenant-a``)."""
 FIRST_SERVER_SALT = "tenant-a"
 
@@ -54,7 +64,10 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def baseline(model_dirs: dict[str, Path], logs: Path) -> dict[str, list[int]]:
     """Every prompt's greedy answer from model 0 without the connector (and without vLLM's own prefix cache)."""
     with serving(model_dirs["seed0"], logs / "baseline.log", args=("--no-enable-prefix-caching",)) as server:
-        return {name: ask(server, name) for name in PROMPTS}
+        answers = {name: ask(server, name) for name in PROMPTS}
+        second_turn = add_second_turn(answers["chat_1"])
+        answers[second_turn] = ask(server, second_turn)
+        return answers
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """The CPU tier alone (no Redis) under a server without vLLM's own prefix cache, and with little KV of its own.
 
 A repeated prompt is served from tiercache's CPU tier. Requests whose KV does
-not fit together are preempted; vLLM asks the connector again when it resumes
+not fit together (in vLLM's blocks, nor in the CPU tier) are preempted; vLLM asks the connector again when it resumes
 one, and the blocks it stored (prompt and output so far) load back. Every
 answer equals the baseline's.
 """
@@ -20,7 +20,6 @@ from support.vllm_serving import (
     ask,
     ask_together,
     connector_config,
-    cpu_tier,
     log_problems,
     reusable,
     serving,
@@ -33,6 +32,8 @@ PREEMPTED = [name for name in PROMPTS if name.startswith("preempted_")]
 KV_BLOCKS = 160
 """vLLM's own KV blocks: the preempted prompts' prompts fit together, their answers do not."""
 MAX_MODEL_LEN = 3072
+CPU_BLOCKS = 96
+"""tiercache's CPU tier: room for the repeated prompt, not for the preempted ones' blocks together (it evicts)."""
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def server(model_dirs: dict[str, Path], logs: Path, baseline: dict[str, list[int
     assert sum(-(-(len(PROMPTS[name]) + PREEMPTED_MAX_TOKENS) // BLOCK) for name in PREEMPTED) > KV_BLOCKS
     args = ("--no-enable-prefix-caching", "--num-gpu-blocks-override", str(KV_BLOCKS),
             "--max-model-len", str(MAX_MODEL_LEN))
-    with serving(model_dirs["seed0"], logs / "cpu-tier.log", kv_transfer_config=connector_config([cpu_tier()]),
-                 args=args) as running:
+    config = connector_config([{"type": "cpu", "capacity_blocks": CPU_BLOCKS}])
+    with serving(model_dirs["seed0"], logs / "cpu-tier.log", kv_transfer_config=config, args=args) as running:
         yield running
 
 

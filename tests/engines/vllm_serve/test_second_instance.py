@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 from support.vllm_serving import (
+    CHAT_MAX_TOKENS,
     CONCURRENT_PREFIX,
     PROMPTS,
+    SECOND_TURN,
     Counted,
     ask,
     ask_together,
@@ -116,6 +118,25 @@ def test_concurrent_requests_sharing_prefixes(second, baseline):
     assert seen.external > 0
     assert seen.tiercache("loaded_blocks") * 32 == seen.external
     assert seen.tiercache("failed_loads") == 0
+
+
+def test_block_aligned_prompt(second, baseline):
+    """shared_full is 64 whole blocks: vLLM's own cache holds the 40 the concurrent prompts began with, tiercache
+    loads the rest but the last block (a prompt token is always left to compute)."""
+    assert len(PROMPTS["shared_full"]) == 64 * 32
+    with Counted(second) as seen:
+        answer = ask(second, "shared_full")
+    assert answer == baseline["shared_full"]
+    assert (seen.local, seen.external) == (max(CONCURRENT_PREFIX), 63 * 32 - max(CONCURRENT_PREFIX))
+
+
+def test_second_chat_turn_loads_the_first_turns_answer(second, baseline):
+    """Server 1 answered chat_1 (1000 tokens, 100 answered); chat_2 is chat_1, that answer and a new turn: the
+    blocks of the answer load too (KV of 1099 tokens: 34 whole blocks)."""
+    with Counted(second) as seen:
+        answer = ask(second, SECOND_TURN)
+    assert answer == baseline[SECOND_TURN]
+    assert (seen.external, seen.local) == ((len(PROMPTS["chat_1"]) + CHAT_MAX_TOKENS - 1) // 32 * 32, 0)
 
 
 def test_requests_aborted_while_loading(second, baseline):
