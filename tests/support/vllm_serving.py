@@ -32,13 +32,12 @@ DEFAULT_MAX_TOKENS = 8
 CONNECTOR = "TierCacheConnector"
 CONNECTOR_MODULE = "tiercache.integrations.vllm.connector"
 CPU_CAPACITY = "512MB"
+"""The CPU tier of the tests' config lines (README's say 4GB; the tests keep memory for vLLM's own KV)."""
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 TIERCACHE = "vllm:tiercache_{}_total"
 SETTLE_S = 0.3
 SETTLE_LIMIT_S = 10.0
-
-
 CONCURRENT_PREFIX = [512 + 128 * (k % 7) for k in range(8)]
 """How much of the prompt ``shared_full`` begins with each ``concurrent_<k>`` prompt (whole blocks)."""
 
@@ -133,6 +132,7 @@ def ask(server: VllmServer, name: str, **extra: Any) -> list[int]:
 
 def ask_together(server: VllmServer, names: Sequence[str]) -> dict[str, Completion]:
     """The completions of ``names``, all sent at once (one thread each)."""
+
     def complete(name: str) -> Completion:
         return server.complete(PROMPTS[name], max_tokens=MAX_TOKENS[name])
 
@@ -163,8 +163,11 @@ def settled(server: VllmServer) -> ServerMetrics:
     while True:
         time.sleep(SETTLE_S)
         now = _vllm_samples(server)
-        if now.samples == before.samples or time.monotonic() > deadline:
+        if now.samples == before.samples:
             return now
+        changed = sorted({key[0] for key in now.samples.keys() | before.samples.keys()
+                          if now.samples.get(key) != before.samples.get(key)})
+        assert time.monotonic() < deadline, f"vLLM's counters still change after {SETTLE_LIMIT_S} s: {changed}"
         before = now
 
 
