@@ -64,6 +64,9 @@ CONNECTOR = {
     "kv_load_failure_policy": "recompute",
 }
 NO_PREFIX_CACHE = ["--no-enable-prefix-caching"]
+SAME_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+"""Every server computes on core 0 with one thread: vLLM's CPU build reserves one more core for any KV connector
+(meant for NIXL), which on this 2-core machine would give the connector's servers two threads and the others one."""
 
 
 @dataclass
@@ -118,7 +121,7 @@ def run_pass(server: VllmServer, prompts: list[list[int]]) -> Pass:
 
 def server(model: Path, name: str, kv: dict[str, Any] | None, args: list[str]) -> VllmServer:
     log = Path(tempfile.gettempdir()) / f"vllm_serve_bench_{name}.log"
-    return VllmServer(model, python=PYTHON, kv_transfer_config=kv, args=args, log_path=log)
+    return VllmServer(model, python=PYTHON, kv_transfer_config=kv, args=args, log_path=log, env=SAME_CORES)
 
 
 def connector(tiers: list[dict[str, Any]]) -> dict[str, Any]:
