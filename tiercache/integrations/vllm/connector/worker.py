@@ -22,8 +22,9 @@ import torch
 
 from tiercache.integrations.vllm.connector.identity import SlotGeometry
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.integrations.vllm.connector.pages import KVPages, index
+from tiercache.integrations.vllm.connector.pages import KVPages
 from tiercache.integrations.vllm.connector.region import SharedRegion
+from tiercache.movement.swap.handles import paired_runs
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,8 @@ class _Job:
     """A job of this step and the layers it still has to copy."""
 
     job: CopyJob
-    slots: torch.Tensor
-    blocks: torch.Tensor
+    runs: list[tuple[int, int, int]]
+    """(first source, first destination, count): slot -> block for a load, block -> slot for a store."""
     layers_left: set[int] = field(default_factory=set)
     failed: bool = False
     """A copy of it raised: it is reported failed (a load's blocks recomputed, a store aborted)."""
@@ -71,8 +72,8 @@ class ConnectorWorker:
     def bind(self, metadata: TierCacheConnectorMetadata) -> None:
         """A step's jobs, bound before its forward (so the layers' hooks copy as the forward goes)."""
         layers = set(range(len(self.geometry.layer_names)))
-        self._loads = [_Job(job, index(job.slots), index(job.block_ids), set(layers)) for job in metadata.loads]
-        self._stores = [_Job(job, index(job.slots), index(job.block_ids), set(layers)) for job in metadata.stores]
+        self._loads = [_Job(job, paired_runs(job.slots, job.block_ids), set(layers)) for job in metadata.loads]
+        self._stores = [_Job(job, paired_runs(job.block_ids, job.slots), set(layers)) for job in metadata.stores]
 
     def start(self, forward: bool) -> None:
         """Loads may start; ``forward``: the engine runs a forward now (its layers will call the hooks), else
@@ -116,13 +117,13 @@ class ConnectorWorker:
         pages = self.pages
         assert pages is not None
         for job in self._loads:
-            self._copy(job, layer, lambda job=job: pages.load(layer, job.slots, job.blocks, self._rows[layer]))
+            self._copy(job, layer, lambda job=job: pages.load(layer, job.runs, self._rows[layer]))
 
     def _copy_stores(self, layer: int) -> None:
         pages = self.pages
         assert pages is not None
         for job in self._stores:
-            self._copy(job, layer, lambda job=job: pages.save(layer, job.blocks, job.slots, self._rows[layer]))
+            self._copy(job, layer, lambda job=job: pages.save(layer, job.runs, self._rows[layer]))
 
     @staticmethod
     def _copy(job: _Job, layer: int, copy: Callable[[], None]) -> None:
