@@ -57,7 +57,8 @@ class SharedRegion:
                 os.ftruncate(fd, size)
             elif current != size and not create:
                 raise RegionError(f"{self.path} has {current} bytes; this topology's CPU tier needs {size}")
-            self._map = mmap.mmap(fd, size)
+            # populated at once: a remote read or a copy landing in a slot never pays its pages' first-touch faults
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         buffer = torch.frombuffer(self._map, dtype=torch.uint8)
