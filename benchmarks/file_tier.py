@@ -3,7 +3,9 @@
 For 64 KiB and 2 MiB blocks: a dd-style ceiling (one file, block-sized
 ``write``/``readinto`` calls, no validation) and the tier (``put`` /
 ``get_into`` with header, checksum and index; every SET pass overwrites the
-same keys, so the segments fill and GC runs as in steady state). Two tier
+same keys, so the segments fill and GC runs as in steady state; each block's
+checksum is carried, as the manager's puts carry the one taken when the block
+was copied into the CPU tier). Two tier
 shapes: one call for the whole set, and transfer-queue-sized batches. Each of
 ``RUNS`` runs measures the ceiling and the tier back to back (interleaved); the
 table shows medians over the runs of the rates and of the per-run ratios, with
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from common import write_result
 
+from tiercache.blocks.codec import payload_checksum
 from tiercache.testing.redis_servers import remote_context
 from tiercache.tiers.file import FileOptions, FileTier
 
@@ -59,21 +62,28 @@ def blocks(count: int, size: int) -> Blocks:
 def dd_pass(directory: Path, size: str, key_set: Blocks) -> dict[str, float]:
     """One sequential write then read of ``SET_BYTES`` in block-sized calls (GB/s).
 
-    ``GET`` reads into one reused buffer, as ``dd`` does (it stays in the CPU's
-    cache); ``GET_distinct`` reads the same file into the key set's distinct
-    destinations, as a load must (each block lands in its own slot): the floor
-    for any reader that fills real destinations.
+    ``SET`` writes one buffer over and over and ``GET`` reads into one reused
+    buffer, as ``dd`` does (the buffer stays in the CPU's cache); ``SET_distinct``
+    writes the key set's distinct payloads and ``GET_distinct`` reads into its
+    distinct destinations, as a store and a load must (each block has its own
+    slot): the ceilings for any writer and reader of real blocks.
     """
     block = SIZES[size]
     count = SET_BYTES[size] // block
     _, data, dests = blocks(1, block)
     path = directory / "dd.bin"
-    started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for _ in range(count):
-        os.write(fd, data[0])
-    os.close(fd)
-    write = count * block / (time.perf_counter() - started) / GB
+
+    def write(sources: list[memoryview]) -> float:
+        path.unlink(missing_ok=True)  # a fresh file, as the tier's segments are (dropping pages is not timed)
+        started = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        for index in range(count):
+            os.write(fd, sources[index % len(sources)])
+        os.close(fd)
+        return count * block / (time.perf_counter() - started) / GB
+
+    write_distinct = write(key_set[1][:count])
+    write_one = write(data[:1])
     started = time.perf_counter()
     with open(path, "rb", buffering=0) as handle:
         for _ in range(count):
@@ -85,7 +95,7 @@ def dd_pass(directory: Path, size: str, key_set: Blocks) -> dict[str, float]:
             handle.readinto(dest)
     distinct = count * block / (time.perf_counter() - started) / GB
     path.unlink()
-    return {"SET": write, "GET": read, "GET_distinct": distinct}
+    return {"SET": write_one, "GET": read, "SET_distinct": write_distinct, "GET_distinct": distinct}
 
 
 async def timed(run: Callable[[], Awaitable[object]], nbytes: int) -> float:
@@ -100,10 +110,12 @@ async def tier_pass(tier: FileTier, size: str, batch: int, key_set: Blocks) -> d
     count = SET_BYTES[size] // block
     keys, data, dests = key_set
     spans = [range(start, min(start + batch, count)) for start in range(0, count, batch)]
+    checksums = [payload_checksum(payload) for payload in data]  # as the CPU tier took them at copy time
 
     async def put() -> None:
         for span in spans:
-            assert all(await tier.put(keys[span.start : span.stop], data[span.start : span.stop]))
+            chunk = slice(span.start, span.stop)
+            assert all(await tier.put(keys[chunk], data[chunk], checksums=checksums[chunk]))
 
     async def get() -> None:
         for span in spans:
@@ -136,7 +148,7 @@ async def measure(directory: Path) -> list[dict]:
                 await tier.close()
                 shutil.rmtree(tier_dir, ignore_errors=True)
             for op in ("SET", "GET"):
-                distinct = "GET_distinct" if op == "GET" else op
+                distinct = f"{op}_distinct"
                 rows.append(
                     {
                         "size": size,
@@ -175,8 +187,8 @@ def main() -> None:
         "runtime_s": time.perf_counter() - started,
     }
     print(f"file tier vs dd-style I/O, median of {RUNS} runs; load {load_start[0]:.2f} -> {os.getloadavg()[0]:.2f}")
-    print("dd: one reused buffer (as dd); dd->slots: the same reads into distinct destinations (GET only)")
-    columns = f"{'dd':>6}  {'dd->slots':>9}  {'tier':>6}  {'tier/dd':>7}  {'tier/slots':>10}"
+    print("dd: one reused buffer (as dd); dd, slots: the same I/O from/into the blocks' distinct buffers")
+    columns = f"{'dd':>6}  {'dd, slots':>9}  {'tier':>6}  {'tier/dd':>7}  {'tier/slots':>10}"
     print(f"{'size':>6} {'shape':<18}{'op':>4}  {columns}   (GB/s)")
     for r in rows:
         print(

@@ -75,6 +75,11 @@ GET_HIT = "get_hit"
 """The ``<op>_<outcome>`` count of reads served, for tiers that count outcomes so (``outcome_stats``)."""
 
 
+def known_checksums(checksums: Sequence[int | None] | None, count: int) -> Sequence[int | None]:
+    """The ``checksums`` a ``put`` was given, or ``count`` unknowns."""
+    return [None] * count if checksums is None else checksums
+
+
 def outcome_stats(counts: Mapping[str, int]) -> dict[str, float]:
     """``tier_stats`` of a tier that counts ``<op>_<outcome>`` per key and ``bytes_read``/``bytes_written``:
     every count, plus hits and misses derived from the ``get_`` outcomes."""
@@ -112,6 +117,9 @@ class Capabilities:
     """Reads honour ``force_latest`` against a central version."""
     persistent: bool = False
     """Entries survive a restart of the store."""
+    takes_checksums: bool = False
+    """``put`` accepts ``checksums``: the payloads' checksums a writer already has, so the tier does not hash
+    every byte again on the write path (a plug-in without it is called as before)."""
     reports_evictions: bool = False
     """The tier calls ``report_evicted`` for blocks its store drops by itself; without it, what routers are
     told about this tier is best effort (a block the store dropped stays announced until a read misses it)."""
@@ -254,8 +262,14 @@ class RemoteTier(ABC):
         """
 
     @abstractmethod
-    async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
-        """Store each payload (the caller keeps the buffers alive until this returns)."""
+    async def put(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], *, checksums: Sequence[int | None] | None = None
+    ) -> list[bool]:
+        """Store each payload (the caller keeps the buffers alive until this returns).
+
+        ``checksums`` (only for tiers that declare ``takes_checksums``): each payload's
+        ``codec.payload_checksum`` where the caller knows it, None where it does not.
+        """
 
     @abstractmethod
     async def delete(self, keys: Sequence[bytes]) -> None:

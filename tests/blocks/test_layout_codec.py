@@ -21,6 +21,7 @@ from tiercache.blocks.codec import (
     VERSION_OFFSET,
     Codec,
     DecodeStatus,
+    payload_checksum,
 )
 from tiercache.blocks.layout import DTYPES, KVLayout, MemoryOrder
 
@@ -214,3 +215,27 @@ def test_secret_length_is_checked() -> None:
     with pytest.raises(ValueError, match="secret"):
         Codec(FINGERPRINT, secret=b"short")
     assert Codec(FINGERPRINT, secret=SECRET).variant(compress=True).secret == SECRET
+
+
+@pytest.mark.parametrize("secret", [None, b"s" * 32])
+def test_a_carried_checksum_gives_the_value_a_writer_hashing_itself_gives(secret: bytes | None) -> None:
+    codec = Codec(FINGERPRINT, secret=secret)
+    payload = os.urandom(8192)
+    carried = payload_checksum(payload)
+    assert carried == xxhash.xxh3_64_intdigest(payload)
+    assert codec.encode_value(KEY, payload, 3, carried) == codec.encode_value(KEY, payload, 3)
+    wrong = codec.encode_value(KEY, payload, 3, carried ^ 1)
+    if secret:  # a keyed writer hashes every byte for the MAC anyway: it takes no checksum on trust
+        assert wrong == codec.encode_value(KEY, payload, 3)
+    else:
+        status = codec.decode_into(KEY, wrong, memoryview(bytearray(len(payload)))).status
+        assert status is DecodeStatus.BAD_CHECKSUM and status.damaged
+
+
+def test_a_compressed_value_ignores_a_carried_checksum_of_the_raw_bytes() -> None:
+    codec = Codec(FINGERPRINT, compress=True)
+    payload = bytes(8192)
+    value = codec.encode_value(KEY, payload, 0, payload_checksum(payload) ^ 1)
+    assert len(value) < HEADER_SIZE + len(payload)
+    dest = bytearray(len(payload))
+    assert codec.decode_into(KEY, value, memoryview(dest)).ok and bytes(dest) == payload

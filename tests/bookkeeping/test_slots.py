@@ -117,3 +117,24 @@ def test_random_use_keeps_the_table_and_policy_consistent(
         table.unpin(slot)
     table.check_invariants()
     assert len(table.policy) == table.num_cached
+
+
+def test_a_noted_checksum_belongs_to_the_slot_s_bytes_until_the_slot_is_allocated_again() -> None:
+    table = SlotTable(2, make_policy("lru", 2))
+    first, _ = table.begin_write(key(1))
+    table.note_checksum(first, 11)
+    table.commit_write(first)
+    assert table.checksum(first) == 11
+    with pytest.raises(ValueError, match="not held"):
+        table.note_checksum(first, 12)  # cached, not being written: its bytes are settled
+    (second,), _ = table.allocate_for(1, [key(2)])
+    table.note_checksum(second, 22)
+    table.bind(second, key(2))
+    table.unpin(second)
+    assert (table.checksum(first), table.checksum(second)) == (11, 22)
+    (reused,), victims = table.allocate(1)  # evicts key 1 (LRU) and hands its slot out again
+    assert victims[0].key == key(1) and reused == first
+    assert table.checksum(reused) is None and table.checksum(second) == 22
+    (reserved,), victims = table.allocate_for(1, [key(3)])  # evicts key 2 through a reservation
+    assert victims[0].key == key(2) and reserved == second
+    assert table.checksum(reserved) is None

@@ -62,6 +62,7 @@ def test_a_plugin_tier_serves_what_another_engine_stored(tmp_path: Path) -> None
         compute_and_store(writer, tokens)
         until(lambda: writer.stats()["queues"]["pending_stores"] == 0)
     assert len(plugin_tier.STORES["plugins"]) == 4
+    assert "put_checksums_carried" not in writer.stats()["tiers"]["dict"], "a tier without takes_checksums gets none"
     with TierManager(load(tmp_path, TOPOLOGY)) as reader:
         assert serve(reader, tokens) == 4, "every block comes from the plug-in tier, byte-exact"
         assert reader.stats()["tiers"]["dict"]["store"]["hits"] == 4

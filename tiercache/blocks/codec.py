@@ -84,6 +84,12 @@ MAX_SECRET_BYTES = 64
 """BLAKE2b's longest key."""
 
 
+def payload_checksum(payload: memoryview | bytes) -> int:
+    """The checksum a value's header carries for an uncompressed ``payload`` (xxh3-64 of its bytes): what a
+    writer computes once, where the block's bytes are hot, and hands to every ``encode`` of that block."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
 class DecodeStatus(enum.Enum):
     """Why a value was (not) accepted; the non-OK values are counted by name in tiers' stats."""
 
@@ -197,17 +203,28 @@ class Codec:
         mac.update(stored)
         return mac.digest()
 
-    def encode(self, key: bytes, payload: memoryview | bytes, version: int = 0) -> tuple[bytes, bytes | memoryview]:
-        """Return (header, stored payload): send both back to back as one value."""
+    def encode(
+        self, key: bytes, payload: memoryview | bytes, version: int = 0, checksum: int | None = None
+    ) -> tuple[bytes, bytes | memoryview]:
+        """Return (header, stored payload): send both back to back as one value.
+
+        ``checksum``: ``payload_checksum(payload)`` where the caller already has it
+        (computed when the block was written, while its bytes were hot), so that
+        encoding touches no payload byte; a wrong one makes every read of the value
+        fail its check (a miss, never wrong KV). Unused when the payload is compressed
+        or keyed (the MAC reads every byte anyway, and the field must match it).
+        """
         raw = payload
         if not isinstance(raw, memoryview) or raw.format != "B" or raw.ndim != 1:
             raw = memoryview(payload).cast("B")
         flags = self._flags
         stored: bytes | memoryview = raw
+        if self.secret is not None:
+            checksum = None
         if self.compress:
             compressed = lz4.block.compress(raw, store_size=False)
             if len(compressed) < len(raw):
-                stored, flags = compressed, flags | FLAG_LZ4
+                stored, flags, checksum = compressed, flags | FLAG_LZ4, None
         header = HEADER.pack(
             MAGIC,
             self._format,
@@ -218,15 +235,17 @@ class Codec:
             version,
             len(stored),
             len(raw),
-            xxhash.xxh3_64_intdigest(stored),
+            xxhash.xxh3_64_intdigest(stored) if checksum is None else checksum,
         )
         if self.secret is not None:
             header = header[:FINGERPRINT_OFFSET] + self.key_id + self._mac(header, stored) + header[KEY_OFFSET:]
         return header, stored
 
-    def encode_value(self, key: bytes, payload: memoryview | bytes, version: int = 0) -> bytes:
-        """One contiguous value (header + payload)."""
-        header, stored = self.encode(key, payload, version)
+    def encode_value(
+        self, key: bytes, payload: memoryview | bytes, version: int = 0, checksum: int | None = None
+    ) -> bytes:
+        """One contiguous value (header + payload); ``checksum`` as in ``encode``."""
+        header, stored = self.encode(key, payload, version, checksum)
         return header + bytes(stored)
 
     def parse_header(self, key: bytes, value: memoryview | bytes) -> Header | DecodeStatus:

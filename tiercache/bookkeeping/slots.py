@@ -58,6 +58,7 @@ class SlotTable:
         self._reserved: dict[int, bytes] = {}  # held unbound slot -> the key the policy admitted for it
         self._reserved_slot: dict[bytes, int] = {}  # the inverse
         self._reported: set[bytes] = set()  # bound from a reservation; the holding request's access is counted
+        self._checksum: list[int | None] = [None] * num_slots  # of each slot's bytes, if noted (cleared on reuse)
         self.evictions = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -150,6 +151,7 @@ class SlotTable:
         slots = [self._free.pop() for _ in range(count)]
         for slot in slots:
             self._ref[slot] = 1
+            self._checksum[slot] = None
         return slots, victims
 
     def _evict_one(self, incoming: bytes | None) -> tuple[bytes, int]:
@@ -193,6 +195,7 @@ class SlotTable:
             policy.insert(key)
             reserved[key] = slot = self._free.pop()
             self._ref[slot] = 1
+            self._checksum[slot] = None
         for key in incoming:
             self._reserved[reserved[key]] = key
         self._reserved_slot.update(reserved)
@@ -320,6 +323,17 @@ class SlotTable:
         del self._slot[key]
         self.policy.remove(key)
         self._key[slot] = None
+
+    def note_checksum(self, slot: int, checksum: int) -> None:
+        """The bytes just written into a held slot have this checksum (``codec.payload_checksum``): remote
+        writes of the slot carry it instead of hashing again. Forgotten when the slot is allocated anew."""
+        if self._ref[slot] == 0:
+            raise ValueError(f"slot {slot} is not held")
+        self._checksum[slot] = checksum
+
+    def checksum(self, slot: int) -> int | None:
+        """The checksum noted for the slot's current bytes; None if none was."""
+        return self._checksum[slot]
 
     def pin(self, slot: int) -> None:
         """Add a reader; a pinned slot is never evicted."""

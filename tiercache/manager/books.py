@@ -146,8 +146,12 @@ class Books:
                 self.metrics.add("all", "lookups_abandoned")
 
     # ---- the movers' reports (Bookkeeper) ----------------------------------------------------
-    def copy_done(self, move: HostCopy, ok: bool) -> None:
+    def copy_done(self, move: HostCopy, ok: bool, checksums: Sequence[int] | None = None) -> None:
         with self.lock:
+            cpu = self.local.cpu
+            if ok and checksums is not None and cpu is not None:
+                for slot, checksum in zip(move.cpu_slots, checksums, strict=True):
+                    cpu.note_checksum(slot, checksum)
             self.hierarchy.copy_done(move, ok)
             self.waiters.ended(move.keys, [ok] * len(move.keys))
             self.mover.dispatch()

@@ -39,8 +39,8 @@ class Bookkeeper(Protocol):
     and starts the moves it causes. The queues never hold the lock or edit a slot table themselves."""
 
     # -- the mover's completions
-    def copy_done(self, move: HostCopy, ok: bool) -> None:
-        """A GPU->CPU copy landed (or failed)."""
+    def copy_done(self, move: HostCopy, ok: bool, checksums: Sequence[int] | None = None) -> None:
+        """A GPU->CPU copy landed (or failed); ``checksums``: of each slot's new bytes, when taken."""
 
     def put_done(self, move: RemotePut, oks: Sequence[bool]) -> None:
         """A put into a remote landed (per key)."""

@@ -209,9 +209,20 @@ class Lane:
         return LaneRead(None if oks is None else [bool(ok) for ok in oks], asked_s, ended - started,
                         ended - started >= self.read_deadline_s)
 
-    async def put(self, keys: Sequence[bytes], views: Sequence[memoryview]) -> list[bool]:
+    async def put(
+        self, keys: Sequence[bytes], views: Sequence[memoryview], checksums: Sequence[int | None] | None = None
+    ) -> list[bool]:
+        """Store ``views`` under ``keys``, with their ``checksums`` where known (for a tier that takes them)."""
         started = time.perf_counter()
-        oks = await self._call(Priority.STORE, lambda: self.tier.put(keys, views), len(keys), None)
+        tier = self.tier
+
+        def put() -> Awaitable[list[bool]]:
+            if checksums is not None and tier.capabilities.takes_checksums:
+                self.metrics.add(self.name, "put_checksums_carried", len(checksums) - checksums.count(None))
+                return tier.put(keys, views, checksums=checksums)
+            return tier.put(keys, views)
+
+        oks = await self._call(Priority.STORE, put, len(keys), None)
         self.metrics.observe(self.name, "put", (time.perf_counter() - started) * MS_PER_SECOND)
         return _booleans(oks, len(keys))
 

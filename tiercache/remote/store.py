@@ -59,6 +59,7 @@ from collections import Counter, deque
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+from tiercache.blocks.codec import payload_checksum
 from tiercache.blocks.keys import KEY_BYTES, Namespace
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
 from tiercache.movement.lanes import Lane
@@ -316,7 +317,8 @@ class RemoteStore:
             self._count("write_backs_dropped", len(keys))
             return
         copies = [memoryview(bytes(view)) for view in views]
-        future = self.runtime.submit(self._put(lanes, keys, copies, names))
+        checksums = [payload_checksum(copy) for copy in copies]  # while the copies' bytes are hot
+        future = self.runtime.submit(self._put(lanes, keys, copies, names, checksums))
         future.add_done_callback(lambda _: self._write_done(len(keys)))
 
     async def _write(self, names: list[bytes], views: list[memoryview], engine_keys: bool) -> list[bool]:
@@ -327,10 +329,14 @@ class RemoteStore:
         return stored
 
     async def _put(
-        self, lanes: Sequence[Lane], keys: list[bytes], views: list[memoryview], names: list[bytes]
+        self, lanes: Sequence[Lane], keys: list[bytes], views: list[memoryview], names: list[bytes],
+        checksums: list[int | None] | None = None,
     ) -> list[bool]:
-        """Put into every lane; ``names``: the keys as the caller gave them (for events)."""
-        results = await asyncio.gather(*(lane.put(keys, views) for lane in lanes))
+        """Put into every lane; ``names``: the keys as the caller gave them (for events). Several lanes share
+        one checksum per block (hashed once, off the loop), not one each."""
+        if checksums is None and sum(lane.tier.capabilities.takes_checksums for lane in lanes) > 1:
+            checksums = await asyncio.to_thread(lambda: [payload_checksum(view) for view in views])
+        results = await asyncio.gather(*(lane.put(keys, views, checksums) for lane in lanes))
         for lane, oks in zip(lanes, results, strict=True):
             held = tuple(name for name, ok in zip(names, oks, strict=True) if ok)
             if held and self._events is not None:

@@ -186,10 +186,16 @@ class SegmentStore:
 
     # -- writes ------------------------------------------------------------
 
-    def put_batch(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
-        """Encode, reserve the batch's bytes (GC first if needed), append, index; True per stored key."""
+    def put_batch(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], checksums: Sequence[int | None]
+    ) -> list[bool]:
+        """Encode (with the checksums the writer carried), reserve the batch's bytes (GC first if needed),
+        append, index; True per stored key."""
         version = time.time_ns()
-        encoded = [self.codec.encode(key, payload, version) for key, payload in zip(keys, payloads, strict=True)]
+        encoded = [
+            self.codec.encode(key, payload, version, checksum)
+            for key, payload, checksum in zip(keys, payloads, checksums, strict=True)
+        ]
         lengths = [len(header) + len(stored) for header, stored in encoded]
         total = sum(lengths) + RECORD_HEADER_SIZE * len(keys)
         reserved = self.writer.reserve(total, len(keys))

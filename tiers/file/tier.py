@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, outcome_stats
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, known_checksums, outcome_stats
 from tiercache.tiers.file.options import FileOptions
 from tiercache.tiers.file.segments import ReadResult, SegmentStore
 
@@ -24,7 +24,9 @@ MIN_BYTES_PER_THREAD = 2 << 20
 class FileTier(RemoteTier):
     """Blocks in append-only segment files under one directory, shared by processes and hosts."""
 
-    capabilities = Capabilities(shared=True, versioned=False, persistent=True, reports_evictions=True)
+    capabilities = Capabilities(
+        shared=True, versioned=False, persistent=True, reports_evictions=True, takes_checksums=True
+    )
     Options = FileOptions
 
     def __init__(self, context: RemoteContext, options: FileOptions) -> None:
@@ -126,10 +128,12 @@ class FileTier(RemoteTier):
         self._counts["bytes_read"] += hits * self.block_bytes
         return [outcome is ReadResult.HIT for outcome in outcomes]
 
-    async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    async def put(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], *, checksums: Sequence[int | None] | None = None
+    ) -> list[bool]:
         if not keys:
             return []
-        stored = await self._guarded(self.store.put_batch, keys, payloads)
+        stored = await self._guarded(self.store.put_batch, keys, payloads, known_checksums(checksums, len(keys)))
         if stored is None:
             self._counts["put_io_error"] += len(keys)
             return [False] * len(keys)

@@ -199,9 +199,12 @@ class PutJob(RedisJob):
         results: list[bool],
         set_tail: bytes,
         allow_unbounded: bool,
+        checksums: Sequence[int | None],
     ) -> None:
         super().__init__(len(indices))
         self.codec = codec
+        self.checksums = checksums
+        """Each payload's checksum where the writer carried it (None: hashed here, in the I/O thread)."""
         self.indices = indices
         self.keys = keys
         self.redis_keys = redis_keys
@@ -242,8 +245,9 @@ class PutJob(RedisJob):
         return buffers
 
     def encoded(self, position: int) -> tuple[bytes, bytes | memoryview]:
-        """The header and stored payload of value ``position`` (checksummed here, in the I/O thread)."""
-        return self.codec.encode(self.keys[position], self.payloads[position])
+        """The header and stored payload of value ``position`` (checksummed here, in the I/O thread, unless
+        the writer carried its checksum)."""
+        return self.codec.encode(self.keys[position], self.payloads[position], 0, self.checksums[position])
 
     def read_replies(self, conn: Connection, count: int, pending_after: int) -> None:
         """All the buffered ``+OK`` replies at once; anything else one by one."""

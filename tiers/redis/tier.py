@@ -12,7 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tiercache.common.units import MS_PER_SECOND
-from tiercache.tiers.base import BreakerSettings, Capabilities, Presence, RemoteContext, RemoteTier, outcome_stats
+from tiercache.tiers.base import (
+    BreakerSettings,
+    Capabilities,
+    Presence,
+    RemoteContext,
+    RemoteTier,
+    known_checksums,
+    outcome_stats,
+)
 from tiercache.tiers.redis.cluster import key_slot, slot_map
 from tiercache.tiers.redis.commands import BYTES, ControlJob, GetJob, KeysJob, PutJob, ReadPlan
 from tiercache.tiers.redis.evictions import EvictionWatcher
@@ -36,7 +44,9 @@ DATA_PATH_OPS = frozenset({"get", "put", "contains", "delete"})
 class RedisTier(RemoteTier):
     """A Redis server or Redis Cluster as a block store (see the package docstring)."""
 
-    capabilities = Capabilities(shared=True, versioned=False, persistent=True, reports_evictions=True)
+    capabilities = Capabilities(
+        shared=True, versioned=False, persistent=True, reports_evictions=True, takes_checksums=True
+    )
     Options = RedisOptions
 
     def __init__(self, context: RemoteContext, options: RedisOptions) -> None:
@@ -235,14 +245,17 @@ class RedisTier(RemoteTier):
         await self._run("invalid_delete", items, lambda chunk: KeysJob(b"UNLINK", chunk, rkeys, held, "gone"), False)
         return held.count(Presence.HELD)
 
-    async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    async def put(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], *, checksums: Sequence[int | None] | None = None
+    ) -> list[bool]:
         results = [False] * len(keys)
         if keys:
             rkeys = self.redis_keys(keys)
             allow = self.options.allow_unbounded
+            sums = known_checksums(checksums, len(keys))
 
             def make(chunk: list[int]) -> RedisJob:
-                return PutJob(self.codec, chunk, keys, rkeys, payloads, results, self._set_tail, allow)
+                return PutJob(self.codec, chunk, keys, rkeys, payloads, results, self._set_tail, allow, sums)
 
             # One lane per call: a server reading one query buffer at a time stores MiB-sized
             # values faster than from several sockets at once (3.4 vs 2.9 GB/s at 2 MiB here).

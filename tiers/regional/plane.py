@@ -206,7 +206,10 @@ class Plane:
         if keys:
             indices = list(range(len(keys)))
             allow = self.options.allow_unbounded
-            await self._call("put", EncodedPutJob(self.codec, indices, keys, names, values, results, CRLF, allow))
+            encoded = [None] * len(keys)  # the values carry their checksums in their headers already
+            await self._call(
+                "put", EncodedPutJob(self.codec, indices, keys, names, values, results, CRLF, allow, encoded)
+            )
         return results
 
     async def unlink(self, names: Sequence[bytes]) -> None:

@@ -48,7 +48,7 @@ from typing import ClassVar
 
 from tiercache.blocks.codec import Decoded, DecodeStatus
 from tiercache.common.units import MS_PER_SECOND
-from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, known_checksums
 from tiercache.tiers.redis.control import connect
 from tiercache.tiers.regional.client import GuardedClient
 from tiercache.tiers.regional.diagnosis import Diagnosis
@@ -67,7 +67,9 @@ from tiercache.tiers.shutdown import stop_tasks
 class RegionalTier(RemoteTier):
     """Regional or central Redis with central versions, replication, read-through and force_latest."""
 
-    capabilities: ClassVar[Capabilities] = Capabilities(shared=True, versioned=True, persistent=False)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        shared=True, versioned=True, persistent=False, takes_checksums=True
+    )
     Options: ClassVar[type] = RegionalOptions
 
     def __init__(self, context: RemoteContext, options: RegionalOptions) -> None:
@@ -309,9 +311,14 @@ class RegionalTier(RemoteTier):
             self.counters["refreshed"] += sum(await self.region.refresh(refresh))
 
     # ---- writes ----------------------------------------------------------------------
-    async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    async def put(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], *, checksums: Sequence[int | None] | None = None
+    ) -> list[bool]:
         assert self.central is not None
-        values = [self.codec.encode_value(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+        values = [
+            self.codec.encode_value(key, payload, checksum=checksum)
+            for key, payload, checksum in zip(keys, payloads, known_checksums(checksums, len(keys)), strict=True)
+        ]
         items = list(zip(keys, values, strict=True))
         if self.region is None:
             results = [version is not None for version in await self.central.commit(items)]

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 from tiercache.blocks.codec import HEADER_SIZE
 from tiercache.common.units import MS_PER_SECOND
-from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, known_checksums
 from tiercache.tiers.simulated.options import SimulatedOptions
 from tiercache.tiers.simulated.store import SimulatedStore
 
@@ -41,7 +41,7 @@ class SimulatedTier(RemoteTier):
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
-        shared=True, versioned=False, persistent=False, reports_evictions=True
+        shared=True, versioned=False, persistent=False, reports_evictions=True, takes_checksums=True
     )
     Options: ClassVar[type] = SimulatedOptions
 
@@ -211,10 +211,15 @@ class SimulatedTier(RemoteTier):
         finally:
             self._track(-1)
 
-    async def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    async def put(
+        self, keys: Sequence[bytes], payloads: Sequence[memoryview], *, checksums: Sequence[int | None] | None = None
+    ) -> list[bool]:
         self._track(1)
         try:
-            values = [self.codec.encode_value(key, payload) for key, payload in zip(keys, payloads, strict=True)]
+            values = [
+                self.codec.encode_value(key, payload, checksum=checksum)
+                for key, payload, checksum in zip(keys, payloads, known_checksums(checksums, len(keys)), strict=True)
+            ]
             if not await self._enter("put", len(keys)):
                 return [False] * len(keys)
             await self._transfer([len(value) for value in values])

@@ -1,0 +1,86 @@
+"""What a Redis server on this machine allows, for ``remote.py``: redis-benchmark and a bare socket loop.
+
+``sweep`` runs ``redis-benchmark`` over every ``-c``/``-P`` setting (``-r``:
+overwriting a small key space, as the tier's timed passes overwrite theirs) and
+keeps the best rate per command with the setting that won; a setting it aborts
+on (on a cluster, ``-P 16``: "All clients disconnected") is recorded and left out.
+``socket_loop_rate`` is the leanest client Python can be: one socket, one
+``sendmsg`` per SET, as many in flight as the tier keeps, no value check; over
+distinct payloads (what the tier sends) or one payload over and over (what
+redis-benchmark sends: its value stays in the CPU cache).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+
+CLIENTS = (1, 4, 8)
+PIPELINES = (1, 16)
+KEYSPACE = 64
+"""redis-benchmark -r: spread keys (over a cluster's nodes) yet keep them all SET before GETs."""
+REQUEST_BYTES = 512 * 2**20
+"""Bytes one redis-benchmark run moves per command (its -n is this over the value size, at least 1000)."""
+MIN_REQUESTS = 1000
+OK_REPLY = b"+OK\r\n"
+GB = 1e9
+
+
+def redis_benchmark(
+    host: str, port: int, value_bytes: int, cluster: bool, clients: int, pipeline: int, ops: str = "set,get"
+) -> tuple[dict[str, float], bool]:
+    """GB/s per command of one redis-benchmark run, and whether it ran to the end."""
+    requests = max(MIN_REQUESTS, REQUEST_BYTES // value_bytes)
+    argv = ["redis-benchmark", "-h", host, "-p", str(port), "-t", ops, "-d", str(value_bytes),
+            "-n", str(requests), "-r", str(KEYSPACE), "-c", str(clients), "-P", str(pipeline), "-q"]
+    if cluster:
+        argv.append("--cluster")
+    result = subprocess.run(argv, capture_output=True, text=True)
+    rates = {op: float(rps) * value_bytes / GB
+             for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", result.stdout)}
+    return rates, result.returncode == 0
+
+
+def sweep(host: str, port: int, value_bytes: int, cluster: bool) -> dict[str, dict]:
+    """Best SET and GET GB/s over every ``-c``/``-P`` setting, each with the setting that won."""
+    best: dict[str, dict] = {"failed": {"settings": []}}
+    for clients in CLIENTS:
+        for pipeline in PIPELINES:
+            rates, finished = redis_benchmark(host, port, value_bytes, cluster, clients, pipeline)
+            if not finished:
+                best["failed"]["settings"].append(f"-c {clients} -P {pipeline}")
+            for op, rate in rates.items():
+                if rate > best.get(op, {}).get("gbps", 0.0):
+                    best[op] = {"gbps": rate, "setting": f"-c {clients} -P {pipeline}"}
+    return best
+
+
+def socket_loop_rate(
+    host: str, port: int, payloads: Sequence[memoryview], count: int, in_flight: int, distinct: bool
+) -> float:
+    """GB/s of ``count`` SETs from a bare socket loop (``payloads`` in turn if ``distinct``, else the first),
+    after one untimed pass so that every SET overwrites, as the tier's timed ones do."""
+    size = len(payloads[0])
+    commands = [b"*3\r\n$3\r\nSET\r\n$9\r\nloop:%04d\r\n$%d\r\n" % (i % 10000, size) for i in range(count)]
+    replies = bytearray(len(OK_REPLY) * in_flight)
+    rate = 0.0
+    with socket.create_connection((host, port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for timed in (False, True):
+            sent = answered = 0
+            started = time.perf_counter()
+            for i, head in enumerate(commands):
+                sock.sendmsg([head, payloads[i % len(payloads)] if distinct else payloads[0], b"\r\n"])
+                sent += 1
+                while sent - answered // len(OK_REPLY) >= in_flight:
+                    answered += sock.recv_into(replies)
+            while answered < sent * len(OK_REPLY):
+                answered += sock.recv_into(replies)
+            if timed:
+                rate = count * size / (time.perf_counter() - started) / GB
+        sock.sendall(b"*1\r\n$8\r\nFLUSHALL\r\n")
+        sock.recv(64)
+    return rate
