@@ -42,7 +42,7 @@ QUEUE_BATCH = {"64KiB": 64, "2MiB": 16}
 """Blocks per tier call in the batched shape (what a transfer-queue batch carries)."""
 CAPACITY_FACTOR = 3
 """The tier's max_bytes as a multiple of the key set: overwrites fill it and GC runs."""
-RUNS = 3
+RUNS = 5
 GB = 1e9
 
 
@@ -74,9 +74,8 @@ def dd_pass(directory: Path, size: str, key_set: Blocks) -> dict[str, float]:
     path = directory / "dd.bin"
 
     def write(sources: list[memoryview]) -> float:
-        path.unlink(missing_ok=True)  # a fresh file, as the tier's segments are (dropping pages is not timed)
         started = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # as dd: dropping the old bytes is timed
         for index in range(count):
             os.write(fd, sources[index % len(sources)])
         os.close(fd)

@@ -111,17 +111,20 @@ class TierPasses:
         for chunk in self.batches[lane::lanes]:
             assert all(await self.tier.get_into(chunk, self.dests[lane][: len(chunk)]))
 
-    async def round(self) -> dict[str, dict]:
-        """One timed pass of each op (the key space is written first, untimed)."""
+    async def round(self, index: int) -> dict[str, dict]:
+        """One timed pass of each op (the key space is written first, untimed), the two SETs and the two GETs
+        in turn first from one round to the next (whichever runs first after the untimed pass pays more)."""
         await self.put(True)
         moved = self.values * self.block
 
         async def gets() -> None:
             await asyncio.gather(*(self.get(lane, OUTSTANDING) for lane in range(OUTSTANDING)))
 
-        runs = {"SET": lambda: self.put(True), "SET, hashing": lambda: self.put(False),
-                "GET": lambda: self.get(0, 1), f"GET x{OUTSTANDING}": gets}
-        return {op: await timed(run, moved, self.values, self.pids) for op, run in runs.items()}
+        runs = [("SET", lambda: self.put(True)), ("SET, hashing", lambda: self.put(False)),
+                ("GET", lambda: self.get(0, 1)), (f"GET x{OUTSTANDING}", gets)]
+        if index % 2:
+            runs = [runs[1], runs[0], runs[3], runs[2]]
+        return {op: await timed(run, moved, self.values, self.pids) for op, run in runs}
 
 
 async def size_rows(host: str, port: int, url: str, cluster: bool, pids: list[int], size: str) -> list[dict]:
@@ -132,9 +135,9 @@ async def size_rows(host: str, port: int, url: str, cluster: bool, pids: list[in
     rounds: list[dict] = []
     try:
         passes = TierPasses(tier, block, pids)
-        for _ in range(ROUNDS):
+        for index in range(ROUNDS):
             ceiling = sweep(host, port, block, cluster)
-            ours = await passes.round()
+            ours = await passes.round(index)
             window = RedisOptions().window_for(block)
             loop = None if cluster else {
                 distinct: socket_loop_rate(host, port, passes.data, passes.values, window, distinct)
