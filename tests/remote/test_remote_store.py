@@ -149,9 +149,31 @@ def test_a_slower_tiers_hit_is_written_back_into_the_faster_one(redis_factory: C
         assert fast_only.read(keys, again).result(WAIT_S) == [True] * COUNT
         assert [bytes(d) for d in again] == [bytes(p) for p in payloads]
         assert both.counters()["read_hits_redis1"] == COUNT
+        assert both.stats()["tiers"]["redis0"]["put_checksums_carried"] == COUNT, "hashed once, from the fresh copy"
     finally:
         for store in (both, slow_only, fast_only):
             store.close()
+
+
+def test_a_write_to_several_tiers_hashes_each_block_once(redis_factory: Callable[..., RedisServer]) -> None:
+    """Two lanes share one checksum per block (each tier would hash it otherwise); one lane hashes in its tier."""
+    first, second = redis_factory(), redis_factory()
+    both, alone = store_of(topology(first, second)), store_of(topology(first))
+    try:
+        keys = [both.key(k) for k in engine_keys(COUNT, seed=9)]
+        _, payloads = random_blocks(COUNT, BLOCK_BYTES, seed=9)
+        assert both.write(keys, payloads).result(WAIT_S) == [True] * COUNT
+        tiers = both.stats()["tiers"]
+        assert tiers["redis0"]["put_checksums_carried"] == tiers["redis1"]["put_checksums_carried"] == COUNT
+        assert alone.write(keys, payloads).result(WAIT_S) == [True] * COUNT
+        assert "put_checksums_carried" not in alone.stats()["tiers"]["redis0"]
+        for store in (both, alone):
+            dests = empty_dests(COUNT, BLOCK_BYTES)
+            assert store.read(keys, dests).result(WAIT_S) == [True] * COUNT
+            assert [bytes(d) for d in dests] == [bytes(p) for p in payloads]
+    finally:
+        both.close()
+        alone.close()
 
 
 def test_writes_past_the_bound_fail_at_once_and_close_is_bounded(redis_server: RedisServer) -> None:
