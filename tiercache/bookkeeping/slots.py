@@ -325,8 +325,7 @@ class SlotTable:
         self._key[slot] = None
 
     def note_checksum(self, slot: int, checksum: int) -> None:
-        """The bytes just written into a held slot have this checksum (``codec.payload_checksum``): remote
-        writes of the slot carry it instead of hashing again. Forgotten when the slot is allocated anew."""
+        """Record the ``payload_checksum`` of the bytes just written into a held slot (until it is reallocated)."""
         if self._ref[slot] == 0:
             raise ValueError(f"slot {slot} is not held")
         self._checksum[slot] = checksum
