@@ -18,6 +18,7 @@ prefix the attention is about to read that differs from that.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ SAMPLED = 7
 """The token the "model" samples."""
 WAIT_S = 20.0
 """Bound on steps spent waiting for background work: a hang detector, never a speed judgement."""
+PROMPT = list(range(3, 103))
+"""100 tokens: 6 full blocks and 4 tokens."""
+_STORES = itertools.count()
 
 init_none_hash(sha256)
 
@@ -321,8 +325,15 @@ def redis_remote(url: str) -> dict[str, Any]:
     return {"type": "redis", "name": "redis", "options": {"url": url}}
 
 
-def simulated_remote(store: str, **options: Any) -> dict[str, Any]:
+def simulated_remote(store: str | None = None, **options: Any) -> dict[str, Any]:
+    """A simulated remote over ``store`` (by default a store no other remote of the run shares)."""
+    store = fresh_store() if store is None else store
     return {"type": "simulated", "name": "sim", "options": {"store": store, "latency_ms": 0, **options}}
+
+
+def fresh_store() -> str:
+    """A simulated store's name no other test of the run uses (for remotes that must share one)."""
+    return f"connector-{next(_STORES)}"
 
 
 def tiers_of(instance: Instance) -> Any:

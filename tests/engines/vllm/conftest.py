@@ -7,9 +7,10 @@ Redis fixtures come from ``tests/conftest.py``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-import vllm  # noqa: F401  (the engine these tests exist for: a missing vLLM is an error)
+from support.vllm_connector import Instances  # imports vLLM: a missing vLLM is an error here
 
 from tiercache.integrations.vllm import require_vllm
 from tiercache.testing.vllm_offloading import Engine
@@ -24,3 +25,11 @@ def engines() -> Iterator[list[Engine]]:
     yield built
     for engine in built:
         engine.shutdown()
+
+
+@pytest.fixture
+def vllm(tmp_path: Path) -> Iterator[Instances]:
+    """Connector instances a test builds (``vllm.new``); each is closed afterwards."""
+    made = Instances(tmp_path)
+    yield made
+    made.close()

@@ -9,10 +9,8 @@ keeps the package's other exports lazy.
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from support.vllm_connector import (
     KV_HEADS,
     LAYERS,
     NUM_BLOCKS,
+    PROMPT,
     Instances,
     cpu_topology,
     kv_cache_config,
@@ -39,16 +38,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from tiercache.config import ConfigError
 from tiercache.integrations.vllm.connector.identity import UnsupportedLayoutError
 
-PROMPT = list(range(3, 103))
-_stores = itertools.count()
-
-
-@pytest.fixture
-def vllm(tmp_path: Path) -> Iterator[Instances]:
-    made = Instances(tmp_path)
-    yield made
-    made.close()
-
 
 def served_tokens(instances: Instances, engine_id: str, remote: dict, req_id: str, *, salt: str | None = None,
                   model: Path | None = None) -> int:
@@ -59,7 +48,7 @@ def served_tokens(instances: Instances, engine_id: str, remote: dict, req_id: st
 
 
 def test_cache_salt_keeps_tenants_apart(vllm: Instances) -> None:
-    remote = simulated_remote(f"identity-{next(_stores)}")
+    remote = simulated_remote()
     writer = vllm.new("writer", cpu_topology(remotes=[remote]))
     writer.serve(request("a", PROMPT, cache_salt="tenant-1"))
     remote_written(writer, "sim", 6)
@@ -69,7 +58,7 @@ def test_cache_salt_keeps_tenants_apart(vllm: Instances) -> None:
 
 
 def test_another_model_config_is_another_namespace(vllm: Instances) -> None:
-    remote = simulated_remote(f"identity-{next(_stores)}")
+    remote = simulated_remote()
     path = model_dir(vllm.root / "served", "model", vocab_size=512)
     writer = vllm.new("writer", cpu_topology(remotes=[remote]), model=path)
     writer.serve(request("a", PROMPT))

@@ -14,18 +14,16 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 import zmq
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from support.vllm_connector import (
     BLOCK,
     LAYERS,
+    PROMPT,
     Instances,
     cpu_topology,
     redis_remote,
@@ -45,16 +43,10 @@ from tiercache.integrations.vllm.connector import TierCacheConnector
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.testing.redis_servers import RedisServer
 
-PROMPT = list(range(3, 103))
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 WAIT_S = 20.0
 
 
-@pytest.fixture
-def vllm(tmp_path: Path) -> Iterator[Instances]:
-    made = Instances(tmp_path)
-    yield made
-    made.close()
 
 
 def test_stats_reach_vllms_logger_and_prometheus(vllm: Instances, redis_server: RedisServer) -> None:

@@ -9,18 +9,17 @@ bit at the moment it reads it.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from support.vllm_connector import (
     BLOCK,
     LAYERS,
+    PROMPT,
     Instance,
     Instances,
     cpu_topology,
+    fresh_store,
     kv_cache_config,
     page_bytes,
     redis_remote,
@@ -38,17 +37,6 @@ from vllm.v1.structured_output import StructuredOutputManager
 from tiercache.integrations.vllm.connector.region import RegionError
 from tiercache.testing.redis_servers import RedisServer
 
-PROMPT = list(range(3, 103))
-"""100 tokens: 6 full blocks and 4 tokens."""
-_stores = itertools.count()
-
-
-@pytest.fixture
-def vllm(tmp_path: Path) -> Iterator[Instances]:
-    made = Instances(tmp_path)
-    yield made
-    made.close()
-
 
 @pytest.fixture(params=["redis", "simulated"])
 def shared_remote(request: pytest.FixtureRequest) -> tuple[str, dict]:
@@ -56,7 +44,7 @@ def shared_remote(request: pytest.FixtureRequest) -> tuple[str, dict]:
     if request.param == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         return "redis", redis_remote(server.url)
-    return "sim", simulated_remote(f"connector-{next(_stores)}")
+    return "sim", simulated_remote()
 
 
 def test_the_worker_maps_the_region_first_and_the_scheduler_shares_it(vllm: Instances) -> None:
@@ -111,7 +99,7 @@ def test_a_saved_prompt_comes_back_bit_exact_into_other_blocks_on_a_second_insta
 
 
 def test_the_answer_leaves_a_token_to_compute_and_adds_whole_blocks_to_the_local_hit(vllm: Instances) -> None:
-    remote = simulated_remote(f"connector-{next(_stores)}")
+    remote = simulated_remote()
     first = vllm.new("first", cpu_topology(remotes=[remote]))
     aligned = PROMPT[: 6 * BLOCK]
     first.serve(request("a", aligned))
@@ -130,7 +118,7 @@ def test_the_answer_leaves_a_token_to_compute_and_adds_whole_blocks_to_the_local
 
 
 def test_none_while_a_remote_probe_is_pending_then_a_number(vllm: Instances) -> None:
-    remote = simulated_remote(f"connector-{next(_stores)}")
+    remote = simulated_remote()
     first = vllm.new("first", cpu_topology(remotes=[remote]))
     first.serve(request("a", PROMPT))
     remote_written(first, "sim", 6)
@@ -152,7 +140,7 @@ def test_none_while_a_remote_probe_is_pending_then_a_number(vllm: Instances) -> 
 
 
 def test_a_layer_never_loaded_is_reported_and_recomputed_never_served(vllm: Instances) -> None:
-    remote = simulated_remote(f"connector-{next(_stores)}")
+    remote = simulated_remote()
     first = vllm.new("first", cpu_topology(remotes=[remote]))
     first.serve(request("a", PROMPT))
     remote_written(first, "sim", 6)
@@ -172,7 +160,7 @@ def test_a_layer_never_loaded_is_reported_and_recomputed_never_served(vllm: Inst
 
 
 def test_a_producer_never_loads_and_a_consumer_never_stores(vllm: Instances) -> None:
-    store = f"connector-{next(_stores)}"
+    store = fresh_store()
     first = vllm.new("first", cpu_topology(remotes=[simulated_remote(store)]))
     first.serve(request("a", PROMPT))
     remote_written(first, "sim", 6)
@@ -193,7 +181,7 @@ def test_a_producer_never_loads_and_a_consumer_never_stores(vllm: Instances) -> 
 
 
 def test_a_long_prompt_saved_over_chunked_prefill_steps_loads_whole(vllm: Instances) -> None:
-    remote = simulated_remote(f"connector-{next(_stores)}")
+    remote = simulated_remote()
     long_prompt = list(range(1000, 1300))  # 18 full blocks; 256 tokens a step at most
     first = vllm.new("first", cpu_topology(remotes=[remote]))
     saved = first.serve(request("a", long_prompt))
@@ -208,7 +196,7 @@ def test_a_long_prompt_saved_over_chunked_prefill_steps_loads_whole(vllm: Instan
 
 
 def test_a_request_aborted_while_its_blocks_are_read_gives_every_pin_back(vllm: Instances) -> None:
-    remote = simulated_remote(f"connector-{next(_stores)}")
+    remote = simulated_remote()
     first = vllm.new("first", cpu_topology(remotes=[remote]))
     first.serve(request("a", PROMPT))
     remote_written(first, "sim", 6)
