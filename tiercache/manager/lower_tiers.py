@@ -114,14 +114,7 @@ class LowerTiers:
         connecting, or unreachable, reads as misses until it answers)."""
         if not self._started:
             self._started = True
-            self.parts.runtime.start()
-            started = self.parts.runtime.submit(self.parts.start_remotes(), track=False)
-            try:
-                started.result(timeout_s)
-            except concurrent.futures.TimeoutError:
-                log.warning("lower tiers: remotes still connecting after %.1f s; continuing", timeout_s)
-            except Exception:
-                log.exception("lower tiers: a remote tier failed to start; it reads as misses")
+            self.parts.runtime.start_with(self.parts.start_remotes(), timeout_s, "lower tiers")
 
     def close(self) -> None:
         """Finish or drop work in flight (bounded), close the remotes, stop."""

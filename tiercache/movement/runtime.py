@@ -48,6 +48,18 @@ class Runtime:
             self._started = True
             self._thread.start()
 
+    def start_with(self, connect: Awaitable[object], timeout_s: float, owner: str) -> None:
+        """Start the loop and run ``connect`` on it, waiting at most ``timeout_s``: what is still connecting
+        then, or failed, is logged and reads as misses until it answers (never raised into the engine)."""
+        self.start()
+        connecting = self.submit(connect, track=False)
+        try:
+            connecting.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            log.warning("%s: remotes still connecting after %.1f s; continuing", owner, timeout_s)
+        except Exception:
+            log.exception("%s: a remote tier failed to start; it reads as misses", owner)
+
     def submit(self, coroutine: Awaitable[T], *, track: bool = True) -> concurrent.futures.Future[T]:
         """Schedule ``coroutine`` on the loop; the future is thread-safe.
 

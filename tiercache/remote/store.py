@@ -157,14 +157,7 @@ class RemoteStore:
         if self._started:
             return
         self._started = True
-        self.runtime.start()
-        future = self.runtime.submit(self._start_tiers(), track=False)
-        try:
-            future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            log.warning("remote store: tiers still connecting after %.1f s; continuing", timeout_s)
-        except Exception:
-            log.exception("remote store: a tier failed to start; it reads as misses")
+        self.runtime.start_with(self._start_tiers(), timeout_s, "remote store")
 
     async def _start_tiers(self) -> None:
         await asyncio.gather(*(tier.start() for tier in self.tiers), return_exceptions=True)
