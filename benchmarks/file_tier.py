@@ -32,7 +32,7 @@ import numpy as np
 from common import write_result
 
 from tiercache.blocks.codec import payload_checksum
-from tiercache.testing.redis_servers import remote_context
+from tiercache.testing.redis_servers import remote_context, slot_views
 from tiercache.tiers.file import FileOptions, FileTier
 
 SIZES = {"64KiB": 64 * 1024, "2MiB": 2 * 1024 * 1024}
@@ -50,13 +50,14 @@ Blocks = tuple[list[bytes], list[memoryview], list[memoryview]]
 
 
 def blocks(count: int, size: int) -> Blocks:
-    """Keys, random payloads and destinations; destinations are touched now (like CPU-tier slots,
-    whose pages exist long before a load), so no pass pays first-touch page faults."""
+    """Keys, random payloads and destinations, both slots of one allocation as a CPU tier's are; destinations
+    are touched now (a CPU tier's pages exist long before a load), so no pass pays first-touch page faults."""
     rng = np.random.default_rng(0)
     keys = [rng.bytes(16) for _ in range(count)]
-    data = [memoryview(rng.integers(0, 256, size, dtype=np.uint8)).cast("B") for _ in keys]
-    dests = [memoryview(np.ones(size, dtype=np.uint8)).cast("B") for _ in keys]
-    return keys, data, dests
+    dests = slot_views(count, size)
+    for dest in dests:
+        np.frombuffer(dest, np.uint8).fill(1)
+    return keys, slot_views(count, size, seed=1), dests
 
 
 def dd_pass(directory: Path, size: str, key_set: Blocks) -> dict[str, float]:

@@ -41,7 +41,7 @@ from common import write_result
 from redis_ceiling import socket_loop_rate, sweep
 
 from tiercache.blocks.codec import Codec, payload_checksum
-from tiercache.testing.redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context
+from tiercache.testing.redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context, slot_views
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
 KIB, MIB = 1024, 2**20
@@ -84,8 +84,8 @@ async def timed(run: Callable[[], Awaitable[object]], nbytes: int, values: int, 
 
 
 def payloads(count: int, size: int, seed: int) -> list[memoryview]:
-    rng = np.random.default_rng(seed)
-    return [memoryview(rng.integers(0, 256, size, dtype=np.uint8)).cast("B") for _ in range(count)]
+    """Random blocks in slots of one allocation, as a CPU tier's (aligned as the kernel copies fastest)."""
+    return slot_views(count, size, seed)
 
 
 class TierPasses:

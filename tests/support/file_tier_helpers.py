@@ -17,10 +17,11 @@ from tiercache.testing.redis_servers import remote_context
 from tiercache.tiers.file import FileOptions, FileTier
 from tiercache.tiers.file.capacity import DirectoryLock, SegmentFile, list_segments
 from tiercache.tiers.file.entries import DirectoryEntries
-from tiercache.tiers.file.records import RECORD_HEADER_SIZE
+from tiercache.tiers.file.records import ALIGNED
 
 BLOCK = 32 * 1024
-RECORD = RECORD_HEADER_SIZE + HEADER_SIZE + BLOCK
+RECORD = ALIGNED.span(HEADER_SIZE + BLOCK)
+"""Bytes one block's record takes in a segment."""
 WATCH_PAUSE_S = 0.0005
 """Pause between a watcher's measurements, so it does not hog the directory lock the writers need."""
 GATE_POLL_S = 0.005

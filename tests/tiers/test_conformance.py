@@ -32,7 +32,7 @@ from tiercache.testing.redis_servers import RedisClusterNodes, RedisServer
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext, RemoteTier
 from tiercache.tiers.file import FileOptions, FileTier
-from tiercache.tiers.file.records import RECORD_HEADER_SIZE, RecordKind, pack_header, scan
+from tiercache.tiers.file.records import ALIGNED, RecordKind, scan
 from tiercache.tiers.redis import RedisOptions, RedisTier
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, SyncMode
 from tiercache.tiers.simulated import SimulatedOptions, SimulatedTier
@@ -247,11 +247,11 @@ class FileHarness(StoreHarness):
         return await asyncio.to_thread(self._newest, key)
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
-        record = pack_header(RecordKind.VALUE, key, time.time_ns(), len(value)) + value
+        record = ALIGNED.record(RecordKind.VALUE, key, time.time_ns(), value)
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"raw-writer-{os.getpid()}.{next(self.raw_segments):06d}.seg"
         path.write_bytes(record)
-        assert len(record) == RECORD_HEADER_SIZE + len(value)
+        assert len(record) == ALIGNED.span(len(value))
 
 
 class TestFileTier(RemoteTierContract):

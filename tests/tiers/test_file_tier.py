@@ -28,7 +28,7 @@ from tiercache.testing.redis_servers import OTHER_FINGERPRINT, empty_dests, rand
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import Presence
 from tiercache.tiers.file import FileOptions, FileTier
-from tiercache.tiers.file.records import RecordKind, pack_header
+from tiercache.tiers.file.records import ALIGNED, RecordKind, pack_header
 
 HELD, ABSENT = Presence.HELD, Presence.ABSENT
 
@@ -141,7 +141,7 @@ async def test_torn_writes_are_misses_never_wrong(tmp_path) -> None:
     segment = segments_in(tmp_path)[0].path
     value = Codec(remote_context(BLOCK).codec.fingerprint).encode_value(keys[2], payloads[2])
     with open(segment, "ab") as handle:  # a crash after the header, halfway through the body
-        handle.write(pack_header(RecordKind.VALUE, keys[2], time.time_ns(), len(value)) + value[: len(value) // 2])
+        handle.write(ALIGNED.record(RecordKind.VALUE, keys[2], time.time_ns(), value)[: -len(value) // 2])
     torn_header = tmp_path / "crashed-writer.000001.seg"
     torn_header.write_bytes(pack_header(RecordKind.VALUE, keys[3], 1, len(value))[:30])
     reopened = await open_tier(tmp_path)

@@ -23,7 +23,7 @@ from support.file_tier_helpers import BLOCK, RECORD, directory_bytes, open_tier,
 from tiercache.blocks.codec import Codec
 from tiercache.testing.redis_servers import empty_dests, random_blocks, remote_context
 from tiercache.tiers.base import Presence
-from tiercache.tiers.file.records import RecordKind, pack_header
+from tiercache.tiers.file.records import ALIGNED, RecordKind
 
 HANG_GUARD_S = 120.0
 """How long the child may run before it counts as blocked (a hang guard, far above its usual second or two)."""
@@ -133,7 +133,7 @@ async def test_a_segment_whose_first_batch_is_still_being_written_is_not_skipped
         await tier.gc()
         assert await tier.contains(keys) == [Presence.ABSENT]
         with open(segment, "r+b") as handle:  # the batch lands: body, then its record header
-            handle.write(pack_header(RecordKind.VALUE, keys[0], 1, len(value)) + value)
+            handle.write(ALIGNED.record(RecordKind.VALUE, keys[0], 1, value))
         out = empty_dests(1, BLOCK)
         assert await tier.get_into(keys, out) == [True]
         assert bytes(out[0]) == bytes(payloads[0])

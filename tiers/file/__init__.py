@@ -3,9 +3,12 @@
 Layout: append-only segment files ``<path>/<writer>.<seq>.seg`` (one writer
 per tier instance: host, pid and a random id), each a sequence of records (a
 48-byte record header with key, version, length and its own checksum, then the
-``tiercache.blocks.codec`` value). Small blocks are cheap: a batch is one reservation,
-one ``pwritev`` of its bodies and its record headers, not a file and a rename
-per block; a read is one ``preadv`` from a cached descriptor. Every process
+``tiercache.blocks.codec`` value, padded so that every payload lies 64-byte
+aligned in the file, as block slots lie in memory: ``records``). Small blocks are
+cheap: a batch is one reservation, one ``pwritev`` of its bodies and its record
+headers, not a file and a rename per block; a read is one ``preadv`` per
+L2-sized run of neighbouring records from a cached descriptor, each payload
+checked while still in cache. Every process
 keeps an index of key -> (segment, offset, length) from its own writes and from
 scanning the new tails of other writers' segments (on a miss and at every GC
 pass), so processes and hosts sharing the directory see each other's commits.

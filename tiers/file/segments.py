@@ -29,12 +29,17 @@ from tiercache.blocks.codec import HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.file.entries import DirectoryEntries
 from tiercache.tiers.file.index import Entry, SegmentIndex
 from tiercache.tiers.file.options import FileOptions
-from tiercache.tiers.file.records import RECORD_HEADER_SIZE, Record, RecordKind, pack_header
+from tiercache.tiers.file.records import ALIGNED, Record, RecordKind, pack_header
 from tiercache.tiers.file.vectored import IOV_MAX, pwrite_all
 from tiercache.tiers.file.writer import SegmentWriter
 
 RUN_BLOCKS = IOV_MAX // 3
 """Most back-to-back records one read ``preadv`` covers (three buffers each)."""
+HOT_RUN_BYTES = 1 << 20
+"""Payload bytes one read ``preadv`` lands before they are checked: about a core's L2, so that the
+checksum reads bytes still in cache (a 32 MiB run checked after its read meets them cold)."""
+MAX_RUN_GAP = ALIGNED.alignment + ALIGNED.body_offset
+"""Most bytes between two values read in one run (padding, the next record header, a tombstone)."""
 
 
 class ReadResult(enum.Enum):
@@ -65,7 +70,7 @@ class SegmentStore:
         self.options = options
         self.codec = codec
         self.max_body = HEADER_SIZE + block_bytes
-        self.record_bytes = RECORD_HEADER_SIZE + self.max_body
+        self.record_bytes = ALIGNED.span(self.max_body)
         self.bound = options.bound_bytes(self.record_bytes)
         self.counts = counts
         self.entries = DirectoryEntries(root, counts)
@@ -96,7 +101,7 @@ class SegmentStore:
         local = self._local
         if getattr(local, "staging", None) is None:
             local.staging = memoryview(bytearray(self.max_body))
-            local.headers = memoryview(bytearray((HEADER_SIZE + RECORD_HEADER_SIZE) * RUN_BLOCKS))
+            local.headers = memoryview(bytearray((HEADER_SIZE + MAX_RUN_GAP) * RUN_BLOCKS))
         return local.staging, local.headers
 
     def read_batch(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[ReadResult | DecodeStatus]:
@@ -121,8 +126,9 @@ class SegmentStore:
                 continue
             if run and not (
                 len(run) < RUN_BLOCKS
+                and (len(run) + 1) * len(views[index]) <= HOT_RUN_BYTES
                 and entry.segment == run[-1][0].segment
-                and entry.offset == run[-1][0].offset + run[-1][0].length + RECORD_HEADER_SIZE
+                and 0 < entry.offset - run[-1][0].offset - run[-1][0].length <= MAX_RUN_GAP
             ):
                 self._read_run(run, keys, views, results)
                 run = []
@@ -139,17 +145,20 @@ class SegmentStore:
     def _read_run(
         self, run: list[tuple[Entry, int]], keys: Sequence[bytes], views: list[memoryview], results: list
     ) -> None:
-        """One ``preadv`` of back-to-back uncompressed records into their destinations, then validate each."""
+        """One ``preadv`` of nearby uncompressed records into their destinations (what lies between them into
+        scratch), then validate each."""
         fd = self.index.fd(run[0][0].segment)
         if fd is None:
             return
         _, headers = self._scratch()
         buffers: list[memoryview] = []
         slots = []
-        for position, (_entry, index) in enumerate(run):
-            at = position * (HEADER_SIZE + RECORD_HEADER_SIZE)
+        for position, (entry, index) in enumerate(run):
+            at = position * (HEADER_SIZE + MAX_RUN_GAP)
             if position:
-                buffers.append(headers[at - RECORD_HEADER_SIZE : at])  # the next record's header: skipped
+                previous = run[position - 1][0]
+                gap = entry.offset - previous.offset - previous.length
+                buffers.append(headers[at - gap : at])  # padding and the next record's header: skipped
             slots.append(headers[at : at + HEADER_SIZE])
             buffers += [slots[-1], views[index]]
         expected = sum(len(buffer) for buffer in buffers)
@@ -197,22 +206,25 @@ class SegmentStore:
             for key, payload, checksum in zip(keys, payloads, checksums, strict=True)
         ]
         lengths = [len(header) + len(stored) for header, stored in encoded]
-        total = sum(lengths) + RECORD_HEADER_SIZE * len(keys)
+        spans = [ALIGNED.span(length) for length in lengths]
+        total = sum(spans)
         reserved = self.writer.reserve(total, len(keys))
         if reserved is None:
             return [False] * len(keys)
         active, start = reserved
-        placeholder = bytes(RECORD_HEADER_SIZE)
+        placeholder = bytes(ALIGNED.body_offset)  # the record header (written last) and the padding after it
         buffers: list[memoryview | bytes] = []
-        for header, stored in encoded:
+        for (header, stored), length, span in zip(encoded, lengths, spans, strict=True):
             buffers += [placeholder, header, memoryview(stored).cast("B")]
+            if span > ALIGNED.body_offset + length:
+                buffers.append(bytes(span - ALIGNED.body_offset - length))
         try:
             pwrite_all(active.fd, buffers, start)
             headers = []
             offset = start
-            for key, length in zip(keys, lengths, strict=True):
+            for key, length, span in zip(keys, lengths, spans, strict=True):
                 headers.append((pack_header(RecordKind.VALUE, key, version, length), offset))
-                offset += RECORD_HEADER_SIZE + length
+                offset += span
             for header, at in headers:
                 pwrite_all(active.fd, [header], at)
             if self.options.fsync:
@@ -227,7 +239,7 @@ class SegmentStore:
         self.index.apply_all(
             active.name,
             (
-                Record(RecordKind.VALUE, key, version, at + RECORD_HEADER_SIZE, length)
+                Record(RecordKind.VALUE, key, version, at + ALIGNED.body_offset, length)
                 for (_header, at), key, length in zip(headers, keys, lengths, strict=True)
             ),
         )
@@ -239,13 +251,13 @@ class SegmentStore:
         """Tombstone ``keys`` (up to ``version``, default now); best effort; return how many were indexed."""
         version = time.time_ns() if version is None else version
         known = self.index.tombstone(keys, version)
-        reserved = self.writer.reserve(RECORD_HEADER_SIZE * len(keys), 0)
+        reserved = self.writer.reserve(ALIGNED.span(0) * len(keys), 0)
         if reserved is None:
             self.counts["delete_unlogged"] += len(keys)
             return known
         active, start = reserved
         try:
-            pwrite_all(active.fd, [pack_header(RecordKind.TOMBSTONE, key, version, 0) for key in keys], start)
+            pwrite_all(active.fd, [ALIGNED.record(RecordKind.TOMBSTONE, key, version) for key in keys], start)
         except OSError:
             self.counts["delete_unlogged"] += len(keys)
             self.writer.retire(active)
