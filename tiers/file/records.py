@@ -13,7 +13,7 @@ a record starts on a 64-byte boundary and takes a multiple of 64 bytes, its body
 placed so that the payload after the codec header is 64-byte aligned in the
 file: the kernel then copies page cache to and from block slots (64-byte
 aligned, as torch allocates them) at full speed, where a payload 16 or 40 bytes
-off costs a 2 MiB read a third of its rate on this project's machines.
+off made a 2 MiB read about 30% slower on this project's development machine.
 ``PACKED`` (magic ``TCSG``, written before): the body right after the header;
 still read. A reader that knows only ``TCSG`` skips an aligned segment (it does
 not start like a segment to it) and never misreads one.
