@@ -195,6 +195,7 @@ class Lane:
         """Read ``keys`` into ``views`` (see ``LaneRead``). At the deadline ``on_late`` gets the read, which may
         still write into ``views`` until it is done: keep them reserved till then (an exploration's buffers are
         its own, so it passes none)."""
+        _check_lengths(self.name, keys, views=views)
         started = time.perf_counter()
         asked_at: list[float] = []
 
@@ -213,6 +214,7 @@ class Lane:
         self, keys: Sequence[bytes], views: Sequence[memoryview], checksums: Sequence[int | None] | None = None
     ) -> list[bool]:
         """Store ``views`` under ``keys``, with their ``checksums`` where known (for a tier that takes them)."""
+        _check_lengths(self.name, keys, views=views, checksums=checksums)
         started = time.perf_counter()
         tier = self.tier
 
@@ -225,6 +227,14 @@ class Lane:
         oks = await self._call(Priority.STORE, put, len(keys), None)
         self.metrics.observe(self.name, "put", (time.perf_counter() - started) * MS_PER_SECOND)
         return _booleans(oks, len(keys))
+
+
+def _check_lengths(lane: str, keys: Sequence[bytes], **per_key: Sequence[Any] | None) -> None:
+    """A caller's bug, named at the call: a list that is not one entry per key (a tier would fail it in its I/O
+    thread, key by key, far from the cause)."""
+    for name, values in per_key.items():
+        if values is not None and len(values) != len(keys):
+            raise ValueError(f"lane {lane}: {len(keys)} keys but {len(values)} {name}")
 
 
 def _booleans(results: list[bool] | None, count: int) -> list[bool]:
