@@ -87,3 +87,21 @@ async def test_a_segment_written_before_payloads_were_aligned_is_still_read(tmp_
         assert "get_invalid" not in str(reopened.stats())
     finally:
         await reopened.close()
+
+
+async def test_compressed_bodies_of_any_length_are_padded_so_the_next_record_starts_aligned(tmp_path) -> None:
+    tier = await open_tier(tmp_path, compress=True)
+    keys, _ = random_blocks(4, BLOCK)
+    payloads = [memoryview(bytes(range(i + 1)) * (BLOCK // (i + 1)) + bytes(BLOCK % (i + 1))) for i in range(4)]
+    try:
+        assert all(await tier.put(keys, payloads))
+        out = empty_dests(4, BLOCK)
+        assert await tier.get_into(keys, out) == [True] * 4
+        assert [bytes(d) for d in out] == [bytes(p) for p in payloads]
+    finally:
+        await tier.close()
+    [segment] = segments_in(tmp_path)
+    records, stop, size = records_of(segment.path)
+    assert len(records) == 4 and stop == size
+    assert len({record.length for record in records}) > 1 and any(r.length % PAYLOAD_ALIGNMENT for r in records)
+    assert all((record.offset - ALIGNED.body_offset) % PAYLOAD_ALIGNMENT == 0 for record in records)

@@ -42,6 +42,11 @@ PAYLOAD_ALIGNMENT = 64
 """Bytes an aligned record's start, size and payload are multiples of (a cache line)."""
 
 
+def round_up(count: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``count``."""
+    return -(-count // multiple) * multiple
+
+
 @dataclass(frozen=True)
 class RecordLayout:
     """Where a record's body lies after its header, and how far the next record starts."""
@@ -54,20 +59,22 @@ class RecordLayout:
 
     def span(self, length: int) -> int:
         """Bytes a record with a body of ``length`` bytes takes, padding included."""
-        return -(-(self.body_offset + length) // self.alignment) * self.alignment
+        return round_up(self.body_offset + length, self.alignment)
+
+    def tail(self, length: int) -> int:
+        """Padding bytes after a body of ``length`` bytes, up to where the next record starts."""
+        return self.span(length) - self.body_offset - length
 
     def record(self, kind: RecordKind, key: bytes, version: int, body: bytes = b"") -> bytes:
         """A whole record: header, padding, body, padding."""
         head = pack_header(kind, key, version, len(body), self)
-        padded = head + bytes(self.body_offset - len(head)) + body
-        return padded + bytes(self.span(len(body)) - len(padded))
+        return head + bytes(self.body_offset - len(head)) + body + bytes(self.tail(len(body)))
 
 
 PACKED = RecordLayout(b"TCSG", RECORD_HEADER_SIZE, 1)
 """The body right after the header (segments written before payloads were aligned)."""
 ALIGNED = RecordLayout(
-    b"TCSA", -(-(RECORD_HEADER_SIZE + HEADER_SIZE) // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT - HEADER_SIZE,
-    PAYLOAD_ALIGNMENT,
+    b"TCSA", round_up(RECORD_HEADER_SIZE + HEADER_SIZE, PAYLOAD_ALIGNMENT) - HEADER_SIZE, PAYLOAD_ALIGNMENT
 )
 """What writers write: the payload after the body's codec header 64-byte aligned in the file."""
 LAYOUTS = {layout.magic: layout for layout in (ALIGNED, PACKED)}

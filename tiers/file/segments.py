@@ -214,10 +214,10 @@ class SegmentStore:
         active, start = reserved
         placeholder = bytes(ALIGNED.body_offset)  # the record header (written last) and the padding after it
         buffers: list[memoryview | bytes] = []
-        for (header, stored), length, span in zip(encoded, lengths, spans, strict=True):
+        for (header, stored), length in zip(encoded, lengths, strict=True):
             buffers += [placeholder, header, memoryview(stored).cast("B")]
-            if span > ALIGNED.body_offset + length:
-                buffers.append(bytes(span - ALIGNED.body_offset - length))
+            if ALIGNED.tail(length):
+                buffers.append(bytes(ALIGNED.tail(length)))
         try:
             pwrite_all(active.fd, buffers, start)
             headers = []
