@@ -85,11 +85,6 @@ async def timed(run: Callable[[], Awaitable[object]], nbytes: int, values: int, 
             "server_us": (server_cpu_s(pids) - server) * MICROSECONDS / values}
 
 
-def payloads(count: int, size: int, seed: int) -> list[memoryview]:
-    """Random blocks in slots of one allocation, as a CPU tier's (aligned as the kernel copies fastest)."""
-    return slot_views(count, size, seed)
-
-
 class TierPasses:
     """The tier's timed passes over one key space of one value size."""
 
@@ -99,9 +94,9 @@ class TierPasses:
         rng = np.random.default_rng(1)
         keys = [rng.bytes(16) for _ in range(KEYSPACE_BYTES // block)]
         self.batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
-        self.data = payloads(batch, block, 0)
+        self.data = slot_views(batch, block, 0)  # random blocks in slots, as a CPU tier's
         self.checksums = [payload_checksum(view) for view in self.data]  # as the CPU tier took them at copy time
-        self.dests = [payloads(batch, block, 2 + lane) for lane in range(OUTSTANDING)]
+        self.dests = [slot_views(batch, block, 2 + lane) for lane in range(OUTSTANDING)]
         self.values = len(keys)
 
     async def put(self, carried: bool) -> None:
@@ -188,7 +183,7 @@ def check_rates() -> list[dict]:
     rows = []
     key = bytes(16)
     for size, block in SIZES.items():
-        cold = payloads(CHECK_BYTES // block, block, 3)
+        cold = slot_views(CHECK_BYTES // block, block, 3)
         hot = cold[0]
         started = time.perf_counter()
         for view in cold:
