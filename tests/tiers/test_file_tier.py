@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,6 +256,25 @@ def test_file_options_need_a_bound() -> None:
         build_dataclass(options_type, {"path": "/x"}, "t.yaml", "o")
     with pytest.raises(ConfigError, match=r"o\.segment_bytes"):
         build_dataclass(options_type, {"path": "/x", "max_blocks": 3, "segment_bytes": "1KiB"}, "t.yaml", "o")
+
+
+ONE_CORE_THREADS = """
+import os
+from tiercache.config import build_dataclass
+from tiercache.tiers.file import FileOptions
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+default = build_dataclass(FileOptions, {"path": "/x", "max_bytes": "1GiB"}, "t.yaml", "o").threads
+chosen = build_dataclass(FileOptions, {"path": "/x", "max_bytes": "1GiB", "threads": 4}, "t.yaml", "o").threads
+print(default, chosen)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_file_threads_default_to_the_usable_cores_when_fewer() -> None:
+    """A process pinned to one core reads with one thread by default (page-cache reads are copies that
+    need a core); a ``threads`` the YAML names is kept as it is."""
+    out = subprocess.run([sys.executable, "-c", ONE_CORE_THREADS], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "4"]
 
 
 def test_breaker_opens_backs_off_and_recovers() -> None:
