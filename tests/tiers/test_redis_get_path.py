@@ -133,6 +133,24 @@ async def test_one_io_thread_per_connection_and_none_after_close(redis_server) -
             assert not thread.is_alive(), thread.name
 
 
+async def test_puts_share_one_connection_and_reads_spread_over_all(redis_server) -> None:
+    """Put calls outstanding together go down one connection (a server stores large values faster from one
+    query buffer than from two); a read of enough keys is spread over every connection."""
+    tier = await open_tier(redis_server.url, connections=2)
+    try:
+        keys, payloads = random_blocks(4 * COUNT, BLOCK)
+        batches = [slice(start, start + COUNT) for start in range(0, 4 * COUNT, COUNT)]
+        stored = await asyncio.gather(*(tier.put(keys[batch], payloads[batch]) for batch in batches))
+        assert all(all(oks) for oks in stored)
+        assert tier.stats()["connects"] == 1  # the start's PING opened it; every put used it
+        outs = empty_dests(4 * COUNT, BLOCK)
+        assert all(await tier.get_into(keys, outs))
+        assert [bytes(out) for out in outs] == [bytes(payload) for payload in payloads]
+        assert tier.stats()["connects"] == 2
+    finally:
+        await tier.close()
+
+
 def test_default_connections_and_window_follow_the_value_size() -> None:
     small = RedisTier(remote_context(BLOCK), RedisOptions())
     large = RedisTier(remote_context(2 << 20), RedisOptions())

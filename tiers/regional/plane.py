@@ -31,7 +31,7 @@ from tiercache.tiers.redis.commands import (
     PutJob,
     ReadPlan,
 )
-from tiercache.tiers.redis.node import BREAKER_OPEN, Endpoint, Node, server_breaker
+from tiercache.tiers.redis.node import BREAKER_OPEN, WRITE_LANE, Endpoint, Node, server_breaker
 from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF, Connection, ServerError, command
@@ -208,7 +208,8 @@ class Plane:
             allow = self.options.allow_unbounded
             encoded = [None] * len(keys)  # the values carry their checksums in their headers already
             await self._call(
-                "put", EncodedPutJob(self.codec, indices, keys, names, values, results, CRLF, allow, encoded)
+                "put", EncodedPutJob(self.codec, indices, keys, names, values, results, CRLF, allow, encoded),
+                WRITE_LANE,
             )
         return results
 
