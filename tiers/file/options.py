@@ -28,7 +28,7 @@ MAX_SEGMENT_BYTES = 1 << 36
 """Largest ``segment_bytes`` (64 GiB): GC frees whole segments, so they must stay small next to the bound."""
 DEFAULT_THREADS = 4
 """Parallel file operations by default, fewer where fewer cores are usable: a read the page cache
-answers is a copy that needs a core (on 2 cores, two threads read 2 MiB blocks 8-27% faster than
+answers is a copy that needs a core (on 2 cores, two threads read 2 MiB blocks 3-32% faster than
 four); a file system whose reads wait (NFS) gains from more than the cores: set ``threads``."""
 
 
