@@ -43,6 +43,9 @@ QUEUE_BATCH = {"64KiB": 64, "2MiB": 16}
 CAPACITY_FACTOR = 3
 """The tier's max_bytes as a multiple of the key set: overwrites fill it and GC runs."""
 RUNS = 5
+READ_PASSES = 8
+"""Reads of the whole key set per timed GET (dd's and the tier's alike): one read of 128 MiB lasts ~13 ms
+here, too short a window on a shared machine."""
 GB = 1e9
 
 
@@ -61,7 +64,7 @@ def blocks(count: int, size: int) -> Blocks:
 
 
 def dd_pass(directory: Path, size: str, key_set: Blocks) -> dict[str, float]:
-    """One sequential write then read of ``SET_BYTES`` in block-sized calls (GB/s).
+    """One sequential write then ``READ_PASSES`` reads of ``SET_BYTES`` in block-sized calls (GB/s).
 
     ``SET`` writes one buffer over and over and ``GET`` reads into one reused
     buffer, as ``dd`` does (the buffer stays in the CPU's cache); ``SET_distinct``
@@ -86,14 +89,18 @@ def dd_pass(directory: Path, size: str, key_set: Blocks) -> dict[str, float]:
     write_one = write(data[:1])
     started = time.perf_counter()
     with open(path, "rb", buffering=0) as handle:
-        for _ in range(count):
-            handle.readinto(dests[0])
-    read = count * block / (time.perf_counter() - started) / GB
+        for _ in range(READ_PASSES):
+            handle.seek(0)
+            for _ in range(count):
+                handle.readinto(dests[0])
+    read = READ_PASSES * count * block / (time.perf_counter() - started) / GB
     started = time.perf_counter()
     with open(path, "rb", buffering=0) as handle:
-        for dest in key_set[2][:count]:
-            handle.readinto(dest)
-    distinct = count * block / (time.perf_counter() - started) / GB
+        for _ in range(READ_PASSES):
+            handle.seek(0)
+            for dest in key_set[2][:count]:
+                handle.readinto(dest)
+    distinct = READ_PASSES * count * block / (time.perf_counter() - started) / GB
     path.unlink()
     return {"SET": write_one, "GET": read, "SET_distinct": write_distinct, "GET_distinct": distinct}
 
@@ -105,7 +112,8 @@ async def timed(run: Callable[[], Awaitable[object]], nbytes: int) -> float:
 
 
 async def tier_pass(tier: FileTier, size: str, batch: int, key_set: Blocks) -> dict[str, float]:
-    """One SET pass (overwriting) and one GET pass over the key set, ``batch`` blocks per call (GB/s)."""
+    """One SET pass (overwriting) and ``READ_PASSES`` GET passes over the key set, ``batch`` blocks per call
+    (GB/s)."""
     block = SIZES[size]
     count = SET_BYTES[size] // block
     keys, data, dests = key_set
@@ -118,11 +126,12 @@ async def tier_pass(tier: FileTier, size: str, batch: int, key_set: Blocks) -> d
             assert all(await tier.put(keys[chunk], data[chunk], checksums=checksums[chunk]))
 
     async def get() -> None:
-        for span in spans:
-            assert all(await tier.get_into(keys[span.start : span.stop], dests[span.start : span.stop]))
+        for _ in range(READ_PASSES):
+            for span in spans:
+                assert all(await tier.get_into(keys[span.start : span.stop], dests[span.start : span.stop]))
 
     write = await timed(put, count * block)
-    read = await timed(get, count * block)
+    read = await timed(get, READ_PASSES * count * block)
     assert [bytes(d) for d in dests[:2]] == [bytes(d) for d in data[:2]]
     return {"SET": write, "GET": read}
 
