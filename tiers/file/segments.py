@@ -216,8 +216,9 @@ class SegmentStore:
         buffers: list[memoryview | bytes] = []
         for (header, stored), length in zip(encoded, lengths, strict=True):
             buffers += [placeholder, header, memoryview(stored).cast("B")]
-            if ALIGNED.tail(length):
-                buffers.append(bytes(ALIGNED.tail(length)))
+            tail = ALIGNED.tail(length)
+            if tail:
+                buffers.append(bytes(tail))
         try:
             pwrite_all(active.fd, buffers, start)
             headers = []
