@@ -20,7 +20,10 @@ drift from one minute to the next hits every client alike):
   every value read is validated (header and xxh3 checksum) before it counts;
 * on one server, a bare socket loop with no value check, sending the tier's
   distinct payloads and sending one payload over and over as redis-benchmark
-  does (what sending distinct bytes costs on this machine, apart from the tier).
+  does (what sending distinct bytes costs on this machine, apart from the tier);
+  and reading distinct values into slots, in one stream that never drains (as
+  redis-benchmark asks) and in batches of the tier's call size that drain (as
+  one call at a time must): what the call shape alone costs, apart from the tier.
 
 ``tier / ceiling`` is the median over the rounds of the tier's rate over its
 paired ceiling runs; ``tier / sweep`` over the sweep's best draw instead (the
@@ -46,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 from common import write_result
-from redis_ceiling import rerun, socket_loop_rate, sweep
+from redis_ceiling import rerun, socket_get_rate, socket_loop_rate, sweep
 
 from tiercache.blocks.codec import Codec, payload_checksum
 from tiercache.testing.redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context, slot_views
@@ -161,8 +164,12 @@ async def size_rows(host: str, port: int, url: str, cluster: bool, pids: list[in
             ours = await passes.round(functools.partial(rerun, host, port, block, cluster, ceiling))
             window = RedisOptions().window_for(block)
             loop = None if cluster else {
-                distinct: socket_loop_rate(host, port, passes.data, passes.values, window, distinct)
-                for distinct in (True, False)
+                "distinct": socket_loop_rate(host, port, passes.data, passes.values, window, True),
+                "one value": socket_loop_rate(host, port, passes.data, passes.values, window, False),
+                "stream": socket_get_rate(host, port, passes.data, passes.dests[0], passes.values, window, None),
+                "drained": socket_get_rate(
+                    host, port, passes.data, passes.dests[0], passes.values, window, len(passes.batches[0])
+                ),
             }
             rounds.append({"ceiling": ceiling, "tier": ours, "loop": loop})
     finally:
@@ -190,16 +197,29 @@ async def size_rows(host: str, port: int, url: str, cluster: bool, pids: list[in
             "rounds": [{"redis_benchmark_sweep": w, "redis_benchmark": c, "tier": t}
                        for w, c, t in zip(sweeps, ceilings, rates, strict=True)],
         }
-        if base == "SET" and not cluster:
-            loops = [r["loop"][True] for r in rounds]
-            row["socket_loop_distinct_gbps"] = max(loops)
-            row["socket_loop_one_value_gbps"] = max(r["loop"][False] for r in rounds)
-            row["socket_loop_distinct_vs_ceiling"] = statistics.median(
-                lp / c for lp, c in zip(loops, ceilings, strict=True)
-            )
-            row["tier_vs_socket_loop"] = statistics.median(t / lp for t, lp in zip(rates, loops, strict=True))
+        if not cluster:
+            row.update(loop_columns(base, [r["loop"] for r in rounds], rates, ceilings))
         rows.append(row)
     return rows
+
+
+def loop_columns(command: str, loops: list[dict], rates: list[float], ceilings: list[float]) -> dict:
+    """The bare socket loops of each round next to the tier and redis-benchmark: for SET the distinct-payload
+    loop (and the one-payload loop); for GET the drained-batch loop (and the stream)."""
+    compared, other = ("distinct", "one value") if command == "SET" else ("drained", "stream")
+    kept = [loop[compared] for loop in loops]
+    others = [loop[other] for loop in loops]
+    slug, other_slug = compared.replace(" ", "_"), other.replace(" ", "_")
+    return {
+        f"socket_loop_{slug}_gbps": max(kept),
+        f"socket_loop_{other_slug}_gbps": max(others),
+        f"socket_loop_{slug}_vs_ceiling": statistics.median(lp / c for lp, c in zip(kept, ceilings, strict=True)),
+        f"socket_loop_{other_slug}_vs_ceiling": statistics.median(
+            lp / c for lp, c in zip(others, ceilings, strict=True)
+        ),
+        "tier_vs_socket_loop": statistics.median(t / lp for t, lp in zip(rates, kept, strict=True)),
+        "socket_loop_compared": compared,
+    }
 
 
 def check_rates() -> list[dict]:
@@ -233,19 +253,26 @@ def print_table(rows: list[dict], checks: list[dict], info: dict) -> None:
           f"{'tier/ceil':>10}{'tier/sweep':>11}{'loop':>7}{'tier/loop':>10}{'cpu us/value':>13}{'server us':>10}"
           "   (GB/s)")
     for r in rows:
-        loop = f"{r['socket_loop_distinct_gbps']:>7.2f}{r['tier_vs_socket_loop']:>10.2f}" if "tier_vs_socket_loop" \
-            in r else f"{'':>17}"
+        compared = r.get("socket_loop_compared", "").replace(" ", "_")
+        loop = f"{'':>17}"
+        if compared:
+            loop = f"{r[f'socket_loop_{compared}_gbps']:>7.2f}{r['tier_vs_socket_loop']:>10.2f}"
         print(f"{r['target']:<11}{r['size']:>7} {r['op']:<13}{r['redis_benchmark_gbps']:>11.2f}"
               f" {r['redis_benchmark_setting']:<12}{r['redis_benchmark_sweep_gbps']:>6.2f}{r['tier_gbps']:>6.2f}"
               f"{r['tier_vs_ceiling']:>10.2f}{r['tier_vs_sweep']:>11.2f}{loop}"
               f"{r['tier_client_cpu_us_per_value']:>13.1f}{r['server_cpu_us_per_value']:>10.1f}")
-    print(f"\n{'SET':<11}{'size':>7}  {'redis-bench':>11}  {'loop, 1 value':>13}  {'loop, distinct':>14}"
-          f"  {'loop/ceil':>9}  {'tier':>6}  (GB/s; loop/ceil: the distinct loop, median of the rounds)")
+    print(f"\n{'loops':<11}{'size':>7}  {'cmd':<4}{'redis-bench':>11}  {'loop':>14}  {'loop/ceil':>9}"
+          f"  {'other loop':>16}  {'other/ceil':>10}  {'tier':>6}  (GB/s; ratios: medians of the rounds)")
     for r in rows:
-        if r["op"] == "SET" and "socket_loop_one_value_gbps" in r:
-            print(f"{r['target']:<11}{r['size']:>7}  {r['redis_benchmark_gbps']:>11.2f}"
-                  f"  {r['socket_loop_one_value_gbps']:>13.2f}  {r['socket_loop_distinct_gbps']:>14.2f}"
-                  f"  {r['socket_loop_distinct_vs_ceiling']:>9.2f}  {r['tier_gbps']:>6.2f}")
+        if r["op"] not in ("SET", "GET") or "socket_loop_compared" not in r:
+            continue
+        compared = r["socket_loop_compared"]
+        other = "one value" if compared == "distinct" else "stream"
+        slug, other_slug = compared.replace(" ", "_"), other.replace(" ", "_")
+        print(f"{r['target']:<11}{r['size']:>7}  {r['op']:<4}{r['redis_benchmark_gbps']:>11.2f}"
+              f"  {compared:>8} {r[f'socket_loop_{slug}_gbps']:>5.2f}  {r[f'socket_loop_{slug}_vs_ceiling']:>9.2f}"
+              f"  {other:>10} {r[f'socket_loop_{other_slug}_gbps']:>5.2f}"
+              f"  {r[f'socket_loop_{other_slug}_vs_ceiling']:>10.2f}  {r['tier_gbps']:>6.2f}")
     print(f"\n{'value check':<11}{'size':>7}  {'xxh3 hot':>8}  {'xxh3 cold':>9}  {'keyed MAC':>9}   (GB/s)")
     for r in checks:
         print(f"{'':<11}{r['size']:>7}  {r['xxh3_hot_gbps']:>8.2f}  {r['xxh3_cold_gbps']:>9.2f}  {r['mac_gbps']:>9.2f}")
