@@ -43,33 +43,13 @@ def redis_benchmark(
 ) -> tuple[dict[str, float], bool]:
     """GB/s per command of one redis-benchmark run, and whether it ran to the end."""
     requests = max(MIN_REQUESTS, REQUEST_BYTES // value_bytes)
-    argv = [
-        "redis-benchmark",
-        "-h",
-        host,
-        "-p",
-        str(port),
-        "-t",
-        ops,
-        "-d",
-        str(value_bytes),
-        "-n",
-        str(requests),
-        "-r",
-        str(KEYSPACE),
-        "-c",
-        str(clients),
-        "-P",
-        str(pipeline),
-        "-q",
-    ]
+    argv = ["redis-benchmark", "-h", host, "-p", str(port), "-t", ops, "-d", str(value_bytes),
+            "-n", str(requests), "-r", str(KEYSPACE), "-c", str(clients), "-P", str(pipeline), "-q"]
     if cluster:
         argv.append("--cluster")
     result = subprocess.run(argv, capture_output=True, text=True)
-    rates = {
-        op: float(rps) * value_bytes / GB
-        for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", result.stdout)
-    }
+    rates = {op: float(rps) * value_bytes / GB
+             for op, rps in re.findall(r"(SET|GET): ([\d.]+) requests per second", result.stdout)}
     return rates, result.returncode == 0
 
 
@@ -83,12 +63,8 @@ def sweep(host: str, port: int, value_bytes: int, cluster: bool) -> dict[str, di
                 best["failed"]["settings"].append(f"-c {clients} -P {pipeline}")
             for op, rate in rates.items():
                 if rate > best.get(op, {}).get("gbps", 0.0):
-                    best[op] = {
-                        "gbps": rate,
-                        "setting": f"-c {clients} -P {pipeline}",
-                        "clients": clients,
-                        "pipeline": pipeline,
-                    }
+                    best[op] = {"gbps": rate, "setting": f"-c {clients} -P {pipeline}",
+                                "clients": clients, "pipeline": pipeline}
     return best
 
 
@@ -164,8 +140,9 @@ def socket_get_rate(
                     sock.sendall(b"".join(gets[sent:ahead]))
                     sent = ahead
                 received = sock.recvmsg_into([head, dests[index % len(dests)], tail], 0, socket.MSG_WAITALL)[0]
-                if received != len(head) + size + len(tail):
-                    raise ConnectionError(f"GET loop: a reply of {received} bytes, expected {len(head) + size + 2}")
+                expected = len(head) + size + len(tail)
+                if received != expected:
+                    raise ConnectionError(f"GET loop: a reply of {received} bytes, expected {expected}")
         rate = count * size / (time.perf_counter() - started) / GB
         sock.sendall(b"*1\r\n$8\r\nFLUSHALL\r\n")
         sock.recv(64)

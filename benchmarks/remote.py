@@ -73,6 +73,8 @@ GB = 1e9
 MICROSECONDS = 1e6
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 OPS = ("SET", "SET, hashing", f"SET x{OUTSTANDING}", "GET", f"GET x{OUTSTANDING}")
+LOOPS = {"SET": ("distinct", "one_value"), "GET": ("drained", "stream")}
+"""Per command, the bare loop the tier is compared with (it sends or asks as the tier does), then the other."""
 
 
 def server_cpu_s(pids: list[int]) -> float:
@@ -165,7 +167,7 @@ async def size_rows(host: str, port: int, url: str, cluster: bool, pids: list[in
             window = RedisOptions().window_for(block)
             loop = None if cluster else {
                 "distinct": socket_loop_rate(host, port, passes.data, passes.values, window, True),
-                "one value": socket_loop_rate(host, port, passes.data, passes.values, window, False),
+                "one_value": socket_loop_rate(host, port, passes.data, passes.values, window, False),
                 "stream": socket_get_rate(host, port, passes.data, passes.dests[0], passes.values, window, None),
                 "drained": socket_get_rate(
                     host, port, passes.data, passes.dests[0], passes.values, window, len(passes.batches[0])
@@ -204,22 +206,19 @@ async def size_rows(host: str, port: int, url: str, cluster: bool, pids: list[in
 
 
 def loop_columns(command: str, loops: list[dict], rates: list[float], ceilings: list[float]) -> dict:
-    """The bare socket loops of each round next to the tier and redis-benchmark: for SET the distinct-payload
-    loop (and the one-payload loop); for GET the drained-batch loop (and the stream)."""
-    compared, other = ("distinct", "one value") if command == "SET" else ("drained", "stream")
+    """The bare socket loops of each round next to the tier and redis-benchmark (``LOOPS``: for SET the
+    distinct-payload loop, then the one-payload loop; for GET the drained-batch loop, then the stream)."""
+    compared, other = LOOPS[command]
+    columns: dict = {"socket_loop_compared": compared}
+    for name in (compared, other):
+        runs = [loop[name] for loop in loops]
+        columns[f"socket_loop_{name}_gbps"] = max(runs)
+        columns[f"socket_loop_{name}_vs_ceiling"] = statistics.median(
+            lp / c for lp, c in zip(runs, ceilings, strict=True)
+        )
     kept = [loop[compared] for loop in loops]
-    others = [loop[other] for loop in loops]
-    slug, other_slug = compared.replace(" ", "_"), other.replace(" ", "_")
-    return {
-        f"socket_loop_{slug}_gbps": max(kept),
-        f"socket_loop_{other_slug}_gbps": max(others),
-        f"socket_loop_{slug}_vs_ceiling": statistics.median(lp / c for lp, c in zip(kept, ceilings, strict=True)),
-        f"socket_loop_{other_slug}_vs_ceiling": statistics.median(
-            lp / c for lp, c in zip(others, ceilings, strict=True)
-        ),
-        "tier_vs_socket_loop": statistics.median(t / lp for t, lp in zip(rates, kept, strict=True)),
-        "socket_loop_compared": compared,
-    }
+    columns["tier_vs_socket_loop"] = statistics.median(t / lp for t, lp in zip(rates, kept, strict=True))
+    return columns
 
 
 def check_rates() -> list[dict]:
@@ -253,7 +252,7 @@ def print_table(rows: list[dict], checks: list[dict], info: dict) -> None:
           f"{'tier/ceil':>10}{'tier/sweep':>11}{'loop':>7}{'tier/loop':>10}{'cpu us/value':>13}{'server us':>10}"
           "   (GB/s)")
     for r in rows:
-        compared = r.get("socket_loop_compared", "").replace(" ", "_")
+        compared = r.get("socket_loop_compared")
         loop = f"{'':>17}"
         if compared:
             loop = f"{r[f'socket_loop_{compared}_gbps']:>7.2f}{r['tier_vs_socket_loop']:>10.2f}"
@@ -266,13 +265,12 @@ def print_table(rows: list[dict], checks: list[dict], info: dict) -> None:
     for r in rows:
         if r["op"] not in ("SET", "GET") or "socket_loop_compared" not in r:
             continue
-        compared = r["socket_loop_compared"]
-        other = "one value" if compared == "distinct" else "stream"
-        slug, other_slug = compared.replace(" ", "_"), other.replace(" ", "_")
+        compared, other = LOOPS[r["op"]]
         print(f"{r['target']:<11}{r['size']:>7}  {r['op']:<4}{r['redis_benchmark_gbps']:>11.2f}"
-              f"  {compared:>8} {r[f'socket_loop_{slug}_gbps']:>5.2f}  {r[f'socket_loop_{slug}_vs_ceiling']:>9.2f}"
-              f"  {other:>10} {r[f'socket_loop_{other_slug}_gbps']:>5.2f}"
-              f"  {r[f'socket_loop_{other_slug}_vs_ceiling']:>10.2f}  {r['tier_gbps']:>6.2f}")
+              f"  {compared:>9} {r[f'socket_loop_{compared}_gbps']:>5.2f}"
+              f"  {r[f'socket_loop_{compared}_vs_ceiling']:>9.2f}"
+              f"  {other:>10} {r[f'socket_loop_{other}_gbps']:>5.2f}"
+              f"  {r[f'socket_loop_{other}_vs_ceiling']:>10.2f}  {r['tier_gbps']:>6.2f}")
     print(f"\n{'value check':<11}{'size':>7}  {'xxh3 hot':>8}  {'xxh3 cold':>9}  {'keyed MAC':>9}   (GB/s)")
     for r in checks:
         print(f"{'':<11}{r['size']:>7}  {r['xxh3_hot_gbps']:>8.2f}  {r['xxh3_cold_gbps']:>9.2f}  {r['mac_gbps']:>9.2f}")
