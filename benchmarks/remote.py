@@ -208,16 +208,16 @@ async def size_rows(host: str, port: int, url: str, cluster: bool, pids: list[in
 def loop_columns(command: str, loops: list[dict], rates: list[float], ceilings: list[float]) -> dict:
     """The bare socket loops of each round next to the tier and redis-benchmark (``LOOPS``: for SET the
     distinct-payload loop, then the one-payload loop; for GET the drained-batch loop, then the stream)."""
-    compared, other = LOOPS[command]
+    compared = LOOPS[command][0]
     columns: dict = {"socket_loop_compared": compared}
-    for name in (compared, other):
+    for name in LOOPS[command]:
         runs = [loop[name] for loop in loops]
         columns[f"socket_loop_{name}_gbps"] = max(runs)
         columns[f"socket_loop_{name}_vs_ceiling"] = statistics.median(
             lp / c for lp, c in zip(runs, ceilings, strict=True)
         )
-    kept = [loop[compared] for loop in loops]
-    columns["tier_vs_socket_loop"] = statistics.median(t / lp for t, lp in zip(rates, kept, strict=True))
+        if name == compared:
+            columns["tier_vs_socket_loop"] = statistics.median(t / lp for t, lp in zip(rates, runs, strict=True))
     return columns
 
 
