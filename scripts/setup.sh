@@ -19,7 +19,7 @@ if [ -n "$missing" ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
-if needs_setup "$VENV" pyproject.toml scripts/setup.sh scripts/venv.sh; then
+if needs_setup "$VENV" pyproject.toml setup.py scripts/setup.sh scripts/venv.sh; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
     "$VENV/bin/python" -m pip install -q -e ".[test,bench,metrics,events,hf]"

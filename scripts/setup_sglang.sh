@@ -12,7 +12,7 @@ VENV=.venv-sglang
 
 bash scripts/setup.sh   # redis-server, openssl (the tests' servers)
 
-if needs_setup "$VENV" pyproject.toml scripts/setup_sglang.sh scripts/venv.sh scripts/sglang-cpu.txt; then
+if needs_setup "$VENV" pyproject.toml setup.py scripts/setup_sglang.sh scripts/venv.sh scripts/sglang-cpu.txt; then
     pip="$VENV/bin/python -m pip install -q"
     $pip --upgrade pip
     $pip "torch==$TORCH_VERSION"

