@@ -3,8 +3,9 @@
 * ``demo``: a multi-turn chat workload on a topology (default: the embedded one).
 * ``simulate``: a timed multi-turn chat workload through a topology, with a
   progress bar, a summary table, a TTFT model, JSON and (with matplotlib) plots.
-* ``inspect``: the validated topology, capacities, and a reachability probe of
-  every remote tier (never raises on an unreachable store).
+* ``inspect``: the validated topology, capacities, and a reachability check of
+  every remote tier and of each of its servers (``tiercache.remote.inspect``;
+  never raises on an unreachable store).
 * ``stats``: the metrics of a running manager, read from its loopback
   ``StatsServer`` (``simulate --stats-port`` starts one; an engine can too), or
   from a JSON file that ``simulate --stats-out`` wrote.
@@ -15,22 +16,17 @@ The simulation core lives in ``tiercache.tools.simulate``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import json
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tiercache.blocks.keys import BlockHasher
-from tiercache.common.units import MS_PER_SECOND
-from tiercache.config import ConfigError, TierCacheConfig, default_config_path, load_config
+from tiercache.config import ConfigError, default_config_path, load_config
 from tiercache.manager.tier_manager import TierManager
+from tiercache.remote.inspect import CHECK_TIMEOUT_S, inspect_topology
 from tiercache.telemetry.prometheus import render_prometheus
-from tiercache.telemetry.stats_server import StatsServer, fetch_stats
-from tiercache.tiers.base import Presence
+from tiercache.telemetry.stats_server import FETCH_TIMEOUT_S, StatsServer, fetch_stats
 from tiercache.tools.demo import format_report, run_workload
 from tiercache.tools.simulate import (
     PRESETS,
@@ -44,10 +40,6 @@ from tiercache.tools.simulate import (
 )
 from tiercache.tools.workload import ChatWorkload
 
-PROBE_TIMEOUT_S = 2.0
-"""How long ``inspect`` waits for each remote operation before calling it unreachable."""
-COLUMNS = (("name", 12), ("type", 11), ("policy", 9))
-"""The tier table's first columns (``TierConfig`` fields) and their least widths."""
 EXIT_CONFIG_ERROR = 2
 EXIT_UNAVAILABLE = 3
 
@@ -107,103 +99,6 @@ def _simulate(args: argparse.Namespace) -> int:
         for path in write_plots([result], out):
             print(f"wrote {path}")
     return 0 if result.mismatched_blocks == 0 else 1
-
-
-def _capacity_text(blocks: int | None, block_bytes: int) -> str:
-    if blocks is None:
-        return "bounded by the store"
-    return f"{blocks} blocks = {blocks * block_bytes / 2**20:.1f} MiB"
-
-
-async def probe_remote(tier: Any, key: bytes, block_bytes: int, timeout: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
-    """Start the tier, write, find and delete a probe block; (reachable, detail). Never raises.
-
-    A failed probe names its cause: the tier's ``last_error`` (every remote keeps
-    one, see ``tiercache.tiers.base``), e.g. ``connect: [Errno 111] Connection
-    refused``. A tier with servers of its own (the regional tier's central and
-    region) is also probed server by server (``probe_stores``): each gets a
-    line, and a server that fails (e.g. rejects the password) makes the tier
-    UNREACHABLE with the cause.
-    """
-    started = time.perf_counter()
-    stores: list[Any] = []
-    try:
-        await asyncio.wait_for(tier.start(), timeout)
-        written = await asyncio.wait_for(tier.put([key], [memoryview(bytes(block_bytes))]), timeout)
-        found = await asyncio.wait_for(tier.contains([key]), timeout)
-        await asyncio.wait_for(tier.delete([key]), timeout)
-        if hasattr(tier, "probe_stores"):
-            stores = await asyncio.wait_for(tier.probe_stores(key), timeout)
-    except (asyncio.TimeoutError, TimeoutError):
-        cause = f" (last error: {tier.last_error})" if getattr(tier, "last_error", None) else ""
-        return False, f"no answer within {timeout:.1f}s{cause}"
-    except Exception as error:
-        return False, f"{type(error).__name__}: {error}"
-    finally:
-        try:
-            await asyncio.wait_for(tier.close(), timeout)
-        except Exception as error:
-            print(f"  (closing {tier.name} failed: {error})", file=sys.stderr)
-    elapsed_ms = (time.perf_counter() - started) * MS_PER_SECOND
-    store_lines = "".join(
-        f"\n    {p.role:<10}{'reachable' if p.ok else 'UNREACHABLE':<13}{p.where}: {p.detail}" for p in stores
-    )
-    failed = [p for p in stores if not p.ok]
-    if failed:
-        return False, "; ".join(f"{p.role} {p.detail}" for p in failed) + store_lines
-    if written == [True] and found == [Presence.HELD]:
-        return True, f"put/contains/delete of a probe block ok in {elapsed_ms:.1f} ms" + store_lines
-    read_back = "ok" if found == [Presence.HELD] else "failed"
-    cause = f" ({tier.last_error})" if getattr(tier, "last_error", None) else ""
-    return False, f"probe write {'ok' if written == [True] else 'failed'}, read back {read_back}{cause}" + store_lines
-
-
-def inspect_topology(config: TierCacheConfig, timeout: float = PROBE_TIMEOUT_S) -> tuple[str, bool]:
-    """A report of the validated topology and remote reachability, and whether every remote answered."""
-    from tiercache.manager.stack import model_namespace
-    from tiercache.tiers import tier_class
-    from tiercache.tiers.base import RemoteContext
-
-    layout = config.layout
-    model = config.model
-    namespace, codec = model_namespace(config)
-    lines = [
-        f"topology: {config.source}",
-        f"model: {model.id} (tp rank {model.tp_rank}, tenant {model.tenant}, lora {model.lora})"
-        + (f"; keyed by {model.secret_env}, key id {namespace.key_id.hex()}" if namespace.key_id else ""),
-        f"layout: {layout.num_layers} layers x {layout.num_kv_heads} kv heads x {layout.head_dim} dims, "
-        f"{layout.dtype}, {layout.block_size} tokens/block, {layout.memory.value}: "
-        f"{layout.bytes_per_block} bytes per block; fingerprint {layout.fingerprint()}",
-        f"exclusive: {config.exclusive}; queues: "
-        + ", ".join(f"{k} {getattr(v, 'value', v)}" for k, v in dataclasses.asdict(config.queues).items()),
-    ]
-    # columns as wide as their longest entry (a plug-in's module path, a long tier name)
-    name_w, type_w, policy_w = (max(w, *(len(getattr(t, f)) + 1 for t in config.tiers)) for f, w in COLUMNS)
-    lines.append(f"{'tier':<{name_w}}{'type':<{type_w}}{'policy':<{policy_w}}{'write policy':<25}capacity")
-    for tier in config.tiers:
-        blocks = tier.capacity_blocks
-        if blocks is None:
-            blocks = getattr(tier.options, "capacity_blocks", None) or None
-        lines.append(
-            f"{tier.name:<{name_w}}{tier.type:<{type_w}}{tier.policy:<{policy_w}}{tier.write_policy.value:<25}"
-            f"{_capacity_text(blocks, layout.bytes_per_block)}"
-        )
-    remotes = [t for t in config.tiers if t.type not in ("gpu", "cpu")]
-    all_ok = True
-    if remotes:
-        probe_key = BlockHasher(namespace, layout.block_size).keys([0] * layout.block_size, "tiercache-inspect")[0]
-        lines.append("connectivity:")
-        for tier_config in remotes:
-            try:
-                tier = tier_class(tier_config.type)(
-                    RemoteContext(tier_config.name, codec, layout.bytes_per_block), tier_config.options
-                )
-                ok, detail = asyncio.run(probe_remote(tier, probe_key, layout.bytes_per_block, timeout))
-            except Exception as error:
-                ok, detail = False, f"could not build the tier: {type(error).__name__}: {error}"
-            all_ok &= ok
-            lines.append(f"  {tier_config.name:<12}{'reachable' if ok else 'UNREACHABLE':<13}{detail}")
-    return "\n".join(lines), all_ok
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -284,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", help="validated topology, capacities, remote reachability")
     inspect.add_argument("--config", help="YAML topology (default: the embedded one)")
-    inspect.add_argument("--timeout", type=float, default=PROBE_TIMEOUT_S, help="seconds per remote operation")
+    inspect.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S, help="seconds per remote operation")
     inspect.set_defaults(handler=_inspect)
 
     stats = commands.add_parser("stats", help="metrics of a running manager (its StatsServer) or a stats JSON file")
@@ -292,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--url", help="e.g. http://127.0.0.1:9400 (a StatsServer)")
     source.add_argument("--file", help="a JSON file written by `simulate --stats-out`")
     stats.add_argument("--prometheus", action="store_true", help="print the Prometheus text exposition")
-    stats.add_argument("--timeout", type=float, default=PROBE_TIMEOUT_S)
+    stats.add_argument("--timeout", type=float, default=FETCH_TIMEOUT_S)
     stats.set_defaults(handler=_stats)
     return parser
 

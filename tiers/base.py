@@ -25,6 +25,11 @@ and what this base does for it:
   through ``note_error``; ``tiercache inspect`` prints it).
 - **Bounded close.** ``close`` returns within a bound whatever the store does;
   the base stops the background removals within ``CLEANUP_CLOSE_S``.
+- **Servers checked apart.** ``check_reachability`` (``tiercache inspect``)
+  answers for each server of a tier with several (a cluster's nodes, the
+  regional tier's central and region), so one that fails shows even when the
+  tier as a whole still answers; a tier with one server answers nothing apart
+  (the default), its own calls speak for that server.
 - **One breaker, the lane's.** The engine reaches a remote tier through one
   transfer lane (``tiercache.movement.lanes``), whose circuit breaker is the
   tier's: it sees every call and its deadline. ``breaker_settings`` configures
@@ -163,6 +168,19 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class ServerReachability:
+    """One server of a tier, checked on its own (``RemoteTier.check_reachability``)."""
+
+    role: str
+    """What the server is to its tier: ``central``, ``region``, a cluster's ``node``."""
+    where: str
+    """Its address, without credentials."""
+    ok: bool
+    detail: str
+    """What worked, or why it failed."""
+
+
+@dataclass(frozen=True)
 class RemoteContext:
     """What every remote tier is built with besides its own options."""
 
@@ -228,6 +246,11 @@ class RemoteTier(ABC):
         """
         await self.delete(items)
         return len(items)
+
+    async def check_reachability(self, key: bytes) -> list[ServerReachability]:
+        """After ``start``: each of the tier's servers checked on its own with ``key`` (written, read and deleted
+        where the check writes), for ``tiercache inspect``. The default, for a tier with one server: none apart."""
+        return []
 
     def on_evicted(self, listener: EvictionListener) -> None:
         """Call ``listener(keys)`` whenever the store drops keys by itself (see ``report_evicted``)."""

@@ -1,4 +1,4 @@
-"""What every remote does with a value that fails validation (DESIGN.md, "Failure, bad input and security").
+"""What every remote does with a value that fails validation (docs/architecture.md, "Failure, bad input and security").
 
 A value that fails its check would fail every read while it sits in the store,
 so a remote removes it and the next store of that block rewrites it. But only a

@@ -1,6 +1,6 @@
 """The local tiers and the hierarchy, step by step: pure bookkeeping, no event loop, no waiting.
 
-Each test drives ``LocalTiers`` and ``Hierarchy`` the way the manager does and
+Each test drives ``MemoryTiers`` and ``Hierarchy`` the way the manager does and
 reads the moves they ask for from the outbox, as vLLM's offloading tests drive
 its manager without a worker.
 """
@@ -11,7 +11,7 @@ import pytest
 
 from tiercache.bookkeeping.admission import FillRule, WritePolicy
 from tiercache.bookkeeping.hierarchy import Hierarchy
-from tiercache.bookkeeping.local_tiers import LocalTiers, PinState, Place, Source
+from tiercache.bookkeeping.memory_tiers import MemoryTiers, PinState, Place, Source
 from tiercache.bookkeeping.moves import HostCopy, Reason, RemotePut
 from tiercache.bookkeeping.slots import CapacityError, SlotTable
 from tiercache.policies import make_policy
@@ -36,7 +36,7 @@ def build(
     cpu = SlotTable(cpu_slots, make_policy("lru", cpu_slots)) if cpu_slots else None
     rules = [FillRule(f"remote{i}", policy, 2) for i, policy in enumerate(lanes)]
     return Hierarchy(
-        LocalTiers(gpu, cpu),
+        MemoryTiers(gpu, cpu),
         FillRule("cpu", cpu_policy, 2) if cpu else None,
         rules,
         Metrics(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,15 @@ import yaml
 
 from tiercache.blocks.layout import MemoryOrder
 from tiercache.bookkeeping.admission import WritePolicy
-from tiercache.config import ConfigError, PrefetchPolicy, config_from_dict, default_config_path, load_config, parse_size
+from tiercache.config import (
+    ConfigError,
+    PrefetchPolicy,
+    QueueConfig,
+    config_from_dict,
+    default_config_path,
+    load_config,
+    parse_size,
+)
 
 GOOD = {
     "model": {"id": "m"},
@@ -44,6 +53,18 @@ def test_good_config_is_typed(tmp_path: Path) -> None:
     assert config.tiers[1].capacity_blocks == 64 * 1024 // block_bytes
     assert [t.name for t in config.tiers] == ["gpu", "cpu"]
     assert config.tiers[0].options.device == "cpu"
+
+
+def test_each_prefetch_policy_says_how_long_a_load_may_be_waited_for() -> None:
+    """``timeout``: a deadline that grows with the tokens; ``best_effort``: none; ``wait_complete``: unbounded."""
+    timeout = QueueConfig(
+        prefetch=PrefetchPolicy.TIMEOUT, prefetch_timeout_ms=50.0, prefetch_timeout_ms_per_1k_tokens=20.0
+    )
+    small, large = timeout.prefetch_wait_s(16), timeout.prefetch_wait_s(16_000)
+    assert 0.05 < small < large
+    assert large == pytest.approx(0.05 + 0.32)
+    assert QueueConfig(prefetch=PrefetchPolicy.BEST_EFFORT).prefetch_wait_s(16_000) == 0
+    assert QueueConfig(prefetch=PrefetchPolicy.WAIT_COMPLETE).prefetch_wait_s(16) == math.inf
 
 
 def test_default_config_is_embedded_and_valid() -> None:

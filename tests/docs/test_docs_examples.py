@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from support.doc_references import anchors, missing_paths_and_names, names_something
 
 from tiercache.blocks.paged import PagedKV
 from tiercache.config import TierCacheConfig, config_from_dict
@@ -164,12 +165,6 @@ def test_engine_blocks_are_the_ones_the_engine_suites_run() -> None:
             assert copy.text in served, f"{copy.where}: not a copy of a {engine} block of {page}"
 
 
-def anchors(path: Path) -> set[str]:
-    """GitHub's anchors of a page's headings."""
-    headings = re.findall(r"^#+ (.+)$", path.read_text(), flags=re.MULTILINE)
-    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
-
-
 def test_links_stay_in_the_repository_and_resolve() -> None:
     problems = []
     for path in PAGES:
@@ -185,39 +180,9 @@ def test_links_stay_in_the_repository_and_resolve() -> None:
     assert not problems, "\n".join(problems)
 
 
-TOP_FOLDERS = ("tiercache", "tiers", "policies", "configs", "examples", "scripts", "benchmarks", "docs", "tests")
-PATH_SPAN = re.compile(rf"`((?:{'|'.join(TOP_FOLDERS)})/[\w./-]*)`")
-NAME_SPAN = re.compile(r"`(tiercache(?:\.\w+)+)`")
-PACKAGE_DIRS = {"tiercache.tiers": "tiers", "tiercache.policies": "policies", "tiercache.configs": "configs"}
-"""Where the build's ``package-dir`` mapping takes these packages from."""
-
-
-def module_source(module: str) -> Path | None:
-    """The source file of a module or package of this checkout (found as the build's ``package-dir`` maps it)."""
-    for package, folder in {**PACKAGE_DIRS, "tiercache": "tiercache"}.items():
-        if module == package or module.startswith(package + "."):
-            path = REPO / folder / Path(*module.removeprefix(package).lstrip(".").split("."))
-            source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-            return source if source.exists() else None
-    return None
-
-
-def names_something(dotted: str) -> bool:
-    """Whether ``tiercache.a.b`` is a module of this checkout, or ``tiercache.a.b.Name`` a name that module has."""
-    if module_source(dotted) is not None:
-        return True
-    module, _, name = dotted.rpartition(".")
-    source = module_source(module)
-    return source is not None and re.search(rf"\b{name}\b", source.read_text()) is not None
-
-
 def test_paths_and_module_names_in_the_pages_exist() -> None:
     """A file, folder or module the pages name is in this checkout (so a move shows up here)."""
-    problems = []
-    for path in PAGES:
-        text = path.read_text()
-        problems += [f"{path.name}: `{p}` is not here" for p in PATH_SPAN.findall(text) if not (REPO / p).exists()]
-        problems += [f"{path.name}: `{n}` names nothing" for n in NAME_SPAN.findall(text) if not names_something(n)]
+    problems = [f"{path.name}: {problem}" for path in PAGES for problem in missing_paths_and_names(path.read_text())]
     assert not problems, "\n".join(problems)
 
 

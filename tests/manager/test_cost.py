@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiercache.config.cost import CostConfig
+from tiercache.config.cost_options import CostConfig
 from tiercache.manager.cost import STALE_FLOOR_WEIGHT, CostModel, Verdict
 
 BLOCK_TOKENS = 16

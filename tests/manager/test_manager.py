@@ -215,7 +215,8 @@ def test_load_without_lower_copies_loads_nothing() -> None:
 
 
 async def test_asyncio_engine_awaits_transfers() -> None:
-    """A client written only against DESIGN.md's API, on an asyncio scheduler."""
+    """A client written only against docs/architecture.md, "The contract with the engine", on an asyncio
+    scheduler."""
     async with TierManager(topology(4, 16)) as manager:
         tokens = np.arange(4 * BLOCK)
         hit = manager.lookup(tokens)

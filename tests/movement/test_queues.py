@@ -12,13 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 from support.manager_helpers import TINY_LAYOUT, block_kv, read_block, topology, write_block
 
 from tiercache.manager.tier_manager import TierManager
 from tiercache.movement.limiter import Priority, PriorityLimiter
-from tiercache.movement.loads import prefetch_deadline_s
 from tiercache.tiers.simulated import SimulatedTier
 
 BLOCK = TINY_LAYOUT["block_size"]
@@ -203,13 +201,6 @@ async def test_an_exploration_never_takes_the_slot_a_load_arriving_next_needs() 
     await two.release("l0")
     assert two.admitted == ["e0", "l0", "e1"]
     await two.finish()
-
-
-def test_timeout_deadline_grows_with_tokens() -> None:
-    small = prefetch_deadline_s(50.0, 20.0, 16)
-    large = prefetch_deadline_s(50.0, 20.0, 16_000)
-    assert 0.05 < small < large
-    assert large == pytest.approx(0.05 + 0.32)
 
 
 # ---- through the manager ---------------------------------------------------------------------

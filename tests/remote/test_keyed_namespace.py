@@ -207,7 +207,7 @@ def test_keyed_values_written_before_keys_depended_on_the_secret_are_misses_left
 
 def test_inspect_shows_the_key_id_never_the_secret(namespace_secrets: dict[str, str]) -> None:
     """Operators compare key ids to check two fleets share a secret; the secret itself is printed nowhere."""
-    from tiercache.cli import inspect_topology
+    from tiercache.remote.inspect import inspect_topology
 
     keyed = config("TC_SECRET_A")
     with TierManager(keyed) as manager:

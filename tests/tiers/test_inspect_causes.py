@@ -2,7 +2,7 @@
 
 Each remote keeps its latest failure in ``last_error`` (the ``RemoteTier``
 base); ``inspect`` prints it on the tier's UNREACHABLE line instead of only
-"probe write failed, read back failed".
+"check write failed, read back failed".
 """
 
 from __future__ import annotations

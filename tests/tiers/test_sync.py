@@ -24,8 +24,8 @@ from support.sync_sites import (
 )
 
 from tiercache.blocks.codec import Codec
-from tiercache.cli import inspect_topology
 from tiercache.manager.tier_manager import TierManager
+from tiercache.remote.inspect import inspect_topology
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, value_version
@@ -334,7 +334,7 @@ async def test_auth_failures_are_named_per_server(
         assert not any(CENTRAL_PASSWORD in m or REGION_PASSWORD in m for m in messages)
 
 
-def test_inspect_probes_central_and_region_apart(guarded: tuple[RedisServer, RedisServer]) -> None:
+def test_inspect_checks_central_and_region_apart(guarded: tuple[RedisServer, RedisServer]) -> None:
     """Issue 11 item 7: a central that rejects the password used to be reported reachable by ``inspect``."""
     central, region = guarded
 

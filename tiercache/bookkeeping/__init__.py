@@ -1,7 +1,7 @@
 """The local tiers' bookkeeping: pure, no threads, no I/O, no bytes; tested step by step.
 
-``slots`` (``SlotTable``: one tier's slots, keys and ref counts under DESIGN's
-entry-state protocol, its policy choosing victims), ``local_tiers`` (the GPU pool
+``slots`` (``SlotTable``: one tier's slots, keys and ref counts under the protocol of
+docs/architecture.md, "Entry state", its policy choosing victims), ``memory_tiers`` (the GPU pool
 and CPU tier read and pinned together; a lookup's pins; the engine's holds),
 ``hierarchy`` (write policies, admission, ``exclusive``, demotions and
 promotions turned into moves), ``admission`` (write policies and hit counts),

@@ -3,20 +3,21 @@
 Pure: it changes slot tables and counters under the manager's lock and turns
 "stored / evicted / committed / loaded" into moves (``tiercache.bookkeeping.moves``) in its
 ``outbox``; the manager runs them and reports back through ``copy_done`` and
-``put_done``. Rules (DESIGN's "Hierarchy"):
+``put_done``. Rules:
 
 * A tier's write policy says how it is filled from the tier above:
   ``write_through`` on store, ``write_back`` on eviction only,
   ``write_through_selective`` once a block was hit ``admit_after_hits`` times,
   on store and on demotion alike (a demoted block below the threshold is
-  dropped and counted as ``not_admitted``).
-* A hit counts once per request, when the engine loads it (``count_hits``),
-  never per lookup (``admission``).
+  dropped and counted as ``not_admitted``); a block read from a slower remote
+  is written into the faster remotes above it (docs/architecture.md, "Hierarchy").
+* A hit counts once per request, when the engine loads it (``count_hits``), never per lookup (``admission``;
+  docs/architecture.md, "Eviction order and prefixes").
 * A CPU victim that a remote still needs keeps its slot, pinned, until its put
-  lands; when the store queue is full it is dropped (counted), never copied aside.
-* A block read from a slower remote is written into the faster remotes above it.
+  lands; when the store queue is full it is dropped (counted), never copied aside (docs/architecture.md, "Entry state").
 * Keys are remembered as written per remote lane (``written_keys``), and forgotten when a read of
-  them fails, so the next store rewrites a value that was lost or corrupted.
+  them fails, so the next store rewrites a value that was lost or corrupted (a damaged one:
+  docs/architecture.md, "Failure, bad input and security").
   Routers hear of a remote's blocks as they land or are served, and of their
   removal only when the remote says so (an answer of "not held", its own
   eviction report), never because a read or a probe failed.
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tiercache.bookkeeping.admission import FillRule, HitCounts, WritePolicy
-from tiercache.bookkeeping.local_tiers import LocalTiers
+from tiercache.bookkeeping.memory_tiers import MemoryTiers
 from tiercache.bookkeeping.moves import HostCopy, Move, Reason, RemotePut
 from tiercache.bookkeeping.slots import CapacityError
 from tiercache.bookkeeping.written_keys import WrittenKeys
@@ -40,7 +41,7 @@ class Hierarchy:
 
     def __init__(
         self,
-        local: LocalTiers,
+        local: MemoryTiers,
         cpu_rule: FillRule | None,
         lanes: Sequence[FillRule],
         metrics: Metrics,

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.bookkeeping.hierarchy import Hierarchy
-from tiercache.bookkeeping.local_tiers import LocalTiers, Place, Source
+from tiercache.bookkeeping.memory_tiers import MemoryTiers, Place, Source
 from tiercache.bookkeeping.slots import SlotTable
 from tiercache.telemetry.counters import Metrics
 
@@ -62,7 +62,7 @@ class LoadPlanner:
     """Plans loads and keeps their pins (see the module docstring); call it under the manager's lock."""
 
     def __init__(
-        self, local: LocalTiers, hierarchy: Hierarchy, metrics: Metrics, *, exclusive: bool, has_remotes: bool,
+        self, local: MemoryTiers, hierarchy: Hierarchy, metrics: Metrics, *, exclusive: bool, has_remotes: bool,
         versioned_remotes: bool,
     ) -> None:
         self.local = local

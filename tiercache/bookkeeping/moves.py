@@ -1,6 +1,6 @@
 """The moves the hierarchy asks for, as values: copies between the local tiers and remote puts.
 
-The pure bookkeeping (``LocalTiers``, ``Hierarchy``) never moves a byte: it
+The pure bookkeeping (``MemoryTiers``, ``Hierarchy``) never moves a byte: it
 decides, under the manager's lock, and appends a move to its outbox. The
 manager hands each move to the queue that runs it (the swap queue for copies,
 the transfer queue for puts) and reports the outcome back to the hierarchy,

@@ -3,7 +3,7 @@
 ``topology`` is the schema and the loader, ``remote`` the remote-only topology an
 engine's adapter loads, ``typed`` builds dataclasses with errors that name the
 file and field, ``checks`` the cross-field and machine checks, ``env`` the
-``TIERCACHE_*`` overrides, ``cost`` the cost model's settings and ``machine``
+``TIERCACHE_*`` overrides, ``cost_options`` the cost model's settings and ``machine``
 what this host can allocate.
 
 Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import importlib.resources
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ from tiercache.common.fields import (
     queue_size,
     worker_count,
 )
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.config.checks import validate_hierarchy, validate_tier
-from tiercache.config.cost import CostConfig
+from tiercache.config.cost_options import CostConfig
 from tiercache.config.env import ENV_PREFIX, apply_env_overrides
 from tiercache.config.typed import ConfigError, build_dataclass
 from tiercache.telemetry.events.config import EventsConfig
@@ -42,6 +44,8 @@ MAX_TP_RANK = 1 << 16
 """Largest tensor-parallel rank accepted."""
 MAX_PREFETCH_MS_PER_1K_TOKENS = 60_000.0
 """Largest per-1k-token growth of the prefetch deadline (a minute per 1k tokens)."""
+TOKENS_PER_K = 1000.0
+"""The tokens of the "1k" in ``prefetch_timeout_ms_per_1k_tokens``."""
 MAX_YAML_DEPTH_HINT = "a YAML document nested less deeply (the parser ran out of recursion)"
 """What a topology too deeply nested for the parser is told it should be."""
 
@@ -110,6 +114,17 @@ class QueueConfig:
         positive_timeout_ms("remote_lookup_timeout_ms", self.remote_lookup_timeout_ms)
         per_1k = self.prefetch_timeout_ms_per_1k_tokens
         number_in_range("prefetch_timeout_ms_per_1k_tokens", per_1k, 0.0, MAX_PREFETCH_MS_PER_1K_TOKENS)
+
+    def prefetch_wait_s(self, tokens: int) -> float:
+        """How long a caller may wait for a load of ``tokens`` tokens (the prefetch policy's one meaning):
+        ``best_effort`` 0 (what arrived by its next look), ``wait_complete`` ``math.inf`` (every block arrived
+        or failed), ``timeout`` a base plus a share that grows with the tokens."""
+        if self.prefetch is PrefetchPolicy.BEST_EFFORT:
+            return 0.0
+        if self.prefetch is PrefetchPolicy.WAIT_COMPLETE:
+            return math.inf
+        per_token_ms = self.prefetch_timeout_ms_per_1k_tokens / TOKENS_PER_K
+        return (self.prefetch_timeout_ms + per_token_ms * tokens) / MS_PER_SECOND
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.load_plan import LoadItem, LoadPlanner
-from tiercache.bookkeeping.local_tiers import LocalTiers, LookupPins, PinState
+from tiercache.bookkeeping.memory_tiers import LookupPins, MemoryTiers, PinState
 from tiercache.bookkeeping.moves import HostCopy, RemotePut
 from tiercache.manager.cost import CostModel
 from tiercache.manager.lookup import Found, PrefixLookup
@@ -33,7 +33,7 @@ class Books:
     """The thread-safe front of one topology's bookkeeping (see the module docstring)."""
 
     def __init__(
-        self, local: LocalTiers, hierarchy: Hierarchy, planner: LoadPlanner | None, lookup: PrefixLookup,
+        self, local: MemoryTiers, hierarchy: Hierarchy, planner: LoadPlanner | None, lookup: PrefixLookup,
         cost: CostModel | None, mover: Mover, metrics: Metrics,
     ) -> None:
         self.local = local

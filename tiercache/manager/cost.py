@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tiercache.config.cost import CostConfig
+from tiercache.config.cost_options import CostConfig
 
 PROBE_WINDOW = 3
 """Probes whose median is the live round trip: a change shows at the second probe after it, and one

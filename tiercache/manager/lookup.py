@@ -1,7 +1,7 @@
 """The lookup: which tier serves each block of a prompt, position by position, and the pins that keep it so.
 
 The one part that reads where a prompt's blocks are: the local tiers' slot
-tables, the remote probes' answers and the cost model's predictions. For a
+tables, the presence cache's answers and the cost model's predictions. For a
 prompt's keys it answers, per position of the longest prefix held by all tiers
 together, the fastest tier holding the block (a block resident on the GPU is
 never fetched from below), cut before the first remote tier slower to fetch
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.bookkeeping.hierarchy import Hierarchy
-from tiercache.bookkeeping.local_tiers import LocalTiers, LookupPins, Place, Source
+from tiercache.bookkeeping.memory_tiers import LookupPins, MemoryTiers, Place, Source
 from tiercache.manager.cost import CostModel, Verdict
-from tiercache.movement.probes import ProbeCache, first_holder
+from tiercache.movement.presence import PresenceCache, first_holder
 from tiercache.tiers.base import Presence
 
 
@@ -88,15 +88,15 @@ class PrefixLookup:
 
     def __init__(
         self,
-        local: LocalTiers,
-        probes: ProbeCache | None,
+        local: MemoryTiers,
+        presence_cache: PresenceCache | None,
         hierarchy: Hierarchy,
         cost: CostModel | None,
         names: TierNames,
         block_size: int,
     ) -> None:
         self.local = local
-        self.probes = probes
+        self.presence_cache = presence_cache
         self.hierarchy = hierarchy
         self.cost = cost
         self.names = names
@@ -112,8 +112,8 @@ class PrefixLookup:
         places = self.local.locate(keys)
         absent: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
         missing = [key for key, place in zip(keys, places, strict=True) if place is None]
-        if missing and self.probes is not None and self.probes.lanes and not local_only:
-            answers = self.probes.answer(missing)
+        if missing and self.presence_cache is not None and self.presence_cache.lanes and not local_only:
+            answers = self.presence_cache.answer(missing)
             if answers is None:
                 return None
             holders = (first_holder(answers, position) for position in range(len(missing)))

@@ -3,7 +3,7 @@
 An engine with its own paged KV pool and its own process for the copies (vLLM's
 KV connector: the scheduler in one process, the workers that own the KV tensors
 in others) hands tiercache everything below the pool: the CPU tier, with its
-policy and write policies, and the remote tiers, with their lanes, probes, cost
+policy and write policies, and the remote tiers, with their lanes, presence cache, cost
 model and events. The engine's scheduler asks it, never waiting:
 
 * ``lookup(keys)``: the longest prefix the CPU tier and the remotes hold, per
@@ -37,9 +37,8 @@ from tiercache.manager.books import Books
 from tiercache.manager.lookup import Found
 from tiercache.manager.stack import Stack
 from tiercache.remote.answers import resolved
+from tiercache.remote.build import START_TIMEOUT_S
 
-START_TIMEOUT_S = 5.0
-"""How long ``start`` waits for the remotes to connect before going on without them."""
 log = logging.getLogger(__name__)
 
 

@@ -2,7 +2,7 @@
 
 The facade (``TierManager``) holds one and runs the API calls against it. The
 parts: the GPU pool and CPU tier (``tiers/``), the remote tiers and their
-transfer lanes and probes, the pure bookkeeping (``LocalTiers``, ``Hierarchy``),
+transfer lanes and the presence cache, the pure bookkeeping (``MemoryTiers``, ``Hierarchy``),
 the lookup (``PrefixLookup``), the swap queue, the load runner, the mover, the
 cost model's explorer, and the background runtime.
 """
@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from tiercache.blocks.codec import Codec
-from tiercache.blocks.keys import BlockHasher, Namespace
+from tiercache.blocks.keys import BlockHasher
 from tiercache.bookkeeping.admission import FillRule
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.load_plan import LoadItem, LoadPlanner
-from tiercache.bookkeeping.local_tiers import LocalTiers
+from tiercache.bookkeeping.memory_tiers import MemoryTiers
 from tiercache.config import TierCacheConfig, TierConfig
 from tiercache.manager.books import Books
 from tiercache.manager.cost import CostModel
@@ -29,14 +28,14 @@ from tiercache.manager.lookup import PrefixLookup, TierNames
 from tiercache.movement.explorer import Explorer
 from tiercache.movement.loads import LoadRunner
 from tiercache.movement.mover import Mover
-from tiercache.movement.probes import ProbeCache
+from tiercache.movement.presence import PresenceCache
 from tiercache.movement.reads import RemoteReader
 from tiercache.movement.runtime import CLOSE_DRAIN_SECONDS, Runtime
 from tiercache.movement.swap import make_swapper
 from tiercache.movement.swap.queue import SwapQueue
 from tiercache.movement.transfers import Transfer
 from tiercache.policies import make_policy
-from tiercache.remote.build import build_remotes, close_remotes, lane_stats, topology_namespace
+from tiercache.remote.build import build_remotes, close_remotes, lane_stats, model_namespace
 from tiercache.telemetry.counters import Metrics
 from tiercache.telemetry.mrc import MissRatioCurve
 from tiercache.telemetry.observer import FleetObserver
@@ -86,8 +85,8 @@ class Stack:
         queues = config.queues
         self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
         self.runtime = Runtime()
-        self.probes = ProbeCache(self.lanes, self.runtime)
-        self.local = LocalTiers(self.gpu.table if self.gpu else None, self.cpu.table if self.cpu else None)
+        self.presence_cache = PresenceCache(self.lanes, self.runtime)
+        self.local = MemoryTiers(self.gpu.table if self.gpu else None, self.cpu.table if self.cpu else None)
         self.events = _event_sink(config)
         self.curves = {
             tier.name: MissRatioCurve(config.mrc.sample_rate, config.mrc.max_samples)
@@ -123,7 +122,7 @@ class Stack:
             self.local, self.hierarchy, self.metrics, exclusive=config.exclusive, has_remotes=bool(self.lanes),
             versioned_remotes=any(lane.tier.capabilities.versioned for lane in self.lanes),
         )
-        self.lookup = PrefixLookup(self.local, self.probes, self.hierarchy, self.cost, self.tier_names,
+        self.lookup = PrefixLookup(self.local, self.presence_cache, self.hierarchy, self.cost, self.tier_names,
                                    self.block_size)
         self.books = Books(self.local, self.hierarchy, planner, self.lookup, self.cost, self.mover, self.metrics)
         self.reader = RemoteReader(self.lanes, self.layout.bytes_per_block, self.books)
@@ -201,14 +200,6 @@ class Stack:
                 "in_flight_copies": self.swap.in_flight if self.swap else 0,
             },
         }
-
-
-def model_namespace(config: TierCacheConfig) -> tuple[Namespace, Codec]:
-    """A topology's namespace (model, layout, rank, tenant, LoRA; keyed with ``model.secret_env``'s secret
-    when set, so its keys depend on it) and the codec of its values."""
-    model = config.model
-    namespace = Namespace(model.id, config.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
-    return topology_namespace(namespace, model.secret_env, config.source)
 
 
 def _event_sink(config: TierCacheConfig) -> Any:

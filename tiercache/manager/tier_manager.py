@@ -1,9 +1,9 @@
-"""TierManager: the engine-facing API (DESIGN's contract) over one topology's ``Stack``.
+"""TierManager: the engine-facing API (docs/architecture.md, "The contract with the engine") over a ``Stack``.
 
 The facade runs the API calls; the parts live in the stack (``tiercache.manager.stack``):
-``LocalTiers`` and ``Hierarchy`` (pure bookkeeping, under one lock), the lookup
+``MemoryTiers`` and ``Hierarchy`` (pure bookkeeping, under one lock), the lookup
 (``PrefixLookup``: which tier serves each block), the swap queue, the transfer
-lanes and probes, the load runner, the mover (the one completion path) and the
+lanes and the presence cache, the load runner, the mover (the one completion path) and the
 background runtime. Bookkeeping changes in short critical sections; the moves it
 asks for are dispatched at the end of each. A remote failure is a miss, never an
 exception in the engine's loop.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import os
 import threading
 import time
@@ -25,12 +26,11 @@ import numpy as np
 import torch
 
 from tiercache.blocks.keys import token_array
-from tiercache.bookkeeping.local_tiers import PinState
+from tiercache.bookkeeping.memory_tiers import PinState
 from tiercache.bookkeeping.slots import CapacityError
-from tiercache.config import PrefetchPolicy, TierCacheConfig, load_config
+from tiercache.config import TierCacheConfig, load_config
 from tiercache.manager.lookup import Lookup
 from tiercache.manager.stack import Stack
-from tiercache.movement.loads import prefetch_deadline_s
 from tiercache.movement.transfers import Transfer, TransferKind
 
 __all__ = ["CapacityError", "Lookup", "TierManager", "Transfer"]
@@ -176,20 +176,16 @@ class TierManager:
         found = hit.found
         if hit.pending or found is None or found.pins.state is not PinState.HELD:
             raise ValueError("load: needs a Lookup that is not pending and was neither loaded nor released")
-        queues = self.config.queues
         ids, plan = self._books.plan_load(found, hit.keys, ids, force_latest)
         transfer = Transfer(TransferKind.LOAD, len(plan), self.block_size, list(ids[: len(plan)]))
         if not plan:
             self._finish(transfer, 0, [])
             return transfer
-        deadline = None
-        if queues.prefetch is PrefetchPolicy.TIMEOUT:
-            deadline = prefetch_deadline_s(
-                queues.prefetch_timeout_ms, queues.prefetch_timeout_ms_per_1k_tokens, len(plan) * self.block_size
-            )
+        wait_s = self.config.queues.prefetch_wait_s(len(plan) * self.block_size)
+        deadline = wait_s if 0 < wait_s < math.inf else None  # a wait of 0 settles at the next poll instead
         running = self.parts.run_load(transfer, plan, force_latest, deadline)
         running.add_done_callback(lambda f: self._complete(transfer, _loaded_tokens(f, self.block_size)))
-        if queues.prefetch is PrefetchPolicy.BEST_EFFORT:
+        if not wait_s:
             with self._lock:
                 self._best_effort.append(transfer)
         return transfer

@@ -4,7 +4,7 @@
 ``LinkObserver``), ``runtime`` (the background event loop), ``limiter``
 (priorities: loads, then stores, then explorations), ``lanes`` (one transfer
 lane per remote tier: limits, deadlines, its breaker), ``reads`` (the one remote
-read path), ``probes`` (the probe cache: remote lookups answered from memory),
+read path), ``presence`` (the presence cache: remote lookups answered from memory),
 ``mover`` (runs the bookkeeping's moves and reports their outcomes), ``loads`` (streamed loads into the GPU pool and the
 prefetch policies), ``explorer`` (the cost model's background fetches),
 ``transfers`` (the ``Transfer`` handle) and ``swap`` (GPU<->CPU copies, the only

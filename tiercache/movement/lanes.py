@@ -16,7 +16,7 @@ in a row open it, for ``LANE_BACKOFF_SECONDS`` doubling to
 after the back-off one call probes the tier again.
 
 A lane reads one tier; ``reads`` walks the lanes of a read fastest first, and
-``probes`` remembers the lookups in flight.
+``presence`` remembers the lookups in flight.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ concurrently and handed over in order: as soon as a chunk's leading blocks are
 in the CPU tier they are copied into their GPU blocks and indexed there
 (``progress_blocks`` grows), so the engine can settle for what has arrived.
 
-The prefetch policies: ``wait_complete`` runs to the end; ``timeout`` settles
-at a deadline; ``best_effort`` settles at the engine's next ``poll``. Settling
+The prefetch policies (how long each lets the engine wait:
+``QueueConfig.prefetch_wait_s``): ``wait_complete`` runs to the end; ``timeout``
+settles at its deadline; ``best_effort`` settles at the engine's next ``poll``. Settling
 or ``cancel`` ends the load after the copy in flight, with what has landed; a
 fetch still in flight then finishes in the background and its blocks stay
 cached in the CPU tier.
@@ -24,8 +25,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from tiercache.bookkeeping.load_plan import LoadItem
-from tiercache.bookkeeping.local_tiers import Source
-from tiercache.common.units import MS_PER_SECOND
+from tiercache.bookkeeping.memory_tiers import Source
 from tiercache.movement.base import Bookkeeper
 from tiercache.movement.lanes import Lane
 from tiercache.movement.reads import RemoteReader
@@ -203,11 +203,3 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) 
     except RuntimeError:
         if not loop.is_closed():
             raise
-
-
-TOKENS_PER_K = 1000.0
-
-
-def prefetch_deadline_s(timeout_ms: float, timeout_ms_per_1k_tokens: float, tokens: int) -> float:
-    """The ``timeout`` prefetch policy's deadline: a base plus a share that grows with the tokens."""
-    return (timeout_ms + timeout_ms_per_1k_tokens * tokens / TOKENS_PER_K) / MS_PER_SECOND

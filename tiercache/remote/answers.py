@@ -1,10 +1,10 @@
-"""What a ``RemoteStore`` answers: a probe's ``ProbeAnswer`` per key, the ``StoreEvent``s of what tiers stored.
+"""What a ``RemoteStore`` answers: a ``PresenceAnswer`` per key asked, the ``StoreEvent``s of what tiers stored.
 
-A probe's presence is DESIGN's three-valued one: ``HELD`` (with the fastest tier
-holding the key), ``ABSENT`` (every tier answered and none holds it) or
-``UNKNOWN`` (some tier could not tell), which is neither a hit nor evidence of
-removal (``tiercache.movement.probes.first_holder`` and ``combined`` read the
-tiers' answers). Answers known without asking a tier come as futures already
+Presence is three-valued (docs/architecture.md, "The contract with the engine"):
+``HELD`` (with the fastest tier holding the key), ``ABSENT`` (every tier answered
+and none holds it) or ``UNKNOWN`` (some tier could not tell), which is neither a
+hit nor evidence of removal (``tiercache.movement.presence.first_holder`` and
+``combined`` read the tiers' answers). Answers known without asking a tier come as futures already
 resolved.
 """
 
@@ -15,20 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.movement.probes import combined, first_holder
+from tiercache.movement.presence import combined, first_holder
 from tiercache.tiers.base import Presence
 
 
 @dataclass(frozen=True, slots=True)
-class ProbeAnswer:
-    """A probe's answer for one key: its presence, and the fastest tier holding it (index) when ``HELD``."""
+class PresenceAnswer:
+    """The tiers' answer for one key: its presence, and the fastest tier holding it (index) when ``HELD``."""
 
     presence: Presence
     tier: int | None = None
 
 
-UNKNOWN = ProbeAnswer(Presence.UNKNOWN)
-ABSENT = ProbeAnswer(Presence.ABSENT)
+UNKNOWN = PresenceAnswer(Presence.UNKNOWN)
+ABSENT = PresenceAnswer(Presence.ABSENT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +39,10 @@ class StoreEvent:
     keys: tuple[bytes, ...]
 
 
-def probe_answer(answers: Sequence[Sequence[Presence]], position: int) -> ProbeAnswer:
-    """A key's ``ProbeAnswer`` from every tier's answer."""
+def presence_answer(answers: Sequence[Sequence[Presence]], position: int) -> PresenceAnswer:
+    """A key's ``PresenceAnswer`` from every tier's answer."""
     presence = combined(answers, position)
-    return ProbeAnswer(presence, first_holder(answers, position) if presence is Presence.HELD else None)
+    return PresenceAnswer(presence, first_holder(answers, position) if presence is Presence.HELD else None)
 
 
 def resolved(value: Any) -> concurrent.futures.Future[Any]:

@@ -1,11 +1,14 @@
-"""The remote tiers of a topology: built, closed and described the same way by every owner.
+"""The remote tiers of a topology: built, started, closed and described the same way by every owner.
 
-``Stack`` (the ``TierManager``'s parts) and ``RemoteStore`` (the remote-only API
-for engines with their own GPU and CPU tiers) both key the namespace with
-``model.secret_env``'s secret when one is named (its keys and values then depend
-on it), build each remote tier with its options and the namespace's codec, give
-each one transfer-queue lane (limiter, breaker, deadlines), report a tier's
-counters the same way and close them within a deadline, through these functions.
+``Stack`` (the ``TierManager``'s and ``LowerTiers``' parts), ``RemoteStore`` (the
+remote-only API for engines with their own GPU and CPU tiers) and ``inspect``
+(``tiercache inspect``) key the namespace with ``model.secret_env``'s secret when
+one is named (its keys and values then depend on it) and build each remote tier
+with its options and the namespace's codec, through these functions. The stack
+and the store give each tier one transfer-queue lane (limiter, breaker,
+deadlines), report its counters the same way and close it within a deadline;
+``LowerTiers`` and ``RemoteStore`` wait at most ``START_TIMEOUT_S`` for their
+tiers to start.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import Namespace
 from tiercache.common.units import MS_PER_SECOND
-from tiercache.config.topology import QueueConfig, TierConfig
+from tiercache.config.topology import QueueConfig, TierCacheConfig, TierConfig
 from tiercache.config.typed import ConfigError
 from tiercache.movement.lanes import Lane
 from tiercache.movement.runtime import Runtime
@@ -27,6 +30,9 @@ from tiercache.telemetry.counters import Metrics
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext, RemoteTier
 
+START_TIMEOUT_S = 5.0
+"""How long a start waits for the remote tiers to connect before going on without them (an unreachable store
+is not an error: it reads as misses)."""
 CLOSE_REMOTE_SECONDS = 2.0
 """How long the remote tiers' own ``close`` may take before they are abandoned."""
 
@@ -46,11 +52,24 @@ def topology_namespace(namespace: Namespace, secret_env: str | None, source: str
         raise ConfigError(source, "model.secret_env", expected, str(error)) from None
 
 
+def model_namespace(config: TierCacheConfig) -> tuple[Namespace, Codec]:
+    """A topology's namespace (model, layout, rank, tenant, LoRA; keyed with ``model.secret_env``'s secret
+    when set, so its keys depend on it) and the codec of its values."""
+    model = config.model
+    namespace = Namespace(model.id, config.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+    return topology_namespace(namespace, model.secret_env, config.source)
+
+
+def build_tier(tier: TierConfig, codec: Codec, block_bytes: int) -> RemoteTier:
+    """One remote tier of a topology, with its options and the namespace's codec (not started)."""
+    return tier_class(tier.type)(RemoteContext(tier.name, codec, block_bytes), tier.options)
+
+
 def build_remotes(
     tiers: Sequence[TierConfig], codec: Codec, block_bytes: int, queues: QueueConfig, metrics: Metrics
 ) -> tuple[list[RemoteTier], list[Lane]]:
     """The remote tiers of a topology and one lane each (limiter, breaker, deadlines), fastest first."""
-    remotes = [tier_class(t.type)(RemoteContext(t.name, codec, block_bytes), t.options) for t in tiers]
+    remotes = [build_tier(tier, codec, block_bytes) for tier in tiers]
     timeout_s = queues.remote_lookup_timeout_ms / MS_PER_SECOND
     lanes = [Lane(i, tier, queues.transfer_concurrency, metrics, timeout_s) for i, tier in enumerate(remotes)]
     return remotes, lanes

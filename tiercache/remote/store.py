@@ -1,10 +1,10 @@
 """RemoteStore: a topology's remote tiers for an engine that keeps its own GPU and CPU tiers.
 
-DESIGN's hierarchy ends in remote stores (Redis, Redis Cluster, regional +
-central, file, simulated) below the pinned-CPU swap space. An engine with its
-own GPU pool and CPU tier (vLLM's offloading tiers, SGLang's HiCache) needs only
-that lower part, addressed with its own keys and its own buffers. A
-``RemoteStore`` builds exactly the remote part of a topology, the same way the
+The hierarchy (docs/architecture.md, "Hierarchy") ends in remote stores (Redis,
+Redis Cluster, regional + central, file, simulated) below the pinned-CPU swap
+space. An engine with its own GPU pool and CPU tier (vLLM's offloading tiers,
+SGLang's HiCache) needs only that lower part, addressed with its own keys and
+its own buffers. A ``RemoteStore`` builds exactly the remote part of a topology, the same way the
 ``TierManager``'s stack does: each tier with its options (TLS/AUTH, breakers,
 timeouts), the namespace's codec (with the keyed MAC when ``model.secret_env``
 names a secret), one transfer-queue lane per tier (its limiter, breaker and
@@ -18,13 +18,14 @@ deadlines) and a background runtime. Nothing here touches GPU or CPU tiers.
   one model share entries and different models, dtypes, ranks or secrets
   (``model.secret_env``: ``tiercache.remote.secret``) never do, nor touch each other's
   values; the codec's fingerprint makes a value of another namespace a miss.
-- **Probes** are non-blocking: ``contains`` a future of one ``ProbeAnswer`` (``answers``) per key,
-  the fastest tier that holds it, with DESIGN's three-valued presence: ``HELD``,
+- **Presence** is non-blocking: ``contains`` a future of one ``PresenceAnswer``
+  (``answers``) per key, the fastest tier that holds it, with the three-valued
+  presence of docs/architecture.md, "The contract with the engine": ``HELD``,
   ``ABSENT`` (every tier answered and none holds it) or ``UNKNOWN`` (some tier
   could not tell: timeout, breaker open, garbage), which is neither a hit nor
-  evidence of removal. ``probe`` answers the same from memory, by the engine's
-  own keys, for a scheduler that asks every step (the probe cache,
-  ``tiercache.movement.probes``): None while a probe is in flight.
+  evidence of removal. ``presence`` answers the same from memory, by the engine's
+  own keys, for a scheduler that asks every step (the presence cache,
+  ``tiercache.movement.presence``): None while the tiers' answer is in flight.
 - **Reads** (``read``) fill the caller's buffers (memoryviews of exactly the
   block bytes), trying the tiers fastest first; a block found in a slower tier
   is written back into the faster ones (from a copy, off the read's path).
@@ -63,17 +64,15 @@ from tiercache.blocks.codec import payload_checksum
 from tiercache.blocks.keys import KEY_BYTES, Namespace
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
 from tiercache.movement.lanes import Lane
-from tiercache.movement.probes import ProbeCache
+from tiercache.movement.presence import PresenceCache
 from tiercache.movement.reads import RemoteReader
 from tiercache.movement.runtime import CLOSE_DRAIN_SECONDS, Runtime
-from tiercache.remote.answers import UNKNOWN, ProbeAnswer, StoreEvent, probe_answer, resolved
-from tiercache.remote.build import build_remotes, close_remotes, lane_stats, topology_namespace
+from tiercache.remote.answers import UNKNOWN, PresenceAnswer, StoreEvent, presence_answer, resolved
+from tiercache.remote.build import START_TIMEOUT_S, build_remotes, close_remotes, lane_stats, topology_namespace
 from tiercache.telemetry.counters import Metrics
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 5.0
-"""How long ``start`` waits for the tiers to connect; an unreachable store is not an error (it reads as misses)."""
 STATS_TIMEOUT_S = 1.0
 """How long ``stats`` waits for the background loop to read the tiers' counters."""
 
@@ -101,8 +100,8 @@ class RemoteStore:
         """Every tier's name, fastest first."""
         self.reader = RemoteReader(self.lanes, block_bytes)
         self.runtime = Runtime(name="tiercache-remote")
-        self.probes = ProbeCache(self.lanes, self.runtime, key_map=self.keys)
-        """Remote lookups by the engine's own keys, answered from memory (``probe``); not thread-safe."""
+        self.presence_cache = PresenceCache(self.lanes, self.runtime, key_map=self.keys)
+        """Remote lookups by the engine's own keys, answered from memory (``presence``); not thread-safe."""
         self._max_pending_writes = topology.queues.max_pending_stores
         self._pending_writes = 0
         self._counts: Counter[str] = Counter()
@@ -176,7 +175,7 @@ class RemoteStore:
 
     @property
     def pending(self) -> int:
-        """Probes, reads and writes (and write-backs) not finished yet."""
+        """Presence queries, reads and writes (and write-backs) not finished yet."""
         return self.runtime.pending
 
     def __enter__(self) -> RemoteStore:
@@ -193,27 +192,27 @@ class RemoteStore:
 
     def contains(
         self, keys: Sequence[bytes], *, engine_keys: bool = False
-    ) -> concurrent.futures.Future[list[ProbeAnswer]]:
-        """Per key, which tier holds it (``ProbeAnswer``); never raises, never waits."""
+    ) -> concurrent.futures.Future[list[PresenceAnswer]]:
+        """Per key, which tier holds it (``PresenceAnswer``); never raises, never waits."""
         return self._submit(self._contains(list(keys), engine_keys), [UNKNOWN] * len(keys))
 
-    def probe(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = False) -> list[ProbeAnswer] | None:
-        """Per engine key, which tier holds it, from the probe cache (None while any is in flight); keys not
-        asked before are sent at the next ``flush_probes`` (or now with ``send``). Answers are kept until
-        ``forget_probes(asker)``. Call from one thread (the engine's scheduler)."""
+    def presence(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = False) -> list[PresenceAnswer] | None:
+        """Per engine key, which tier holds it, from the presence cache (None while any is in flight); keys not
+        asked before are sent at the next ``flush_presence`` (or now with ``send``). Answers are kept until
+        ``forget_presence(asker)``. Call from one thread (the engine's scheduler)."""
         if not self._started or self._closed:
             return [UNKNOWN] * len(keys)
-        answers = self.probes.answer(keys, asker, send=send)
-        return None if answers is None else [probe_answer(answers, position) for position in range(len(keys))]
+        answers = self.presence_cache.answer(keys, asker, send=send)
+        return None if answers is None else [presence_answer(answers, position) for position in range(len(keys))]
 
-    def flush_probes(self) -> None:
-        """Send the keys ``probe`` was asked about since the last flush, as one probe per tier."""
+    def flush_presence(self) -> None:
+        """Send the keys ``presence`` was asked about since the last flush, as one ``contains`` per tier."""
         if self._started and not self._closed:
-            self.probes.flush()
+            self.presence_cache.flush()
 
-    def forget_probes(self, asker: Hashable) -> None:
-        """``asker`` (a request) is done: drop the probe answers only it kept."""
-        self.probes.forget(asker)
+    def forget_presence(self, asker: Hashable) -> None:
+        """``asker`` (a request) is done: drop the presence answers only it kept."""
+        self.presence_cache.forget(asker)
 
     def read(
         self,
@@ -276,10 +275,10 @@ class RemoteStore:
             return resolved(failed)
         return self.runtime.submit(coroutine)
 
-    async def _contains(self, keys: list[bytes], engine_keys: bool) -> list[ProbeAnswer]:
+    async def _contains(self, keys: list[bytes], engine_keys: bool) -> list[PresenceAnswer]:
         stored = self.keys(keys) if engine_keys else keys
         answers = await asyncio.gather(*(lane.contains(stored) for lane in self.lanes))
-        found = [probe_answer(answers, position) for position in range(len(keys))]
+        found = [presence_answer(answers, position) for position in range(len(keys))]
         for presence, count in Counter(answer.presence for answer in found).items():
             self._count(f"probe_{presence.value}", count)
         return found
@@ -347,10 +346,11 @@ class RemoteStore:
         return events
 
     def counters(self) -> dict[str, int]:
-        """This store's own counts (probes by presence, read hits per tier, misses, writes); cheap, any thread."""
+        """This store's own counts (keys asked, ``probe_<presence>``; read hits per tier, misses, writes); cheap,
+        any thread."""
         with self._lock:
             counts = Counter(self._counts)
-        for presence, count in list(self.probes.counts.items()):
+        for presence, count in list(self.presence_cache.counts.items()):
             counts[f"probe_{presence.value}"] += count
         return dict(counts)
 

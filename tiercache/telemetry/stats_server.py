@@ -14,6 +14,8 @@ from tiercache.telemetry.counters import Metrics
 from tiercache.telemetry.prometheus import PROMETHEUS_CONTENT_TYPE, render_prometheus
 
 LOOPBACK = "127.0.0.1"
+FETCH_TIMEOUT_S = 2.0
+"""How long ``fetch_stats`` waits for a server's answer by default."""
 
 
 class StatsServer:
@@ -75,7 +77,7 @@ class StatsServer:
         self.close()
 
 
-def fetch_stats(url: str, timeout: float = 2.0) -> dict[str, Any]:
+def fetch_stats(url: str, timeout: float = FETCH_TIMEOUT_S) -> dict[str, Any]:
     """``GET {url}/stats`` from a ``StatsServer`` (raises ``OSError`` when unreachable)."""
     with urllib.request.urlopen(f"{url.rstrip('/')}/stats", timeout=timeout) as response:
         return json.loads(response.read())

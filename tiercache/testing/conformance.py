@@ -24,7 +24,9 @@ damaged values are removed (so the next store rewrites them), values of
 another namespace or secret or format are left in place; the named counters
 move as they should; ``last_error`` names the cause of a failure; ``close``
 returns within a bound, background removals included; a tier that takes
-carried checksums serves what they vouch for and treats a wrong one as damage.
+carried checksums serves what they vouch for and treats a wrong one as damage;
+the servers a tier checks apart (``check_reachability``) answer reachable over a
+reachable store and unreachable over an unreachable one, leaving nothing behind.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from tiercache.testing.harness import (
     namespace,
     opened,
 )
-from tiercache.tiers.base import COUNTED_BY_THE_TIER, LAST_ERROR, Presence, RemoteTier
+from tiercache.tiers.base import COUNTED_BY_THE_TIER, LAST_ERROR, Presence, RemoteTier, ServerReachability
 from tiercache.tiers.invalid_values import INVALID_DELETE_SKIPPED, INVALID_DELETED, INVALID_KEPT
 
 UNKNOWN_FORMAT = 0x7F
@@ -261,6 +263,20 @@ async def check_carried_checksums(harness: StoreHarness) -> None:
     assert await harness.read_raw(blocks.keys[4]) is None, "the value stored with a wrong checksum was not removed"
 
 
+async def check_servers_checked_apart(harness: StoreHarness) -> None:
+    """``check_reachability`` answers ``ServerReachability``s: all reachable over a reachable store (the check's
+    block deleted after), none over an unreachable one; never raises."""
+    key = Blocks.make(1, harness.block_bytes, seed=11).keys[0]
+    async with opened(harness, namespace()) as tier:
+        servers = await bounded(harness, tier.check_reachability(key))
+        await harness.settle(tier)
+    assert all(isinstance(server, ServerReachability) and server.ok for server in servers), servers
+    assert await harness.read_raw(key) is None, "the check left its block in the store"
+    async with opened(harness, namespace(), reachable=False) as tier:
+        servers = await bounded(harness, tier.check_reachability(key))
+    assert not any(server.ok for server in servers), servers
+
+
 class NotTaken(Exception):
     """A check that does not apply to the tier (it lacks the capability the check is about)."""
 
@@ -275,6 +291,7 @@ CHECKS: list[Check] = [
     check_named_counters,
     check_close_is_bounded_with_removals_in_flight,
     check_carried_checksums,
+    check_servers_checked_apart,
 ]
 """Every check, in the order ``RemoteTierContract`` runs them."""
 

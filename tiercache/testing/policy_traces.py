@@ -69,7 +69,7 @@ def multi_turn_chat(
 ) -> Trace:
     """Multi-turn chat: each turn requests its conversation's whole prefix, then new blocks.
 
-    Keys chain (DESIGN.md): a conversation's prefix is one of a few shared system
+    Keys chain (docs/architecture.md, "Key"): a conversation's prefix is one of a few shared system
     prompts followed by blocks private to that conversation, so a turn requests
     the system prompt's keys, every block of the earlier turns, and
     ``blocks_per_turn`` new keys. ``n_active`` conversations are open at a time;

@@ -18,8 +18,6 @@ from tiercache.blocks.paged import PagedKV
 from tiercache.manager.tier_manager import CapacityError, TierManager
 from tiercache.tools.workload import ChatWorkload
 
-LOOKUP_RETRY_SECONDS = 0.0005
-"""Pause between lookups while a remote tier's answer is pending."""
 ALLOCATE_RETRY_SECONDS = 0.001
 """Pause between allocation attempts while the GPU pool is full of pinned blocks."""
 
@@ -83,10 +81,7 @@ def serve(manager: TierManager, tokens: np.ndarray, allocate_attempts: int = 1) 
     ``allocate_attempts`` tries.
     """
     block_size = manager.block_size
-    hit = manager.lookup(tokens)
-    while hit.pending:
-        time.sleep(LOOKUP_RETRY_SECONDS)
-        hit = manager.lookup(tokens)
+    hit = manager.lookup_wait(tokens)
     held = list(hit.gpu_block_ids)
     try:
         fresh = _allocate(manager, len(hit.keys) - len(held), tokens, allocate_attempts)

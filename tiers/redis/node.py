@@ -199,10 +199,11 @@ class Node:
             sock.close()
             raise
 
-    async def call(self, job: RedisJob, lane: int = 0) -> RedisJob:
+    async def call(self, job: RedisJob, lane: int = 0, *, past_breaker: bool = False) -> RedisJob:
         """Run ``job`` on lane ``lane`` (modulo the lanes); failures become its outcomes, never raise.
 
-        While the node's breaker (if any) is open the job is not sent and fails as ``breaker_open``.
+        While the node's breaker (if any) is open the job is not sent and fails as ``breaker_open``, unless
+        ``past_breaker`` (a reachability check asks the server itself).
 
         If the caller is cancelled, the job is told to stop touching the caller's
         buffers and the cancel waits until the lane has let go of them.
@@ -210,7 +211,7 @@ class Node:
         if not job.count:
             return job
         breaker = self.breaker
-        if breaker is not None and not breaker.allow():
+        if breaker is not None and not past_breaker and not breaker.allow():
             job.outcomes[BREAKER_OPEN] += job.count
             job.failure = BREAKER_OPEN  # not asked: no answer at all, never "absent" or "no version"
             return job

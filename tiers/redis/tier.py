@@ -18,6 +18,7 @@ from tiercache.tiers.base import (
     Presence,
     RemoteContext,
     RemoteTier,
+    ServerReachability,
     known_checksums,
     outcome_stats,
 )
@@ -27,7 +28,7 @@ from tiercache.tiers.redis.evictions import EvictionWatcher
 from tiercache.tiers.redis.node import BREAKER_OPEN, WRITE_LANE, Endpoint, Node, server_breaker
 from tiercache.tiers.redis.options import RedisOptions
 from tiercache.tiers.redis.pipelined import RedisJob
-from tiercache.tiers.redis.resp import CRLF
+from tiercache.tiers.redis.resp import CRLF, ServerError
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,15 @@ class RedisTier(RemoteTier):
         self._nodes.clear()
         self._slots = []
 
+    async def check_reachability(self, key: bytes) -> list[ServerReachability]:
+        """A cluster's masters (the seed node while no slot map is known), each on its own: connected (TLS,
+        AUTH) and PINGed. A single server: none apart (the default), the tier's own calls speak for it."""
+        if not self.options.cluster:
+            return []
+        nodes = list(dict.fromkeys(node for node in self._slots if node is not None)) or [self._node(*self._seed)]
+        jobs = await asyncio.gather(*(node.call(ControlJob(b"PING"), past_breaker=True) for node in nodes))
+        return [_node_reachability(node, job) for node, job in zip(nodes, jobs, strict=True)]
+
     # -- batched operations ---------------------------------------------
 
     async def _run(
@@ -290,3 +300,11 @@ class RedisTier(RemoteTier):
         out["connects"] = float(sum(node.connects for node in self._nodes.values()))
         out["connections_replaced"] = float(sum(node.replaced for node in self._nodes.values()))
         return out
+
+
+def _node_reachability(node: Node, ping: ControlJob) -> ServerReachability:
+    """What a PING of one cluster node says of it."""
+    if ping.failure is None and not isinstance(ping.reply, ServerError):
+        return ServerReachability("node", node.address, True, "PING ok")
+    cause = ping.reply.message if isinstance(ping.reply, ServerError) else ping.error or ping.failure
+    return ServerReachability("node", node.address, False, f"PING failed: {cause}")

@@ -1,6 +1,6 @@
-"""The ``regional`` tier: regional Redis stores synced with a central one (DESIGN.md, "Central and regional sync").
+"""The ``regional`` tier: regional Redis stores synced with a central one.
 
-One concept per module:
+The design is docs/architecture.md, "Central and regional sync". One concept per module:
 
 - ``options``: ``RegionalOptions`` (the YAML ``options``) and ``SyncMode``.
 - ``tier``: ``RegionalTier``, the ``RemoteTier`` (reads, read-through,
@@ -14,7 +14,7 @@ One concept per module:
 - ``invalidation``: drops stale regional copies on central's published updates.
 - ``diagnosis``: names, counts and logs why calls fail (auth, ACL, OOM, unreachable).
 - ``retention``: checks at start that a full central will not stop replication.
-- ``probe``: probes central and region apart (``tiercache inspect``).
+- ``reachability``: checks central and region apart (``tiercache inspect``).
 """
 
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode

@@ -2,7 +2,7 @@
 
 Central and region are each reached, for the control plane (Lua scripts,
 pub/sub, CONFIG; the data path is ``plane``), through one ``GuardedClient``: a
-redis-py asyncio client without client-side retries (``tiers/redis/control``: a
+redis-py asyncio client without client-side retries (``tiers/redis/control.py``: a
 failure becomes a miss upstream at once), a ``CircuitBreaker`` so that, once a
 server is found dead, calls fail immediately instead of each waiting for its
 socket timeout, and a ``Diagnosis`` that names, counts and logs why calls fail

@@ -1,4 +1,4 @@
-"""The YAML ``options`` of a ``regional`` tier, and its modes (DESIGN.md, "Central and regional sync").
+"""The YAML ``options`` of a ``regional`` tier, and its modes (docs/architecture.md, "Central and regional sync").
 
 Each field's docstring says what it does. The connection options are the Redis
 tier's own fields, inherited from ``RedisServerOptions`` (``tiers/redis/options.py``:
@@ -56,7 +56,7 @@ def _deprecated(old: str) -> None:
 
 
 class SyncMode(enum.Enum):
-    """Where engines read and write (DESIGN.md)."""
+    """Where engines read and write (docs/architecture.md, "Central and regional sync")."""
 
     CENTRAL = "central"
     """Read and write the central store directly."""

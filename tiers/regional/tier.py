@@ -15,12 +15,12 @@ timed out, its breaker open), a force_latest read is a miss, this node's own
 unreplicated writes included: a regional copy is never presented as latest
 without central's word.
 
-Decisions where DESIGN.md is silent: a regional put is acknowledged when the
-region stored it or, with the region down, when it was queued for central; a
-full replication queue drops the replication (counted), leaving an unversioned
-regional copy that force_latest reads of other nodes bypass; ``delete`` removes
-the regional copy (and, in ``central`` mode, the central one) without a
-tombstone version.
+Decisions where docs/architecture.md, "Central and regional sync" is silent: a
+regional put is acknowledged when the region stored it or, with the region
+down, when it was queued for central; a full replication queue drops the
+replication (counted), leaving an unversioned regional copy that force_latest
+reads of other nodes bypass; ``delete`` removes the regional copy (and, in
+``central`` mode, the central one) without a tombstone version.
 
 Data path: reads, writes, EXISTS and deletes run on the Redis tier's nodes
 (``plane``: its connections, TLS/AUTH, capacity check and breaker); plain reads
@@ -36,7 +36,7 @@ from the store it was read from in the background (the ``RemoteTier`` base's
 failures of central and region are counted by cause (``diagnosis``: NOAUTH,
 WRONGPASS, NOPERM, OOM, unreachable) and the latest is ``last_error``; a full
 central that refuses commits gets room made by removing its oldest values
-(``room``); ``close`` is bounded (``tiers/shutdown``).
+(``room``); ``close`` is bounded (``tiers/shutdown.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import ClassVar
 
 from tiercache.blocks.codec import Decoded, DecodeStatus
 from tiercache.common.units import MS_PER_SECOND
-from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, known_checksums
+from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, ServerReachability, known_checksums
 from tiercache.tiers.redis.control import connect
 from tiercache.tiers.regional.client import GuardedClient
 from tiercache.tiers.regional.diagnosis import Diagnosis
@@ -56,7 +56,7 @@ from tiercache.tiers.regional.invalidation import Invalidator
 from tiercache.tiers.regional.options import RegionalOptions, SyncMode
 from tiercache.tiers.regional.own_writes import OwnWrites
 from tiercache.tiers.regional.plane import Plane, Read
-from tiercache.tiers.regional.probe import StoreProbe, probe_central, probe_region
+from tiercache.tiers.regional.reachability import check_central, check_region
 from tiercache.tiers.regional.replicator import ReplicationItem, Replicator
 from tiercache.tiers.regional.retention import Retention, check_retention
 from tiercache.tiers.regional.stores import CentralStore, Damaged, RegionStore, discard_damaged
@@ -169,14 +169,14 @@ class RegionalTier(RemoteTier):
         abandoned += await stop_tasks(clients, grace_s=half_s, cancel_s=half_s, what=self.name)
         self.counters["close_abandoned"] += abandoned
 
-    async def probe_stores(self, key: bytes) -> list[StoreProbe]:
-        """Probe central and (in regional mode) the region separately, after ``start``; never raises."""
+    async def check_reachability(self, key: bytes) -> list[ServerReachability]:
+        """Central and (in regional mode) the region, each checked on its own (``reachability``)."""
         assert self.central is not None
         value = self.codec.encode_value(key, bytes(self.block_bytes))
-        probes = [await probe_central(self.central, key, value)]
+        servers = [await check_central(self.central, key, value)]
         if self.region is not None:
-            probes.append(await probe_region(self.region, key, value))
-        return probes
+            servers.append(await check_region(self.region, key, value))
+        return servers
 
     async def flush(self) -> None:
         """Wait until this node's queued replications have been committed or given up."""

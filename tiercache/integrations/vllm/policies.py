@@ -21,7 +21,7 @@ How vLLM's CPU manager drives a policy maps onto tiercache's few operations
   it checks that n chunks can go before the policy evicts any.
 
 Replaying a trace through vLLM's ``CPUOffloadingManager`` therefore gives
-libCacheSim's hits (``tests/integrations/vllm/test_policies.py``).
+libCacheSim's hits (``tests/engines/vllm/test_vllm_policies.py``).
 """
 
 # ruff: noqa: E402 - vLLM is imported after the version check below

@@ -10,9 +10,9 @@ the config keys are the constructor's keyword arguments.
 
 - Keys: vLLM's ``OffloadKey`` (block hash + KV group) inside the namespace of
   ``namespace.vllm_namespace`` (model, dtype, chunk bytes, parallel sizes and rank).
-- ``lookup`` answers from memory (the store's probe cache, ``RemoteStore.probe``):
-  RETRY while a probe is in flight, never a wait; a step's new keys go out as one
-  probe at ``on_schedule_end``. A HIT makes vLLM reserve a primary row; ``submit_load``
+- ``lookup`` answers from memory (the store's presence cache, ``RemoteStore.presence``):
+  RETRY while the tiers' answer is in flight, never a wait; a step's new keys go out
+  as one ``contains`` per tier at ``on_schedule_end``. A HIT makes vLLM reserve a primary row; ``submit_load``
   later reads straight into ``primary_kv_view`` rows, ``submit_store`` writes
   straight from them (no copy in Python); ``get_finished_jobs`` reports each job
   once, a failed load with the keys that did arrive (their neighbours are MISS
@@ -149,7 +149,7 @@ class TierCacheTier(SecondaryTierManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        answer = self.store.probe([key], req_context.req_id)
+        answer = self.store.presence([key], req_context.req_id)
         if answer is None:
             return LookupResult.RETRY  # vLLM's manager treats a secondary tier's HIT_PENDING like a miss
         return LookupResult.HIT if answer[0].presence is Presence.HELD else LookupResult.MISS
@@ -160,11 +160,11 @@ class TierCacheTier(SecondaryTierManager):
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.store.forget_probes(req_context.req_id)
+        self.store.forget_presence(req_context.req_id)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self.store.flush_probes()
+        self.store.flush_presence()
 
     # -- jobs ----------------------------------------------------------------
 
@@ -208,13 +208,13 @@ class TierCacheTier(SecondaryTierManager):
         if not job.is_promotion:
             return JobResult(job.job_id, False, **timing)
         # marked not held while their requests run, or vLLM would promote them again forever
-        self.store.probes.mark_absent([key for key, ok in zip(job.keys, oks, strict=True) if not ok])
+        self.store.presence_cache.mark_absent([key for key, ok in zip(job.keys, oks, strict=True) if not ok])
         arrived = tuple(key for key, ok in zip(job.keys, oks, strict=True) if ok)
         return JobResult(job.job_id, False, successful_keys=arrived or None, **timing)
 
     @override
     def has_pending_work(self) -> bool:
-        return bool(len(self._jobs)) or self.store.probes.busy
+        return bool(len(self._jobs)) or self.store.presence_cache.busy
 
     @override
     def drain_jobs(self) -> None:

@@ -2,7 +2,7 @@
 
 The messages are msgpack-encoded msgspec structs declared the way vLLM declares
 them in ``vllm/distributed/kv_events.py`` (and copies into its example subscriber,
-``examples/online_serving/kv_events_subscriber.py``): positional arrays
+examples/online_serving/kv_events_subscriber.py of vLLM's repository): positional arrays
 (``array_like``), trailing defaults left out (``omit_defaults``), and each event
 tagged with its class name (``tag=True``), so a ``BlockStored`` goes on the wire as
 ``["BlockStored", [hashes], parent, [tokens], block_size, lora_id, medium]`` and a

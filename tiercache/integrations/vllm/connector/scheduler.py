@@ -1,19 +1,21 @@
 """The scheduler side: tiercache's bookkeeping and remote I/O in vLLM's engine-core process, never blocking it.
 
-Where the state lives (DESIGN's terms): the CPU tier's bookkeeping, its policy,
-the remotes with their lanes, probes, cost model and events are a ``LowerTiers``
-here, in the scheduler's process; the CPU tier's memory is a shared region the
-workers map (``region``); the workers only copy pages between vLLM's blocks and
-its slots, as each step's metadata says (``worker``). Per request:
+Where the state lives: the CPU tier's bookkeeping, its policy, the remotes with
+their lanes, presence cache, cost model and events are a ``LowerTiers``
+(docs/architecture.md, "The contract with the engine") here, in the scheduler's
+process; the CPU tier's memory is a shared region the workers map (``region``);
+the workers only copy pages between vLLM's blocks and its slots, as each step's
+metadata says (``worker``). Per request:
 
 * ``get_num_new_matched_tokens`` looks the prompt's chained keys up beyond
   vLLM's own prefix-cache hit. CPU-resident blocks are pinned at once; blocks
   only a remote holds are read into CPU slots in the background while vLLM is
-  told to ask again (``None``), within the topology's prefetch policy
-  (``wait_complete``: until they arrived or failed; ``timeout``: its deadline;
-  ``best_effort``: not at all). The answer is a sync load of whole blocks that
-  leaves at least one prompt token to compute, so a load failure is recomputed,
-  and the request is never parked waiting for a worker;
+  told to ask again (``None``), as long as the topology's prefetch policy lets
+  a request wait (``QueueConfig.prefetch_wait_s``: ``wait_complete`` until they
+  arrived or failed, ``timeout`` its deadline, ``best_effort`` not at all). The
+  answer is a sync load of whole blocks that leaves at least one prompt token to
+  compute, so a load failure is recomputed, and the request is never parked
+  waiting for a worker;
 * ``update_state_after_alloc`` pairs the pinned slots with vLLM's blocks, and the
   next ``build_connector_meta`` sends them as a load job;
 * every step, blocks that became full (prompt and output) get CPU slots and a
@@ -32,13 +34,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.config.topology import PrefetchPolicy
 from tiercache.integrations.vllm.connector.events import stored_events
 from tiercache.integrations.vllm.connector.identity import block_extra
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.stats import TIER_SEPARATOR, SchedulerCounters
 from tiercache.manager.lower_tiers import HostFetch, LowerTiers
-from tiercache.movement.loads import prefetch_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -134,16 +134,7 @@ class ConnectorScheduler:
 
     def _may_wait(self, state: _Request, blocks: int) -> bool:
         """Whether a request may still be held back for its remote blocks (the topology's prefetch policy)."""
-        policy = self.queues.prefetch
-        if policy is PrefetchPolicy.BEST_EFFORT:
-            return False
-        if policy is PrefetchPolicy.TIMEOUT:
-            queues = self.queues
-            deadline = prefetch_deadline_s(
-                queues.prefetch_timeout_ms, queues.prefetch_timeout_ms_per_1k_tokens, blocks * self.block_size
-            )
-            return time.monotonic() - state.asked_at < deadline
-        return True
+        return time.monotonic() - state.asked_at < self.queues.prefetch_wait_s(blocks * self.block_size)
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: pair the offered slots with the blocks that take them."""

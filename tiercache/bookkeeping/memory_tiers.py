@@ -1,8 +1,8 @@
-"""The local tiers' bookkeeping: where each key lives on the GPU and the CPU, and the pins held on it.
+"""The memory tiers' bookkeeping: where each key lives in GPU and pinned-CPU memory, and the pins held on it.
 
 Pure: no threads, no I/O, no bytes. The two ``SlotTable``s keep the ref-count
-protocol of DESIGN's "Entry state"; this module answers, position by position,
-which local tier can serve each block of a prompt, and keeps the pins a
+protocol of docs/architecture.md, "Entry state"; this module answers, position by position,
+which memory tier can serve each block of a prompt, and keeps the pins a
 ``Lookup`` holds across both tiers until a load takes them over or the lookup is
 released (or dropped unused), and the GPU blocks the engine itself holds.
 """
@@ -115,8 +115,9 @@ class EngineHolds:
             self.gpu.unpin(block)  # type: ignore[union-attr] - a block held means there is a pool
 
 
-class LocalTiers:
-    """The GPU pool's and the CPU tier's slot tables, read and pinned together, and the engine's holds.
+class MemoryTiers:
+    """The GPU pool's and the CPU tier's slot tables (the tiers in memory, not the stores below them), read and
+    pinned together, and the engine's holds.
 
     ``gpu`` is None for ``LowerTiers``: the engine keeps its own pool, which tiercache does not index.
     """

@@ -19,7 +19,8 @@ DEFAULT_MARGIN = 1.0
 
 DEFAULT_PRIOR_BANDWIDTH = 1e9
 """Bytes per second assumed for the per-byte part until fetch sizes that spread tell it: a datacenter
-link's order (10 Gb/s is 1.25 GB/s), and the loopback Redis pipeline DESIGN measures (0.5-3 GB/s)."""
+link's order (10 Gb/s is 1.25 GB/s), below what the Redis tier moved against one loopback server here
+(2.2-5.0 GB/s for 64 KiB to 4 MiB values: docs/benchmarks.md, "Redis tier"; ``benchmarks/remote.json``)."""
 
 
 @dataclass

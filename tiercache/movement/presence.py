@@ -1,7 +1,7 @@
-"""The probe cache: remote lookups asked in the background and answered from memory, per key.
+"""The presence cache: remote lookups asked in the background and answered from memory, per key.
 
-Every remote lookup goes through one ``ProbeCache``: the manager's lookup, and
-through ``RemoteStore.probes`` the engines' adapters (vLLM asks its tiers one key
+Every remote lookup goes through one ``PresenceCache``: the manager's lookup, and
+through ``RemoteStore.presence`` the engines' adapters (vLLM asks its tiers one key
 at a time, every step a request waits). ``answer`` never waits on the network:
 
 * a key not known yet joins the pending batch, sent at once (``send=True``) or at
@@ -12,7 +12,7 @@ at a time, every step a request waits). ``answer`` never waits on the network:
   ``UNKNOWN`` whatever the network does;
 * an answer is kept while an asker that asked for it (a request id) has not
   ``forget``-ten it; one asked without an asker is consumed by that read, so the
-  next lookup asks again. ``UNKNOWN`` is never kept: the next asker probes anew;
+  next lookup asks again. ``UNKNOWN`` is never kept: the next asker asks anew;
 * a key is one block of one chain, so askers share answers per key, never a
   different prompt's (a key names its whole prefix).
 
@@ -35,7 +35,7 @@ from tiercache.movement.runtime import Runtime
 from tiercache.tiers.base import Presence
 
 GIVE_UP_FACTOR = 5.0
-"""A probe not answered within this many remote-lookup timeouts counts as UNKNOWN (a lane's own deadline is
+"""A batch not answered within this many remote-lookup timeouts counts as UNKNOWN (a lane's own deadline is
 one timeout plus its queue; this bounds what a lookup sees if anything below misbehaves)."""
 MAX_REMEMBERED_KEYS = 1 << 16
 """Answers kept for no asker (asked, then never asked again) before the oldest are dropped."""
@@ -46,7 +46,7 @@ Answers = list[list[Presence]]
 
 @dataclass(eq=False)
 class _Batch:
-    """Keys sent as one probe: the future of every lane's answer, when it was sent."""
+    """Keys sent as one batch (one ``contains`` per lane): the future of every lane's answer, when it was sent."""
 
     keys: list[bytes]
     future: concurrent.futures.Future[Answers] | None = None
@@ -77,7 +77,7 @@ def combined(answers: Sequence[Sequence[Presence]], position: int) -> Presence:
     return Presence.ABSENT if all(answer[position] is Presence.ABSENT for answer in answers) else Presence.UNKNOWN
 
 
-class ProbeCache:
+class PresenceCache:
     """Remote lookups answered from memory (see the module docstring)."""
 
     def __init__(
@@ -94,7 +94,7 @@ class ProbeCache:
         self._pending = _Batch([])
         self._in_flight: list[_Batch] = []
         self.counts: Counter[Presence] = Counter()
-        """Keys answered, by their combined presence (``combined``), counted once per probe."""
+        """Keys answered, by their combined presence (``combined``), counted once per batch."""
 
     def answer(self, keys: Sequence[bytes], asker: Hashable | None = None, *, send: bool = True) -> Answers | None:
         """Per lane, each key's presence; None while any of ``keys`` is in flight."""
@@ -125,7 +125,7 @@ class ProbeCache:
         return entry
 
     def flush(self) -> None:
-        """Send the pending keys as one probe; settle probes that answered or passed ``give_up_s``."""
+        """Send the pending keys as one batch; settle batches that answered or passed ``give_up_s``."""
         for batch in list(self._in_flight):
             self._settle(batch)
         batch, self._pending = self._pending, _Batch([])
@@ -147,7 +147,7 @@ class ProbeCache:
         if future.done():
             try:
                 answers = future.result()
-            except BaseException:  # a cancelled probe (closing) reads as 'could not tell'
+            except BaseException:  # a cancelled batch (closing) reads as 'could not tell'
                 answers = [[Presence.UNKNOWN] * len(batch.keys) for _ in self.lanes]
         elif time.monotonic() - batch.sent > self.give_up_s:
             answers = [[Presence.UNKNOWN] * len(batch.keys) for _ in self.lanes]
