@@ -119,7 +119,8 @@ def test_one_exploration_in_flight_per_tier() -> None:
 
 def test_staleness_stops_at_its_floor() -> None:
     """Ten thousand bypasses leave the fit's past at a tenth of a fetch (its floor): its estimate stands until an
-    exploration."""
+    exploration. The fit then weighs that past at its floor; the estimate is the faster of the two fetches seen
+    (``RecentFetches``: a slow one needs a second witness)."""
     model = enabled_model(explore_fraction=1 / 20_000)
     model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, fetch_seconds(SLOW, LOAD_BLOCKS))
     estimate = model.expected_fetch_seconds(TIER, LOAD_BLOCKS)
@@ -128,7 +129,10 @@ def test_staleness_stops_at_its_floor() -> None:
     model.observe_fetch(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_BYTES, fetch_seconds(FAST, LOAD_BLOCKS))
     fast, slow = fetch_seconds(FAST, LOAD_BLOCKS), fetch_seconds(SLOW, LOAD_BLOCKS)
     stale = STALE_FLOOR_WEIGHT * (1 - CostConfig().smoothing)
-    assert model.expected_fetch_seconds(TIER, LOAD_BLOCKS) == pytest.approx((stale * slow + fast) / (stale + 1))
+    prior_part = LOAD_BLOCKS * BLOCK_BYTES / CostConfig().prior_bandwidth_bytes_per_s  # one size: slope at the prior
+    fitted = (stale * slow + fast) / (stale + 1)
+    assert model.stats()["tiers"][TIER]["latency_s"] == pytest.approx(fitted - prior_part)
+    assert model.expected_fetch_seconds(TIER, LOAD_BLOCKS) == pytest.approx(min(fitted, fast))
 
 
 def test_a_tier_slow_in_its_round_trip_is_bypassed_from_the_second_slow_probe() -> None:

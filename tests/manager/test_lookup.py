@@ -24,6 +24,8 @@ WAIT_S = 10.0
 """Upper bound on waiting for background work (a hang detector, never a speed judgement)."""
 SLOW_FETCH_S = 10.0
 """What the cost model is told one fetch of the prompt took: far slower than recomputing its 8 tokens."""
+SLOW_READ_MS = 500.0
+"""What the remote's reads (the explorations') really take: slower than recomputing the 8 tokens (80 ms)."""
 
 
 def engine(**remote_options: Any) -> TierManager:
@@ -90,6 +92,7 @@ def test_retried_lookups_move_no_counter_and_no_cost_schedule() -> None:
         keys = seed(once, tokens)
         seed(retried, tokens)
         for manager in (once, retried):
+            manager.parts.remotes[0].stall("get", SLOW_READ_MS, times=None)  # explorations find it slow too
             with manager._lock:
                 manager.parts.cost.observe_fetch("sim", BLOCKS, BLOCKS * manager.layout.bytes_per_block, SLOW_FETCH_S)
         served_once, served_retried = [], []

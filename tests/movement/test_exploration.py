@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from support.manager_helpers import block_kv, compute_and_store, read_block, topology, until
+from support.manager_helpers import block_kv, compute_and_store, read_block, seed_remote, topology, until
 
 from tiercache.manager.tier_manager import Lookup, TierManager
 
@@ -52,15 +52,7 @@ def engine(
 
 def seed(manager: TierManager, prompts: int) -> list[np.ndarray]:
     """Distinct prompts held by the remote only (so every request starts from it)."""
-    tier = manager.parts.remotes[0]
-    seeded = []
-    for index in range(prompts):
-        tokens = np.arange(PROMPT_BLOCKS * BLOCK) + 1000 * (index + 1)
-        for key in manager.hasher.keys(tokens):
-            payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
-            tier.store.save(key, tier.codec.encode_value(key, payload))
-        seeded.append(tokens)
-    return seeded
+    return seed_remote(manager, prompts, PROMPT_BLOCKS)
 
 
 def remote_stats(manager: TierManager) -> dict[str, Any]:
@@ -118,10 +110,12 @@ def test_a_link_that_recovers_is_used_again_without_a_request_waiting_on_an_expl
 
 
 def slow_fit(manager: TierManager) -> None:
-    """Teach the cost model that the remote is far slower than recomputing (one observed 10 s fetch)."""
+    """Teach the cost model that the remote is far slower than recomputing (two observed 10 s fetches: one
+    among fast ones would be a stall)."""
     with manager._lock:
         nbytes = PROMPT_BLOCKS * manager.layout.bytes_per_block
-        manager.parts.cost.observe_fetch("sim", PROMPT_BLOCKS, nbytes, 10.0)
+        for _ in range(2):
+            manager.parts.cost.observe_fetch("sim", PROMPT_BLOCKS, nbytes, 10.0)
 
 
 def test_an_exploration_never_evicts_pinned_blocks_and_is_dropped_when_the_cpu_tier_is_full() -> None:

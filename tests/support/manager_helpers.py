@@ -50,6 +50,18 @@ def block_kv(manager: TierManager, key: bytes) -> torch.Tensor:
     return values.to(manager.layout.torch_dtype)
 
 
+def seed_remote(manager: TierManager, prompts: int, blocks: int) -> list[np.ndarray]:
+    """``prompts`` distinct prompts of ``blocks`` blocks, held by the first remote only (``block_kv`` values)."""
+    tier, seeded = manager.parts.remotes[0], []
+    for index in range(prompts):
+        tokens = np.arange(blocks * manager.block_size) + 1000 * (index + 1)
+        for key in manager.hasher.keys(tokens):
+            payload = block_kv(manager, key).contiguous().view(torch.uint8).numpy().tobytes()
+            tier.store.save(key, tier.codec.encode_value(key, payload))
+        seeded.append(tokens)
+    return seeded
+
+
 def write_block(manager: TierManager, block: int, kv: torch.Tensor) -> None:
     """Write one block's KV (in serialized order) into the pool."""
     PagedKV(manager.layout, manager.gpu.tensors).put_block(block, kv)

@@ -14,7 +14,11 @@ fetch's duration as ``round trip + fixed + bytes * per_byte``:
   the sizes seen cannot tell it: with one fetch size seen, the whole time of a
   fetch is not taken as per-byte (a 16-block load after 1-block fetches of a
   10 ms tier is about 10 ms, not 16 x 10); with sizes that spread, the data
-  decide, the more so the less they scatter around their line.
+  decide, the more so the less they scatter around their line;
+* a stall (a garbage collection or a descheduled thread inside one timed read)
+  is outvoted: the estimate is the fit's, or the median of the last three
+  fetches (``RecentFetches``) where that is lower, so one slow fetch among
+  fast ones changes no verdict (``FETCH_WINDOW`` says the bounds).
 
 ``verdict`` answers fetch or bypass for one tier's part of a request. A bypassed
 tier's fetches are not observed, so a change that only fetches show (a slower
@@ -49,7 +53,17 @@ from tiercache.config.cost_options import CostConfig
 
 PROBE_WINDOW = 3
 """Probes whose median is the live round trip: a change shows at the second probe after it, and one
-probe out of line (a scheduling hiccup) changes nothing."""
+probe out of line (a scheduling hiccup) changes nothing. Of two probes the lower one counts
+(``median_low``): a stall only ever adds time, so a stalled first probe does not set the round trip."""
+FETCH_WINDOW = 3
+"""Recent fetches whose median (the lower one of two) caps the fit's estimate (``RecentFetches``).
+By construction: one stall among any three fetches (or two) never raises the estimate above a fast
+one; a recovered tier is fetched from again once two of its last three fetches are fast, so after at
+most two explorations while it is bypassed, barring a stall in them (one where the fit alone forgets
+its past, about ten times slower than recomputing at most); a lasting slow-down raises the median
+from its second slow fetch, and the estimate with it once the fit is past recomputing too: at the
+second slow fetch for one that takes ``1 / (1 - (1 - smoothing) ** 2)`` times the recompute time
+(2.8 at the default) or more, within a few more for a milder one."""
 MIN_FIT_WEIGHT = 2.0
 """Observations (decayed) a line needs before its scatter says anything: two points always fit exactly."""
 STALE_FLOOR_WEIGHT = 0.1
@@ -135,12 +149,43 @@ class FetchFit:
             return 0.0, self.sum_xy / self.sum_xx if self.sum_xx else 0.0
         return intercept, slope
 
-    def seconds(self, blocks: int, nbytes: int | None = None) -> float:
-        """Expected duration of a fetch of ``blocks`` blocks (``nbytes`` if known, else the mean block size)."""
+    def bytes_of(self, blocks: int, nbytes: int | None = None) -> int:
+        """``nbytes`` if known, else ``blocks`` blocks of the mean size seen."""
         if nbytes is None:
             nbytes = round(blocks * self.sum_x / self.blocks) if self.blocks else 0
+        return nbytes
+
+    def seconds(self, blocks: int, nbytes: int | None = None) -> float:
+        """Expected duration of a fetch of ``blocks`` blocks (``nbytes`` if known, else the mean block size)."""
         fixed, per_byte = self.line()
-        return fixed + per_byte * nbytes
+        return fixed + per_byte * self.bytes_of(blocks, nbytes)
+
+
+@dataclass
+class RecentFetches:
+    """The last ``FETCH_WINDOW`` fetches as (bytes, seconds beyond the round trip): the fit's check on a stall.
+
+    Why a median that only lowers the fit's estimate, rather than a median alone or a fit that rejects
+    outliers: a pause of the engine's process only ever adds time to a fetch, and the two mistakes cost
+    differently. A fetch judged too cheap is timed and corrects the model at once; a tier judged too dear is
+    bypassed and seen again only by an exploration (1 in ``1 / explore_fraction`` bypasses). So slow evidence
+    needs a second witness among the last three before it moves a verdict, while fast evidence (a recovery)
+    counts at once, through the fit as before, and at the latest from the second fast fetch, through this.
+    """
+
+    samples: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=FETCH_WINDOW))
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        """One fetch of ``nbytes`` took ``seconds`` beyond the round trip (the oldest leaves the window)."""
+        self.samples.append((nbytes, seconds))
+
+    def median(self, per_byte: float, nbytes: int) -> float | None:
+        """The median (the lower of two) of the recent fetches, each moved to ``nbytes`` along the fitted slope
+        ``per_byte``; None before any."""
+        if not self.samples:
+            return None
+        moved = [seconds + per_byte * (nbytes - size) for size, seconds in self.samples]
+        return max(statistics.median_low(moved), 0.0)
 
 
 @dataclass
@@ -148,6 +193,7 @@ class TierCost:
     """One remote tier's fit, live round trip and counters."""
 
     fit: FetchFit
+    recent_fetches: RecentFetches = field(default_factory=RecentFetches)
     recent_probes: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
     fetches_planned: int = 0
     bypassed_slower_than_recompute: int = 0
@@ -163,8 +209,16 @@ class TierCost:
 
     @property
     def round_trip_s(self) -> float | None:
-        """The median of the recent probes (None before any)."""
-        return statistics.median(self.recent_probes) if self.recent_probes else None
+        """The median of the recent probes, the lower of two (None before any)."""
+        return statistics.median_low(self.recent_probes) if self.recent_probes else None
+
+    def fetch_seconds(self, blocks: int, nbytes: int | None = None) -> float:
+        """Expected time of a fetch beyond the round trip: the fit's, or the recent fetches' median if lower."""
+        nbytes = self.fit.bytes_of(blocks, nbytes)
+        fixed, per_byte = self.fit.line()
+        fitted = fixed + per_byte * nbytes
+        recent = self.recent_fetches.median(per_byte, nbytes)
+        return fitted if recent is None else min(fitted, recent)
 
 
 @dataclass
@@ -188,7 +242,9 @@ class CostModel:
         if blocks <= 0 or seconds < 0:
             return
         state = self._tier(tier)
-        state.fit.add(blocks, nbytes, max(seconds - (state.round_trip_s or 0.0), 0.0))
+        beyond = max(seconds - (state.round_trip_s or 0.0), 0.0)
+        state.fit.add(blocks, nbytes, beyond)
+        state.recent_fetches.add(nbytes, beyond)
         state.observations += 1
 
     def observe_probe(self, tier: str, seconds: float) -> None:
@@ -219,7 +275,7 @@ class CostModel:
         state = self._tiers.get(tier)
         if state is None or not state.observations:
             return None
-        return (state.round_trip_s or 0.0) + state.fit.seconds(blocks, nbytes)
+        return (state.round_trip_s or 0.0) + state.fetch_seconds(blocks, nbytes)
 
     def expected_recompute_seconds(self, tokens: int) -> float | None:
         """Predicted prefill time of ``tokens`` tokens (None while the rate is unknown)."""

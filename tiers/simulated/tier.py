@@ -37,7 +37,9 @@ class SimulatedTier(RemoteTier):
     Besides the options, tests may ``hold(kind)`` an operation kind (``get``, ``put``,
     ``contains``, ``delete``): requests of that kind wait (after the first
     ``allow`` of them) until ``unhold(kind)``, which makes orderings deterministic
-    without wall-clock sleeps. ``set_down`` switches the store off and on.
+    without wall-clock sleeps. ``set_down`` switches the store off and on. ``stall(kind, ms)``
+    makes the next request of that kind take ``ms`` longer, as a pause of the process would (a
+    garbage collection inside a timed read); ``times=None`` slows every one until ``stall(kind, 0)``.
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -57,6 +59,7 @@ class SimulatedTier(RemoteTier):
         self._down = False
         self._gates: dict[str, asyncio.Event] = {}
         self._allowed: dict[str, int] = {}
+        self._stalls: dict[str, tuple[float, int | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.calls = dict.fromkeys(OP_KINDS, 0)
         self.keys_requested = dict.fromkeys(OP_KINDS, 0)
@@ -108,6 +111,31 @@ class SimulatedTier(RemoteTier):
         else:
             gate.set()
 
+    def stall(self, kind: str, ms: float, times: int | None = 1) -> None:
+        """Make the next ``times`` requests of ``kind`` (every one while None) take ``ms`` longer, on top of the
+        latency; ``ms`` 0 ends a stall. Set it between requests (it replaces a stall still counting down)."""
+        if kind not in OP_KINDS:
+            raise ValueError(f"kind must be one of {OP_KINDS}, got {kind!r}")
+        if ms < 0 or (times is not None and times < 0):
+            raise ValueError(f"ms and times must be >= 0, got {ms!r} and {times!r}")
+        if ms and times != 0:
+            self._stalls[kind] = (ms, times)
+        else:
+            self._stalls.pop(kind, None)
+
+    def _stalled_ms(self, kind: str) -> float:
+        """The stall this request of ``kind`` takes (counted down)."""
+        stall = self._stalls.get(kind)
+        if stall is None:
+            return 0.0
+        ms, times = stall
+        if times is not None:
+            if times <= 1:
+                del self._stalls[kind]
+            else:
+                self._stalls[kind] = (ms, times - 1)
+        return ms
+
     def corrupt(self, key: bytes) -> None:
         """Flip a stored payload byte of ``key`` (its checksum no longer matches)."""
         value = self.store.data.get(key)
@@ -133,7 +161,7 @@ class SimulatedTier(RemoteTier):
             else:
                 await gate.wait()
         options = self.options
-        delay = options.latency_ms + self._rng.uniform(0.0, options.jitter_ms)
+        delay = options.latency_ms + self._rng.uniform(0.0, options.jitter_ms) + self._stalled_ms(kind)
         if delay:
             await asyncio.sleep(delay / MS_PER_SECOND)
         if self._is_down():
