@@ -1,8 +1,9 @@
 """A block's identity and shape: what a cached block is, on any tier.
 
 ``keys`` (the namespace and the chained block keys, stable across processes and
-hosts), ``layout`` (``KVLayout``: the bytes of a block and how a pool holds them),
-``paged`` (``PagedKV``: the paged view attention reads) and ``codec`` (a stored
+hosts), ``model_identity`` (``ModelIdentity``: when two models' KV is interchangeable,
+the one rule every adapter uses), ``layout`` (``KVLayout``: the bytes of a block and
+how a pool holds them), ``paged`` (``PagedKV``: the paged view attention reads) and ``codec`` (a stored
 value's header, checksum or keyed MAC, and optional compression).
 
 Imports from: ``common``.

@@ -1,17 +1,17 @@
 """A model never reuses another model's KV through ``CachedModel``, even when both have one KV shape.
 
 The topology's namespace (``model.id``, layout) cannot tell two models of one
-KV shape apart; ``CachedModel`` mixes the model's identity into its keys: its
-config, ``name_or_path`` and dtype, and the weights' digest where nothing else
-names them (a model built from a config) or where asked (``weights_digest=True``,
-for a fine-tune that keeps its base's config and name). Each case below runs
-two real tiny ``transformers`` models on one manager: the second must reuse
-nothing of the first's KV and give its own plain result, bit for bit; the same
-model, loaded twice, must still share.
+KV shape apart; ``CachedModel`` mixes the model's identity into its keys (the
+core's ``ModelIdentity``: config, dtype and a digest of the weights in memory,
+never the name or path). Each case below runs two real tiny ``transformers``
+models on one manager: the second must reuse nothing of the first's KV and give
+its own plain result, bit for bit; the same checkpoint, loaded twice or copied
+to another directory, must still share.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ def test_another_config_of_the_same_kv_shape_reuses_nothing(tmp_path: Path) -> N
 
 
 def test_another_checkpoint_path_reuses_nothing(tmp_path: Path) -> None:
-    """The same config under another ``name_or_path`` is another model as far as the cache knows."""
+    """Other weights in another directory (same config) are another model."""
     first = saved(tiny_model("llama", seed=0), tmp_path / "a")
     second = saved(tiny_model("llama", seed=1), tmp_path / "b")
     with TierManager(topology(first)) as manager:
@@ -87,21 +87,49 @@ def test_another_checkpoint_path_reuses_nothing(tmp_path: Path) -> None:
     assert_computed_alone(second, prompt, turn)
 
 
-def test_one_checkpoint_loaded_twice_shares_its_kv(tmp_path: Path) -> None:
-    """Two loads of one checkpoint are one model: the second reuses the first's prefix."""
+def test_a_checkpoint_updated_in_place_reuses_nothing(tmp_path: Path) -> None:
+    """A fine-tune saved over the same path (same config, same ``name_or_path``). Old code: 20 tokens reused."""
     path = tmp_path / "model"
-    first = saved(tiny_model("llama"), path)
-    second = LlamaForCausalLM.from_pretrained(path).eval()
+    first = saved(tiny_model("llama", seed=0), path)
+    second = saved(tiny_model("llama", seed=1), path)
+    assert first.name_or_path == second.name_or_path and first.config.to_dict() == second.config.to_dict()
     with TierManager(topology(first)) as manager:
-        prompt, turn = serve_both(CachedModel(first, manager), CachedModel(second, manager), seed=4)
+        prompt, turn = serve_both(CachedModel(first, manager), CachedModel(second, manager), seed=6)
+    assert_computed_alone(second, prompt, turn)
+
+
+def test_models_in_directories_of_one_name_reuse_nothing(tmp_path: Path) -> None:
+    first = saved(tiny_model("llama", seed=0), tmp_path / "team-a" / "model")
+    second = saved(tiny_model("llama", seed=1), tmp_path / "team-b" / "model")
+    with TierManager(topology(first)) as manager:
+        prompt, turn = serve_both(CachedModel(first, manager), CachedModel(second, manager), seed=7)
+    assert_computed_alone(second, prompt, turn)
+
+
+def assert_shared(first: Any, second: Any, seed: int) -> None:
+    """``second`` reuses the whole prefix ``first`` stored and continues it bit for bit as its own replay."""
+    with TierManager(topology(first)) as manager:
+        prompt, turn = serve_both(CachedModel(first, manager), CachedModel(second, manager), seed=seed)
     assert turn.cached_tokens == PREFIX
     replay = Replay(second)
     replay.prefill(prompt[:, :PREFIX])
     assert_bitwise(replay.turn(prompt, PREFIX, DECODE_STEPS), turn.output)
 
 
-def test_a_fine_tune_that_keeps_config_and_name_needs_the_weights_digest(tmp_path: Path) -> None:
-    """Weights changed in place (a fine-tune in this process): only ``weights_digest=True`` tells them apart."""
+def test_one_checkpoint_loaded_twice_shares_its_kv(tmp_path: Path) -> None:
+    path = tmp_path / "model"
+    first = saved(tiny_model("llama"), path)
+    assert_shared(first, LlamaForCausalLM.from_pretrained(path).eval(), seed=4)
+
+
+def test_a_checkpoint_copied_to_another_directory_shares_its_kv(tmp_path: Path) -> None:
+    first = saved(tiny_model("llama"), tmp_path / "model")
+    copy = shutil.copytree(tmp_path / "model", tmp_path / "elsewhere" / "copy")
+    assert_shared(first, LlamaForCausalLM.from_pretrained(copy).eval(), seed=8)
+
+
+def test_weights_changed_in_memory_are_another_model(tmp_path: Path) -> None:
+    """A fine-tune in this process (one layer changed, same config and ``name_or_path``)."""
     path = tmp_path / "model"
     base = saved(tiny_model("llama"), path)
     tuned = LlamaForCausalLM.from_pretrained(path).eval()
@@ -109,9 +137,7 @@ def test_a_fine_tune_that_keeps_config_and_name_needs_the_weights_digest(tmp_pat
         for parameter in tuned.model.layers[0].self_attn.parameters():
             parameter.mul_(1.5)
     with TierManager(topology(base)) as manager:
-        assert CachedModel(base, manager).identity == CachedModel(tuned, manager).identity
-        first = CachedModel(base, manager, weights_digest=True)
-        second = CachedModel(tuned, manager, weights_digest=True)
+        first, second = CachedModel(base, manager), CachedModel(tuned, manager)
         assert first.identity != second.identity
         prompt, turn = serve_both(first, second, seed=5)
     assert_computed_alone(tuned, prompt, turn)
@@ -123,5 +149,4 @@ def test_the_identity_is_the_same_for_the_same_model_and_names_what_it_covers() 
         again = CachedModel(tiny_model("llama"), manager).identity
         other = CachedModel(tiny_model("llama", seed=1), manager).identity
     assert one == again != other
-    assert one.weights_digest is not None, "a model built from a config is named by its weights"
-    assert one.name_or_path == "" and len(one.salt) == 16
+    assert one.weights.startswith("tensors:") and one.dtype == "torch.float32" and len(one.digest) == 16

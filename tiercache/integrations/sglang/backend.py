@@ -48,7 +48,7 @@ class TierCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         self.storage_config = storage_config
         self.options = BackendOptions.from_extra_config(storage_config.extra_config)
-        model_identity(storage_config)  # refused now, not at the first page
+        self.model = model_identity(storage_config)  # refused now, not at the first page
         self.pages: HostPages | None = None
         self.store: RemoteStore | None = None
         self._metrics = _Transfers(storage_config.enable_storage_metrics)
@@ -59,7 +59,8 @@ class TierCacheStorage(HiCacheStorage):
         """Fix the namespace from the pool's layout and start the store (SGLang calls this once, at attach)."""
         super().register_mem_pool_host(mem_pool_host)
         pages = HostPages(mem_pool_host)
-        store = RemoteStore(self.options.topology, page_namespace(self.storage_config, pages), pages.piece_bytes)
+        namespace = page_namespace(self.storage_config, pages, self.model)
+        store = RemoteStore(self.options.topology, namespace, pages.piece_bytes)
         store.start()
         previous, self.pages, self.store = self.store, pages, store
         if previous is not None:

@@ -1,7 +1,13 @@
 """The tiercache namespace of an SGLang rank's pages: who may share a page's KV with whom.
 
 Two SGLang instances share a page exactly when its bytes are interchangeable: the same model, the same
-shard of it and the same page bytes. From ``HiCacheStorageConfig``: the model's name, the tensor-parallel
+shard of it and the same page bytes. The model is the core's ``ModelIdentity``
+(``tiercache.blocks.model_identity``) of the checkpoint SGLang serves, read from SGLang's published model
+settings (``--model-path``, ``--revision``, ``--dtype``, ``--quantization``, ``--json-model-override-args``):
+its config and a digest of its weights, never the served name. Where SGLang has published none (the backend
+built outside a server), ``HiCacheStorageConfig.model_name`` is taken as the checkpoint (a path or a hub id
+in the local cache) or, failing that, as the name that stands for the weights. From ``HiCacheStorageConfig``:
+the tensor-parallel
 rank and size (not for MLA, whose latent KV every TP rank holds whole, so all ranks share one copy, as
 SGLang's own file backend does), the pipeline stage and the attention context-parallel shard. From the
 registered host pool: the memory layout (each stores a page's elements in its own order), dtype, page
@@ -15,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiercache.blocks.keys import Namespace
+from tiercache.blocks.model_identity import ModelIdentity, checkpoint_identity
 from tiercache.integrations.sglang.pages import HostPages
 
 FORMAT = "sglang-hicache-1"
@@ -22,22 +29,38 @@ FORMAT = "sglang-hicache-1"
 
 
 class MissingModelIdentity(ValueError):
-    """SGLang gave no model name: without it different models could share KV."""
+    """SGLang gave no model: without it different models could share KV."""
 
 
-def model_identity(config: Any) -> str:
-    """The model's name from SGLang's ``HiCacheStorageConfig``; refused when SGLang gave none."""
+def model_identity(config: Any) -> ModelIdentity:
+    """The served model's identity, from SGLang's model settings or else ``config.model_name``."""
+    served = _served_model()
+    if served is not None:
+        path, dtype, settings, revision, cache_dir = served
+        return checkpoint_identity(path, dtype, settings=settings, revision=revision, cache_dir=cache_dir)
     if not config.model_name:
         raise MissingModelIdentity(
-            "tiercache's SGLang backend needs the model's identity (HiCacheStorageConfig.model_name, from "
-            "--served-model-name or --model-path); without it different models would share KV"
+            "tiercache's SGLang backend needs the model's identity (SGLang's --model-path, or "
+            "HiCacheStorageConfig.model_name); without it different models would share KV"
         )
-    return config.model_name
+    return checkpoint_identity(config.model_name, "auto")
 
 
-def page_namespace(config: Any, pages: HostPages) -> Namespace:
+def _served_model() -> tuple[str, str, dict[str, Any], str | None, str | None] | None:
+    """SGLang's published model settings (path, dtype, K/V-changing settings, revision, download dir), if any."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        model = get_model()
+        path = model.model_path
+    except (ImportError, ValueError, AttributeError):  # not published: the backend runs outside a server
+        return None
+    settings = {"quantization": model.quantization, "overrides": model.json_model_override_args}
+    return path, str(model.dtype), settings, model.revision, model.download_dir
+
+
+def page_namespace(config: Any, pages: HostPages, model: ModelIdentity) -> Namespace:
     """The namespace of this rank's pages (``config`` is SGLang's ``HiCacheStorageConfig``)."""
-    model = model_identity(config)
     shard = [f"pp{config.pp_rank}/{config.pp_size}"]
     if config.attn_cp_size > 1:
         shard.append(f"cp{config.attn_cp_rank}/{config.attn_cp_size}")
@@ -50,4 +73,4 @@ def page_namespace(config: Any, pages: HostPages) -> Namespace:
         FORMAT, attention, pages.layout, str(pages.dtype).removeprefix("torch."), f"page{pages.page_size}",
         f"{pages.pieces}x{pages.piece_bytes}", geometry, *shard,
     ])
-    return Namespace(model, fingerprint, tp_rank=tp_rank)
+    return Namespace(model.model_id, fingerprint, tp_rank=tp_rank)

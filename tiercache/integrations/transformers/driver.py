@@ -20,9 +20,9 @@ Two ways to use it:
   ``turn.finish(sequences)`` stores the KV and releases the blocks (leaving the
   block without ``finish`` releases them unstored).
 
-Every key carries the model's identity (``ModelIdentity``: config, name,
-dtype, and the weights where nothing else names them), so a different model
-on the same topology never reuses this one's KV.
+Every key carries the model's identity (``hf_model_identity``: its config,
+dtype and a digest of its weights), so a different model on the same topology,
+or the same one updated in place, never reuses this one's KV.
 
 It is a synchronous reference driver for one request at a time; an engine's
 scheduler interleaves the same calls across requests (see README).
@@ -40,7 +40,7 @@ from tiercache.blocks.keys import Tokens, token_array
 from tiercache.blocks.layout import KVLayout
 from tiercache.blocks.paged import PagedKV, blocks_needed
 from tiercache.bookkeeping.slots import CapacityError
-from tiercache.integrations.transformers.identity import ModelIdentity
+from tiercache.integrations.transformers.identity import hf_model_identity
 from tiercache.integrations.transformers.paged_cache import PagedCache, cache_argument
 from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
 
@@ -59,13 +59,11 @@ class CachedModel:
         manager: TierManager,
         *,
         lookup_timeout_s: float | None = None,
-        weights_digest: bool = False,
     ) -> None:
         """``manager``'s layout must match the model's KV (see ``KVLayout.from_hf_config``); its pool's
         device must be the model's. ``lookup_timeout_s`` bounds the wait for a pending remote lookup
-        (past it the prompt is a miss and is recomputed). ``weights_digest``: name the model by a digest
-        of its weights too (a fine-tune that keeps its base's config and ``name_or_path`` must set it;
-        see ``ModelIdentity``)."""
+        (past it the prompt is a miss and is recomputed). The model's identity (``hf_model_identity``) is
+        taken now: weights changed later need a new ``CachedModel``."""
         layout = manager.layout
         wanted = KVLayout.from_hf_config(model.config, dtype=layout.dtype, block_size=layout.block_size)
         mine = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
@@ -82,14 +80,14 @@ class CachedModel:
         self.manager = manager
         self.kv = PagedKV(layout, manager.gpu.tensors)
         self.lookup_timeout_s = lookup_timeout_s
-        self.identity = ModelIdentity.of(model, weights_digest=weights_digest)
+        self.identity = hf_model_identity(model)
 
     def key_extra(self, extra: bytes | str | None = None) -> bytes:
         """What this model passes to the manager as a request's ``extra``: its identity, then ``extra``.
 
         Use it to call ``lookup``/``store`` directly for the keys ``CachedModel`` uses.
         """
-        return self.identity.salt + (extra.encode() if isinstance(extra, str) else extra or b"")
+        return self.identity.digest + (extra.encode() if isinstance(extra, str) else extra or b"")
 
     def begin(
         self, input_ids: Tokens, max_new_tokens: int, extra: bytes | str | None = None, force_latest: bool = False

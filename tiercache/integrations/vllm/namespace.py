@@ -1,7 +1,12 @@
 """The tiercache namespace of a vLLM instance, from its ``OffloadingConfig`` (never its ``engine_id``).
 
 Two vLLM instances share a chunk's KV exactly when everything that fixes the
-chunk's bytes agrees: the model, the KV dtype, tokens per hash and blocks per
+chunk's bytes agrees: the model (the core's ``ModelIdentity`` of the checkpoint
+vLLM serves, ``tiercache.blocks.model_identity``: its ``config.json`` and a
+digest of its weights; ``OffloadingConfig`` names the model only by its path or
+hub id, so a name no local checkpoint answers to stands for the weights, and
+vLLM's ``--quantization`` and ``--hf-overrides`` do not reach this tier: serve
+such variants under checkpoints of their own), the KV dtype, tokens per hash and blocks per
 chunk, the bytes of a chunk in the primary tier, the KV-cache groups and their
 layers, the parallel sizes (TP, PP, PCP, DCP, world) and the rank, and vLLM's
 layout choices (replicated, canonical). ``engine_id`` differs per instance and
@@ -19,6 +24,7 @@ from typing import Any
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiercache.blocks.keys import Namespace
+from tiercache.blocks.model_identity import checkpoint_identity
 
 FINGERPRINT_HEX = 32
 """Hex digits of the layout fingerprint (128 bits of SHA-256 over the fields)."""
@@ -47,7 +53,8 @@ def namespace_fields(config: OffloadingConfig, chunk_bytes: int) -> dict[str, An
 
 
 def vllm_namespace(config: OffloadingConfig, chunk_bytes: int) -> Namespace:
-    """The namespace: the model id, a fingerprint of ``namespace_fields`` and the parallel rank."""
+    """The namespace: the model's identity, a fingerprint of ``namespace_fields`` and the parallel rank."""
     text = json.dumps(namespace_fields(config, chunk_bytes), sort_keys=True, separators=(",", ":"))
     fingerprint = "vllm-" + hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_HEX]
-    return Namespace(config.model.name, fingerprint, tp_rank=config.parallel.rank)
+    identity = checkpoint_identity(config.model.name, config.model.dtype)
+    return Namespace(identity.model_id, fingerprint, tp_rank=config.parallel.rank)

@@ -8,31 +8,24 @@ attention backend and, on CPU, by the kernel's instruction set: K is stored
 transposed there) and is copied as opaque bytes, never reinterpreted.
 
 Two instances share a block exactly when everything below agrees: the model
-(its directory's name, revision, and a digest of its config and of its weight
-files' names, sizes and leading and trailing bytes, so two deployments serving
-other weights under one name, or one directory name, never share), the
-dtypes, the block size, the layers, the page's shape and bytes, the backend's
-layout and the parallel sizes. A request's ``cache_salt`` and LoRA go into each
-chain's keys (``block_extra``).
+(``model_identity``: the core's one rule, ``tiercache.blocks.model_identity``:
+vLLM's effective config, quantization, dtype and a digest of the checkpoint's
+weights, never its name or path), the dtypes, the block size, the layers, the
+page's shape and bytes, the backend's layout and the parallel sizes. A
+request's ``cache_salt`` and LoRA go into each chain's keys (``block_extra``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-"""Files whose names and sizes stand for a model directory's weights in its identity."""
-IDENTITY_FILES = ("config.json", "generation_config.json")
-"""Small files of a model directory whose content is part of its identity."""
-WEIGHT_SAMPLE_BYTES = 1 << 20
-"""Bytes read from each end of a weight file for the model's digest."""
+from tiercache.blocks.model_identity import ModelIdentity, checkpoint_identity
+
 DIGEST_HEX = 32
-"""Hex digits of the model and layout digests (128 bits of SHA-256)."""
+"""Hex digits of the page format's digest (128 bits of SHA-256)."""
 
 
 class UnsupportedLayoutError(ValueError):
@@ -82,29 +75,6 @@ def slot_geometry(vllm_config: Any, kv_cache_config: Any) -> SlotGeometry:
     )
 
 
-def model_digest(model: str) -> str:
-    """A digest of a local model directory (of the name alone when it is not one): its identity files' content,
-    and per weight file its name, size and first and last ``WEIGHT_SAMPLE_BYTES`` (weights of one shape differ
-    there; their mtimes do not count, so copies on other hosts agree, and reading the samples is cheap)."""
-    directory = Path(model)
-    if not directory.is_dir():
-        return hashlib.sha256(model.encode()).hexdigest()[:DIGEST_HEX]
-    digest = hashlib.sha256()
-    for name in IDENTITY_FILES:
-        path = directory / name
-        if path.is_file():
-            digest.update(name.encode() + b"\0" + path.read_bytes())
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES):
-            size = path.stat().st_size
-            digest.update(f"{path.relative_to(directory)}:{size}".encode())
-            with path.open("rb") as weights:
-                digest.update(weights.read(WEIGHT_SAMPLE_BYTES))
-                weights.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
-                digest.update(weights.read(WEIGHT_SAMPLE_BYTES))
-    return digest.hexdigest()[:DIGEST_HEX]
-
-
 def page_format(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) -> dict[str, Any]:
     """Everything that fixes the bytes of a page (beyond the model), as plain data."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -143,14 +113,22 @@ def _cpu_attention_isa(spec: Any, cache: Any) -> str:
         return f"unavailable: {error}"
 
 
-def model_id(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) -> str:
-    """The namespace's model id: the model's name, revision and digest, and the digest of its page format."""
+def model_identity(vllm_config: Any) -> ModelIdentity:
+    """The served model's identity: vLLM's effective config (overrides included), quantization, dtype, weights."""
     model = vllm_config.model_config
-    path = model.model
-    resolved = os.path.realpath(path) if os.path.isdir(path) else path
+    overrides = model.hf_overrides if isinstance(model.hf_overrides, dict) else repr(model.hf_overrides)
+    return checkpoint_identity(
+        model.model, str(model.dtype), config=model.hf_config.to_dict(), revision=model.revision,
+        settings={"quantization": model.quantization, "hf_overrides": overrides},
+        cache_dir=getattr(vllm_config.load_config, "download_dir", None),
+    )
+
+
+def model_id(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) -> str:
+    """The namespace's model id: the model's identity and the digest of its page format."""
     fields = json.dumps(page_format(vllm_config, kv_cache_config, geometry), sort_keys=True, separators=(",", ":"))
     layout = hashlib.sha256(fields.encode()).hexdigest()[:DIGEST_HEX]
-    return f"{Path(resolved).name}@{model.revision or '-'}:{model_digest(resolved)}:vllm-{layout}"
+    return f"{model_identity(vllm_config).model_id}:vllm-{layout}"
 
 
 def block_extra(cache_salt: str | None, lora_name: str | None) -> str | None:
