@@ -19,7 +19,7 @@ watched (the lookup it commits): the requests whose load fetched an exploration
 the remote's part and the last of them (counted among the requests that weighed
 the remote). Prints a table and writes cost_model.json next to this script.
 
-    .venv/bin/python benchmarks/cost_model.py
+    .venv/bin/python benchmarks/cost_model.py [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import copy
 import os
 from typing import Any
 
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.config import config_from_dict
 from tiercache.manager.tier_manager import TierManager
@@ -51,6 +51,20 @@ WORKLOAD = SessionWorkload(
     think_time_s=30.0,
     arrival_spread_s=120.0,
 )
+GPU_BLOCKS = 256
+CPU_BLOCKS = 384
+QUICK = {
+    "WORKLOAD": SessionWorkload(
+        ChatWorkload(users=6, rounds=3, system_prompts=2, system_tokens=128, document_every=6, document_tokens=256),
+        think_time_s=5.0,
+        arrival_spread_s=10.0,
+    ),
+    "GPU_BLOCKS": 40,
+    "CPU_BLOCKS": 16,
+    "SLOW_REMOTE": {**SLOW_REMOTE, "latency_ms": 10.0},
+}
+"""The constants ``--quick`` replaces: a few requests, in local tiers small enough that the remote serves some,
+and a remote still slower than recomputing but 10 ms away instead of 100."""
 
 
 def topology(cost: bool, options: dict[str, Any]) -> dict[str, Any]:
@@ -59,8 +73,8 @@ def topology(cost: bool, options: dict[str, Any]) -> dict[str, Any]:
         "model": {"id": "cost-model"},
         "layout": LAYOUT,
         "tiers": [
-            {"name": "gpu", "type": "gpu", "capacity_blocks": 256, "options": {"device": "auto"}},
-            {"name": "cpu", "type": "cpu", "capacity_blocks": 384},
+            {"name": "gpu", "type": "gpu", "capacity_blocks": GPU_BLOCKS, "options": {"device": "auto"}},
+            {"name": "cpu", "type": "cpu", "capacity_blocks": CPU_BLOCKS},
             remote,
         ],
         "queues": {"max_pending_stores": 256},
@@ -124,6 +138,9 @@ def run(requests: list[Any], name: str, cost: bool, recovery: str | None) -> tup
 
 
 def main() -> None:
+    args = parse(arguments(__doc__.splitlines()[0]))
+    if args.quick:
+        globals().update(QUICK)
     requests = timed_requests(WORKLOAD)
     results, rows = [], {}
     for name, cost, recovery in (
@@ -159,6 +176,8 @@ def main() -> None:
             "runs": rows,
             "load": load,
         },
+        args.out,
+        args.quick,
     )
     print(f"wrote {path}")
 

@@ -9,12 +9,11 @@ Then the background side: events encoded and published per second. Each figure
 is the median of ``--repeat`` rounds. Prints a table and writes events.json next
 to this script.
 
-    python benchmarks/events.py [--calls 20000] [--repeat 3]
+    python benchmarks/events.py [--calls 20000] [--repeat 3] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import statistics
@@ -22,7 +21,7 @@ import time
 from collections import deque
 
 import zmq
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.telemetry.events.config import EventsConfig
 from tiercache.telemetry.events.sink import EventSink
@@ -31,13 +30,15 @@ BLOCKS_PER_STORE = 64
 """One 1024-token prompt of 16-token blocks."""
 BLOCK_SIZE = 16
 MICRO = 1e6
+QUICK_ARGUMENTS = {"calls": 640, "repeat": 1}
+"""The defaults ``--quick`` gives the options."""
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse(parser, **QUICK_ARGUMENTS)
 
     keys = [hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest() for i in range(BLOCKS_PER_STORE)]
     tokens = list(range(BLOCKS_PER_STORE * BLOCK_SIZE))
@@ -98,6 +99,8 @@ def main() -> None:
             "repeat": args.repeat,
             "load_average_after": list(load),
         },
+        args.out,
+        args.quick,
     )
     print(f"wrote {path}")
 

@@ -15,12 +15,11 @@ table shows medians over the runs of the rates and of the per-run ratios, with
 the load average (a shared 2-core machine moves 15-30% between runs). Prints a
 table and writes ``file_tier.json`` next to this script.
 
-    python benchmarks/file_tier.py [--dir DIR]
+    python benchmarks/file_tier.py [--dir DIR] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import shutil
@@ -33,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.blocks.codec import payload_checksum
 from tiercache.config.topology import QueueConfig
@@ -58,6 +57,17 @@ READ_PASSES = 8
 """Reads of the whole key set per timed GET (dd's and the tier's alike): one read of 128 MiB lasts ~13 ms
 here, too short a window on a shared machine."""
 GB = 1e9
+QUICK_SET_BYTES = {"64KiB": 2 * 2**20, "2MiB": 8 * 2**20}
+QUICK = {
+    "SET_BYTES": QUICK_SET_BYTES,
+    "SHAPES": {
+        "64KiB": (("load chunk", LOAD_CHUNK), ("whole set", QUICK_SET_BYTES["64KiB"] // SIZES["64KiB"])),
+        "2MiB": (("load chunk", LOAD_CHUNK), ("2 MiB batch", 1)),
+    },
+    "RUNS": 1,
+    "READ_PASSES": 1,
+}
+"""The constants ``--quick`` replaces: key sets of 2 and 8 MiB, one run, one read per pass."""
 
 
 Blocks = tuple[list[bytes], list[memoryview], list[memoryview]]
@@ -224,9 +234,11 @@ async def measure(directory: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--dir", default=os.environ.get("TIERCACHE_BENCH_DIR"), help="where to write (a disk)")
-    args = parser.parse_args()
+    args = parse(parser)
+    if args.quick:
+        globals().update(QUICK)
     directory = Path(tempfile.mkdtemp(prefix="tiercache-file-bench-", dir=args.dir))
     load_start = os.getloadavg()
     started = time.perf_counter()
@@ -260,7 +272,7 @@ def main() -> None:
             f"  {parallel[0]}  {r['tier_gbps']:>6.2f}  {r['tier_vs_dd']:>7.2f}  {r['tier_vs_dd_distinct']:>10.2f}"
             f"  {parallel[1]}"
         )
-    print(f"wrote {write_result(__file__, {'info': info, 'rows': rows})}")
+    print(f"wrote {write_result(__file__, {'info': info, 'rows': rows}, args.out, args.quick)}")
 
 
 if __name__ == "__main__":

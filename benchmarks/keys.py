@@ -1,15 +1,16 @@
 """Tokens hashed per second by BlockHasher, next to the bare BLAKE2b chain and a memcpy ceiling.
 
 Target: >= 10 M tokens/s on the 2-core development machine.
+
+    python benchmarks/keys.py [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 
 import numpy as np
-from common import write_result
+from common import arguments, best_seconds, parse, write_result
 
 from tiercache.blocks.keys import BlockHasher, Namespace
 
@@ -17,15 +18,8 @@ TOKENS = 1 << 20
 REPEATS = 5
 BLOCK_SIZES = (16, 32, 64)
 TARGET_TOKENS_PER_SECOND = 10e6
-
-
-def best_seconds(run) -> float:
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
+QUICK = {"TOKENS": 1 << 12, "REPEATS": 1}
+"""The constants ``--quick`` replaces."""
 
 
 def bare_chain(tokens: np.ndarray, block_size: int) -> None:
@@ -40,14 +34,17 @@ def bare_chain(tokens: np.ndarray, block_size: int) -> None:
 
 
 def main() -> None:
+    args = parse(arguments(__doc__.splitlines()[0]))
+    if args.quick:
+        globals().update(QUICK)
     tokens = np.random.default_rng(0).integers(0, 150_000, TOKENS, dtype=np.int64)
     as_list = tokens.tolist()
     rows = []
     for block_size in BLOCK_SIZES:
         hasher = BlockHasher(Namespace("bench", "layout"), block_size)
-        array_rate = TOKENS / best_seconds(lambda h=hasher: h.keys(tokens))
-        list_rate = TOKENS / best_seconds(lambda h=hasher: h.keys(as_list))
-        bare_rate = TOKENS / best_seconds(lambda b=block_size: bare_chain(tokens, b))
+        array_rate = TOKENS / best_seconds(lambda h=hasher: h.keys(tokens), REPEATS)
+        list_rate = TOKENS / best_seconds(lambda h=hasher: h.keys(as_list), REPEATS)
+        bare_rate = TOKENS / best_seconds(lambda b=block_size: bare_chain(tokens, b), REPEATS)
         rows.append(
             {
                 "block_size": block_size,
@@ -65,7 +62,7 @@ def main() -> None:
             f"{row['bare_chain_tokens_per_s'] / 1e6:>12.1f}{row['ratio_to_bare_chain']:>7.2f}"
             f"{'yes' if row['meets_target'] else 'NO':>7}"
         )
-    print(f"wrote {write_result(__file__, {'tokens': TOKENS, 'rows': rows})}")
+    print(f"wrote {write_result(__file__, {'tokens': TOKENS, 'rows': rows}, args.out, args.quick)}")
 
 
 if __name__ == "__main__":

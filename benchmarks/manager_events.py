@@ -7,19 +7,18 @@ The ceiling is the same loop with events off, in the same run; with events on, a
 ZeroMQ PUB socket on loopback publishes every batch. Median of ``--repeat``
 rounds. Prints a table and writes manager_events.json next to this script.
 
-    python benchmarks/manager_events.py [--requests 3000] [--repeat 3]
+    python benchmarks/manager_events.py [--requests 3000] [--repeat 3] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from typing import Any
 
 import numpy as np
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.config import config_from_dict
 from tiercache.manager.tier_manager import TierManager
@@ -27,6 +26,8 @@ from tiercache.manager.tier_manager import TierManager
 LAYOUT = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16", "block_size": 16}
 BLOCKS_PER_REQUEST = 4
 MICRO = 1e6
+QUICK_ARGUMENTS = {"requests": 100, "repeat": 1}
+"""The defaults ``--quick`` gives the options."""
 
 
 def topology(events: bool) -> dict[str, Any]:
@@ -60,10 +61,10 @@ def one_round(events: bool, requests: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse(parser, **QUICK_ARGUMENTS)
     rounds: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for _ in range(args.repeat):
         for events in (False, True):
@@ -80,7 +81,8 @@ def main() -> None:
         print(f"{call:<10}{off:>19.1f} µs{on:>9.1f} µs{on - off:>+8.1f} µs")
     load = os.getloadavg()
     print(f"{args.requests} requests of {BLOCKS_PER_REQUEST} blocks, median of {args.repeat}; load {load[0]:.2f}")
-    path = write_result(__file__, {"requests": args.requests, "repeat": args.repeat, "calls": rows, "load": load})
+    result = {"requests": args.requests, "repeat": args.repeat, "calls": rows, "load": load}
+    path = write_result(__file__, result, args.out, args.quick)
     print(f"wrote {path}")
 
 

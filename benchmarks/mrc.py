@@ -16,12 +16,11 @@ filter alone (a rate so low that nothing is sampled), which is what every
 unsampled access pays. Each timing is the median of ``--repeat`` rounds. Prints
 tables and writes mrc.json next to this script.
 
-    python benchmarks/mrc.py [--accesses 1000000] [--repeat 3] [--seeds 8]
+    python benchmarks/mrc.py [--accesses 1000000] [--repeat 3] [--seeds 8] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.policies.lru import LRUPolicy
 from tiercache.telemetry.mrc import DEFAULT_MULTIPLES, MissRatioCurve
@@ -43,14 +42,16 @@ WIDE_TRACES: dict[str, dict[str, float]] = {
 }
 """Per trace: key space and capacity as fractions of ``--accesses``, and the Zipf exponent."""
 SMALL_TIER_CAPACITIES = (256, 1024)
-SMALL_TIER_TRACES: dict[str, Callable[[], list[int]]] = {
-    "zipf0.8_small": lambda: zipf(120_000, n_keys=24_000, alpha=0.8, seed=21),
-    "zipf1.0_small": lambda: zipf(160_000, n_keys=80_000, alpha=1.0, seed=22),
-    "zipf0.9_scans_small": lambda: zipf_with_scans(
-        160_000, n_keys=40_000, alpha=0.9, scan_every=4_000, scan_length=1_500, seed=23
+SMALL_TIER_SCALE = 1.0
+"""The small-tier traces' accesses and keys, as a fraction of those below (``--quick`` shrinks them)."""
+SMALL_TIER_TRACES: dict[str, Callable[[float], list[int]]] = {
+    "zipf0.8_small": lambda k: zipf(int(120_000 * k), n_keys=int(24_000 * k), alpha=0.8, seed=21),
+    "zipf1.0_small": lambda k: zipf(int(160_000 * k), n_keys=int(80_000 * k), alpha=1.0, seed=22),
+    "zipf0.9_scans_small": lambda k: zipf_with_scans(
+        int(160_000 * k), n_keys=int(40_000 * k), alpha=0.9, scan_every=4_000, scan_length=1_500, seed=23
     ),
 }
-"""The small-tier traces of tests/telemetry/test_mrc.py, each checked at ``SMALL_TIER_CAPACITIES``."""
+"""The small-tier traces of tests/telemetry/test_mrc.py (at scale 1), each checked at ``SMALL_TIER_CAPACITIES``."""
 REQUEST_KEYS = 64
 """Keys per ``access_many`` call: one 1024-token prompt of 16-token blocks."""
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -69,6 +70,9 @@ TARGET_COST_FRACTION = 0.02
 TARGET_ERROR = 0.02
 """Issue 15: within 2 points of hit ratio of exact LRU."""
 NANO = 1e9
+QUICK = {"SMALL_TIER_SCALE": 0.05}
+QUICK_ARGUMENTS = {"accesses": 20_000, "repeat": 1, "seeds": 1}
+"""What ``--quick`` replaces: the constants, and the options' defaults."""
 
 
 def feed(mrc: MissRatioCurve, keys: list[bytes]) -> None:
@@ -175,18 +179,20 @@ def traces(accesses: int) -> dict[str, tuple[list[int], list[bytes], tuple[int, 
         ids, keys = zipf_keys(accesses, int(accesses * shape["key_space"]), shape["alpha"])
         built[name] = (ids, keys, (int(accesses * shape["capacity"]),), {"alpha": shape["alpha"]})
     for name, generate in SMALL_TIER_TRACES.items():
-        ids = generate()
+        ids = generate(SMALL_TIER_SCALE)
         key_of = {obj_id: block_key(obj_id) for obj_id in set(ids)}
         built[name] = (ids, [key_of[obj_id] for obj_id in ids], SMALL_TIER_CAPACITIES, {})
     return built
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--accesses", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=8)
-    args = parser.parse_args()
+    args = parse(parser, **QUICK_ARGUMENTS)
+    if args.quick:
+        globals().update(QUICK)
 
     results: dict[str, Any] = {}
     timings: dict[str, dict[str, float]] = {}
@@ -235,6 +241,8 @@ def main() -> None:
             "seeds": args.seeds,
             "load_average_after": list(load),
         },
+        args.out,
+        args.quick,
     )
     print(f"wrote {path}")
 

@@ -21,17 +21,17 @@ of the GPU's blocks, so the hierarchy holds fewer distinct blocks than its capac
 
 Configurations: every policy registered in ``tiercache.policies.POLICIES`` on a
 small GPU pool over a pinned-CPU tier; a GPU-only pool (no lower tier); and the
-GPU+CPU topology over a ``simulated`` remote with a Redis-like link (the latency
-and bandwidth are options of the simulated tier, not a measurement of Redis).
-With ``--redis-url`` a real Redis tier is added as one more configuration.
+GPU+CPU topology over a ``simulated`` remote whose link is the Redis tier as this
+repository measured it on loopback (``SIMULATED_REMOTE``: the figures and the
+results they come from). With ``--redis-url`` a real Redis tier is added as one
+more configuration.
 
     .venv/bin/python benchmarks/multiturn.py            # default: about two minutes on 2 cores
-    .venv/bin/python benchmarks/multiturn.py --quick    # a smaller workload
+    .venv/bin/python benchmarks/multiturn.py --quick    # a tiny workload, seconds (figures mean nothing)
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -45,6 +45,7 @@ from typing import Any
 import libcachesim as lcs
 import oracle as oracle_module
 import torch
+from common import arguments, parse, result_path
 
 from tiercache.blocks.keys import BlockHasher, Namespace
 from tiercache.config import config_from_dict
@@ -63,13 +64,19 @@ from tiercache.tools.simulate import (
 )
 from tiercache.tools.workload import ChatWorkload
 
-HERE = Path(__file__).resolve().parent
 LAYOUT = {"num_layers": 8, "num_kv_heads": 4, "head_dim": 64, "dtype": "float16", "block_size": 16}
 GPU_BLOCKS = 384
 """Small enough that the sessions' working set does not fit, so the lower tiers matter."""
 CPU_BLOCKS = 1536
-SIMULATED_REMOTE = {"latency_ms": 0.3, "bandwidth_mb_s": 550.0, "seed": 0}
-"""A Redis-like link: ~0.55 GB/s is what DESIGN.md reports for a redis-py pipeline on loopback."""
+REDIS_GET_MB_S = 2561.0
+"""The Redis tier's GET of 64 KiB values, one call of 64 at a time, on one loopback redis-server: 2.56 GB/s in
+``benchmarks/remote.json`` (the row ``single``, ``64KiB``, ``GET``: ``tier_gbps``; docs/benchmarks.md, "Redis
+tier"), the measured value size nearest below this layout's 128 KiB blocks."""
+REDIS_CALL_MS = 0.2
+"""A GET call's fixed cost: ``benchmarks/sync.json``'s ``redis tier GET (ceiling)`` row (one call of 32 x 64 KiB,
+p50 1.02 ms; docs/benchmarks.md, "Central/regional sync") less its 2 MiB at ``REDIS_GET_MB_S`` (0.82 ms)."""
+SIMULATED_REMOTE = {"latency_ms": REDIS_CALL_MS, "bandwidth_mb_s": REDIS_GET_MB_S, "seed": 0}
+"""The simulated remote's link: a call's round trip plus its bytes at the rate the Redis tier reads here."""
 WORKLOAD = SessionWorkload(
     ChatWorkload(
         users=40,
@@ -86,10 +93,13 @@ WORKLOAD = SessionWorkload(
     arrival_spread_s=120.0,
 )
 QUICK_WORKLOAD = SessionWorkload(
-    ChatWorkload(users=12, rounds=3, system_prompts=2, system_tokens=256, document_every=10, document_tokens=1024),
-    think_time_s=10.0,
-    arrival_spread_s=30.0,
+    ChatWorkload(users=4, rounds=2, system_prompts=2, system_tokens=128, document_every=4, document_tokens=256),
+    think_time_s=5.0,
+    arrival_spread_s=10.0,
 )
+QUICK = {"GPU_BLOCKS": 24, "CPU_BLOCKS": 48}
+"""``--quick``: every configuration and the oracle on a handful of requests, in tiers small enough that the
+lower ones serve some of them."""
 
 
 def topology(name: str, policy: str, lower: bool, remote: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -197,7 +207,9 @@ def oracle_table(results: list[SimulationResult], found: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool) -> list[SimulationResult]:
+def run(
+    workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool, quick: bool = False
+) -> list[SimulationResult]:
     requests = timed_requests(workload)
     configs = configurations(redis_url)
     layout = config_from_dict(next(iter(configs.values())), environ={}).layout
@@ -219,6 +231,7 @@ def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool
     print(oracle_table(results, found))
     document = {
         "benchmark": "multiturn",
+        "quick": quick,
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
@@ -241,13 +254,15 @@ def run(workload: SessionWorkload, redis_url: str | None, out: Path, plots: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a smaller workload (about 20 s)")
+    parser = arguments(__doc__)
     parser.add_argument("--redis-url", help="add a configuration with a real Redis tier, e.g. redis://127.0.0.1:6379")
-    parser.add_argument("--out", type=Path, default=HERE / "multiturn.json")
-    parser.add_argument("--no-plots", action="store_true")
-    args = parser.parse_args(argv)
-    results = run(QUICK_WORKLOAD if args.quick else WORKLOAD, args.redis_url, args.out, not args.no_plots)
+    parser.add_argument("--no-plots", action="store_true", help="no PNGs (they go next to the JSON)")
+    args = parse(parser, argv)
+    workload = WORKLOAD
+    if args.quick:
+        workload = QUICK_WORKLOAD
+        globals().update(QUICK)
+    results = run(workload, args.redis_url, result_path(__file__, args.out), not args.no_plots, args.quick)
     return 0 if all(result.mismatched_blocks == 0 for result in results) else 1
 
 

@@ -8,12 +8,11 @@ miss-ratio table, a speed table (million decisions per second: requests
 replayed, hit or miss, fastest of ``--repeat`` interleaved rounds) and the targets of issue 3,
 and writes everything to policies.json next to this script.
 
-    python benchmarks/policies.py [--requests 400000] [--repeat 5]
+    python benchmarks/policies.py [--requests 400000] [--repeat 5] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ from typing import Any
 
 import cachetools
 import libcachesim as lcs
+from common import arguments, parse, result_path
 
 from tiercache.policies import make_policy
 from tiercache.testing.policy_traces import TRACES, Trace, write_oracle_general
@@ -52,6 +52,8 @@ TARGET_SCAN_GAIN = 0.05
 """Hit-ratio points S3-FIFO and ARC must gain over LRU on the scan trace at the smallest size."""
 SCAN_TRACE = "zipf_scan"
 MILLION = 1e6
+QUICK_ARGUMENTS = {"requests": 2_000, "repeat": 1}
+"""The defaults ``--quick`` gives the options."""
 
 
 def replay(policy_name: str, trace: Trace, size: int) -> tuple[float, float]:
@@ -198,11 +200,11 @@ def machine() -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400_000, help="requests per trace")
     parser.add_argument("--repeat", type=int, default=5, help="interleaved rounds (fastest kept)")
-    parser.add_argument("--output", type=Path, default=Path(__file__).with_suffix(".json"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--output", dest="out", type=Path, help="the same as --out")
+    args = parse(parser, argv, **QUICK_ARGUMENTS)
 
     machine_before = machine()
     results: dict[str, Any] = {}
@@ -221,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_tables(results, goals)
     report = {
         "machine": machine_before,
+        "quick": args.quick,
         "load_average_after": os.getloadavg(),
         "requests_per_trace": args.requests,
         "repeat": args.repeat,
@@ -228,8 +231,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "traces": results,
         "targets": goals,
     }
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.output}")
+    path = result_path(__file__, args.out)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
    at most 3% more step time.
 2. Load latency percentiles from a simulated remote while a storm of stores
    competes for the same tier, against the same loads alone (same run).
+
+    python benchmarks/queues.py [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.config import config_from_dict
 from tiercache.manager.tier_manager import CapacityError, TierManager
@@ -36,6 +38,8 @@ PERCENTILES = (50, 95, 99)
 OVERHEAD_TARGET = 0.03
 MS = 1000.0
 SIM = {"latency_ms": 1.0, "jitter_ms": 0.5, "bandwidth_mb_s": 2000.0, "seed": 1}
+QUICK = {"STEPS": 4, "STEP_MATRICES": (64,), "LOADS": 8, "STORM_PROMPTS": 16}
+"""The constants ``--quick`` replaces."""
 
 
 def manager(gpu_blocks: int, cpu_blocks: int, **queues: Any) -> TierManager:
@@ -133,6 +137,9 @@ async def load_latencies(storm: bool) -> dict[str, Any]:
 
 
 def main() -> None:
+    args = parse(arguments(__doc__.splitlines()[0]))
+    if args.quick:
+        globals().update(QUICK)
     steps = [overhead(size) for size in STEP_MATRICES]
     alone = asyncio.run(load_latencies(storm=False))
     stormy = asyncio.run(load_latencies(storm=True))
@@ -155,7 +162,7 @@ def main() -> None:
         "loads_alone": alone,
         "loads_under_storm": stormy,
     }
-    print(f"wrote {write_result(__file__, result)}")
+    print(f"wrote {write_result(__file__, result, args.out, args.quick)}")
 
 
 if __name__ == "__main__":

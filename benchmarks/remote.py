@@ -32,12 +32,11 @@ in the JSON. Client CPU per value (all threads of this process) and the server's
 medians too. The value check alone (xxh3-64 on hot and cold bytes, the keyed
 MAC) is timed at the end. Prints a table; writes ``remote.json``.
 
-    python benchmarks/remote.py [--quick] [--single]
+    python benchmarks/remote.py [--quick] [--single] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import os
@@ -48,7 +47,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
-from common import write_result
+import redis_ceiling
+from common import arguments, parse, write_result
 from redis_ceiling import rerun, socket_get_rate, socket_loop_rate, sweep
 
 from tiercache.blocks.codec import Codec, payload_checksum
@@ -75,6 +75,9 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 OPS = ("SET", "SET, hashing", f"SET x{OUTSTANDING}", "GET", f"GET x{OUTSTANDING}")
 LOOPS = {"SET": ("distinct", "one_value"), "GET": ("drained", "stream")}
 """Per command, the bare loop the tier is compared with (it sends or asks as the tier does), then the other."""
+QUICK = {"SIZES": {"64KiB": 64 * KIB}, "KEYSPACE_BYTES": 2 * MIB, "ROUNDS": 1, "CHECK_BYTES": MIB}
+QUICK_CEILING = {"CLIENTS": (1,), "PIPELINES": (1,), "REQUEST_BYTES": 2 * MIB, "MIN_REQUESTS": 1}
+"""The constants ``--quick`` replaces, here and in ``redis_ceiling`` (one redis-benchmark setting, short runs)."""
 
 
 def server_cpu_s(pids: list[int]) -> float:
@@ -279,13 +282,12 @@ def print_table(rows: list[dict], checks: list[dict], info: dict) -> None:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round, a smaller key space")
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--single", action="store_true", help="one redis-server only (no cluster rows)")
-    args = parser.parse_args()
-    global ROUNDS, KEYSPACE_BYTES
+    args = parse(parser)
     if args.quick:
-        ROUNDS, KEYSPACE_BYTES = 1, KEYSPACE_BYTES // 4
+        globals().update(QUICK)
+        vars(redis_ceiling).update(QUICK_CEILING)
     version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
     info = {"redis_server": version, "load_average_start": os.getloadavg()}
     started = time.perf_counter()
@@ -304,7 +306,7 @@ async def main() -> None:
     info["load_average_end"] = os.getloadavg()
     info["runtime_s"] = time.perf_counter() - started
     print_table(rows, checks, info)
-    write_result(__file__, {"info": info, "redis": rows, "value_check": checks})
+    print(f"wrote {write_result(__file__, {'info': info, 'redis': rows, 'value_check': checks}, args.out, args.quick)}")
 
 
 if __name__ == "__main__":

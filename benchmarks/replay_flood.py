@@ -14,11 +14,11 @@ longest wait between two, the answers the flooders got, and how long the backlog
 Prints a table and writes replay_flood.json next to this script.
 
     python benchmarks/replay_flood.py [--kept 2000] [--requests 800] [--clients 1] [--baseline-s 2]
+                                      [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -29,7 +29,7 @@ import sys
 import time
 
 import zmq
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.telemetry.events.config import EventsConfig
 from tiercache.telemetry.events.sink import EventSink
@@ -45,6 +45,8 @@ CLEAR_LIMIT_S = 120.0
 POLL_MS = 100
 """How long a client waits for a message before it looks at its stdin again."""
 MS = 1e3
+QUICK_ARGUMENTS = {"kept": 40, "requests": 20, "baseline_s": 0.2, "idle_s": 1.0}
+"""The defaults ``--quick`` gives the options."""
 
 
 def live_client(pub: str) -> None:
@@ -147,7 +149,7 @@ class Engine:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--kept", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=800)
     parser.add_argument("--clients", type=int, default=1, help="DEALER connections the requests are spread over")
@@ -155,7 +157,7 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=5.0)
     parser.add_argument("--live-client", metavar="PUB")
     parser.add_argument("--flood-client", metavar="REPLAY")
-    args = parser.parse_args()
+    args = parse(parser, **QUICK_ARGUMENTS)
     if args.live_client:
         live_client(args.live_client)
         return
@@ -246,6 +248,8 @@ def main() -> None:
             "sink_stats": stats,
             "load_average_after": list(load),
         },
+        args.out,
+        args.quick,
     )
     print(f"wrote {path}")
 

@@ -10,13 +10,12 @@ two blocks per page; ``layer_first``: two per layer) and a batch of N pages, eac
   byte views and tiercache keys, prepared untimed), on the store's loop, with no adapter and no lane.
 
 GB/s count page bytes; ``adapter/ceil`` is the median of the per-repetition ratios (1.0: the backend adds
-nothing). Run in the SGLang venv: ``.venv-sglang/bin/python benchmarks/sglang_transfers.py [--quick]``.
+nothing). Run in the SGLang venv: ``.venv-sglang/bin/python benchmarks/sglang_transfers.py [--quick] [--out PATH]``.
 It prints a table and writes ``sglang_transfers.json`` (with the load average).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -26,7 +25,7 @@ from typing import Any
 warnings.filterwarnings("ignore")  # SGLang's import-time warnings on a CPU-only machine
 
 import torch  # noqa: E402
-from common import write_result  # noqa: E402
+from common import arguments, parse, write_result  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 
@@ -111,11 +110,9 @@ def measure(server: RedisServer, layout: str, pages: int, repetitions: int) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer pages and repetitions")
-    args = parser.parse_args()
-    batches = [16] if args.quick else [16, 128]
-    repetitions = 3 if args.quick else 7
+    args = parse(arguments(__doc__.splitlines()[0]))
+    batches = [4] if args.quick else [16, 128]
+    repetitions = 1 if args.quick else 7
     results = []
     with_load = os.getloadavg()
     server = RedisServer(maxmemory=MAXMEMORY).start()
@@ -133,7 +130,8 @@ def main() -> None:
                   f"{row['ceiling_ms']:>8.2f} {row['adapter_gbps']:>12.2f} {row['ceiling_gbps']:>9.2f} "
                   f"{row['adapter_vs_ceiling']:>12.2f}")
     load = {"before": with_load, "after": os.getloadavg()}
-    path = write_result(__file__, {"repetitions": repetitions, "load_average": load, "results": results})
+    result = {"repetitions": repetitions, "load_average": load, "results": results}
+    path = write_result(__file__, result, args.out, args.quick)
     print(f"load average before/after: {load['before'][0]:.2f} / {load['after'][0]:.2f}; wrote {path}")
 
 

@@ -13,23 +13,22 @@ alone. Targets on an H100: every cell >= 0.9x its contiguous figure, and <= 3%
 added to the busy step. On a machine without CUDA the pool lives in host memory,
 only the torch path runs and the ceiling is a host memcpy.
 
-Usage: ``python benchmarks/swap.py [--out DIR] [--paths dma_batch,kernel,...]``.
+Usage: ``python benchmarks/swap.py [--out PATH] [--paths dma_batch,kernel,...] [--no-engine] [--quick]``; ``--out``
+a folder (``swap.json``, or ``swap_cuda.json`` with CUDA, goes in it) or a file.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import machine, write_result
+from common import arguments, machine, parse, result_path, write_result
 
 from tiercache.blocks.layout import KVLayout, MemoryOrder
 from tiercache.movement.swap import PathChoice, SwapPath, Swapper, TorchSwapper, build_swapper, make_swapper
@@ -45,6 +44,8 @@ STEP_MATMULS = 16
 ENGINE_STEPS = 15
 AUTO = "auto"
 DIRECTIONS = ("gpu->cpu", "cpu->gpu", "both")
+QUICK = {"BLOCK_COUNTS": (4,), "REPEATS": 1, "MATMUL_SIZE": 1024, "ENGINE_STEPS": 2}
+"""The constants ``--quick`` replaces."""
 
 
 def median_seconds(run: Callable[[], None], synchronize: Callable[[], None]) -> float:
@@ -264,11 +265,12 @@ def print_table(device: str, rows: list[dict[str, Any]], engine_rows: list[dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="folder for the JSON (default: next to this script)")
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--paths", default=",".join([*(p.value for p in SwapPath), AUTO]))
     parser.add_argument("--no-engine", action="store_true", help="skip the busy-step measurement")
-    args = parser.parse_args()
+    args = parse(parser)
+    if args.quick:
+        globals().update(QUICK)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     paths = args.paths.split(",")
     engine_inputs = None
@@ -282,11 +284,11 @@ def main() -> None:
     print_table(device, rows, engine_rows)
     result = {"device": device, "layout": LAYOUT, "rows": rows, "engine": engine_rows}
     if device != "cuda":
-        print(f"wrote {write_result(__file__, result)}")
+        print(f"wrote {write_result(__file__, result, args.out, args.quick)}")
         return
-    folder = args.out or Path(__file__).resolve().parent
-    path = folder / "swap_cuda.json"
-    path.write_text(json.dumps({"machine": {**machine(), **software()}, **result}, indent=2) + "\n")
+    path = result_path(__file__, args.out, "swap_cuda.json")
+    document = {"machine": {**machine(), **software()}, "quick": args.quick, **result}
+    path.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {path}")
 
 

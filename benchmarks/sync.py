@@ -8,6 +8,8 @@ region's GETs), a force_latest read (adds central's version check), and a
 force_latest read after region B rewrote every key (each read also fetches from
 central and refreshes region A). ``RUNS`` repetitions in the one process; every
 row reports the median over the runs of each run's p50 (and mean and p95).
+
+    python benchmarks/sync.py [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.blocks.codec import Codec
 from tiercache.testing.redis_servers import RedisServer
@@ -36,6 +38,8 @@ PERCENTILES = (50, 95)
 MS = 1000.0
 FINGERPRINT = bytes(16)
 CEILING = "redis tier GET (ceiling)"
+QUICK = {"KEYS": 64, "ROUNDS": 4, "RUNS": 1}
+"""The constants ``--quick`` replaces."""
 
 Read = Callable[[Sequence[bytes], Sequence[memoryview]], Awaitable[list[bool]]]
 
@@ -114,6 +118,9 @@ async def run(central: RedisServer, region_a: RedisServer, region_b: RedisServer
 
 
 def main() -> None:
+    args = parse(arguments(__doc__.splitlines()[0]))
+    if args.quick:
+        globals().update(QUICK)
     servers = [RedisServer().start() for _ in range(3)]
     try:
         result = asyncio.run(run(*servers))
@@ -128,7 +135,7 @@ def main() -> None:
         ratio = row["p50_ms"] / ceiling
         print(f"{name:<34}{row['mean_ms']:>9.2f}{row['p50_ms']:>9.2f}{row['p95_ms']:>9.2f}{ratio:>15.2f}")
     result.update({"batch": BATCH, "block_bytes": BLOCK_BYTES, "runs_count": RUNS})
-    print(f"wrote {write_result(__file__, result)}")
+    print(f"wrote {write_result(__file__, result, args.out, args.quick)}")
 
 
 if __name__ == "__main__":

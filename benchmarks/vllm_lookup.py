@@ -14,20 +14,19 @@ scheduler's thread:
 
 The figure is µs per lookup (``first`` includes the flush, per key); tiers run
 interleaved in one process, and the ratio tiercache / fs is of medians taken in
-the same run. Run in the vLLM venv: ``.venv-vllm/bin/python benchmarks/vllm_lookup.py``.
+the same run. Run in the vLLM venv: ``.venv-vllm/bin/python benchmarks/vllm_lookup.py [--quick] [--out PATH]``.
 It prints a table and writes ``vllm_lookup.json`` (with the load average).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 import time
 from typing import Any
 
-from common import write_result
+from common import arguments, parse, write_result
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
@@ -45,6 +44,8 @@ PROBE_DEADLINE_MS = 5000.0
 to answer a 2048-key probe, which would turn the answered step into misses."""
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 US_PER_NS = 1e-3
+QUICK = {"PROMPTS": {"1k": 1024}, "REPETITIONS": {"1k": 2}}
+"""The constants ``--quick`` replaces."""
 
 
 def build(kind: str, server: RedisServer, root: str, chunks: int) -> Engine:
@@ -136,8 +137,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
+    args = parse(arguments(__doc__.splitlines()[0]), argv)
+    if args.quick:
+        globals().update(QUICK)
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     with RedisServer() as server, tempfile.TemporaryDirectory(prefix="vllm-fs-tier-") as root:
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     load_after = os.getloadavg()
     print(table(rows))
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-    path = write_result(__file__, {"rows": rows, "loadavg_before": load_before, "loadavg_after": load_after})
+    result = {"rows": rows, "loadavg_before": load_before, "loadavg_after": load_after}
+    path = write_result(__file__, result, args.out, args.quick)
     print(f"wrote {path}")
 
 

