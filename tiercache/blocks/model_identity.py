@@ -128,7 +128,6 @@ def checkpoint_identity(
     count as unset). A name no local checkpoint answers to is identified by the name and ``revision``
     (``ModelIdentity.weights_named``).
     """
-    settings = {name: value for name, value in (settings or {}).items() if value is not None}
     directory = find_checkpoint(str(model), revision, cache_dir)
     if directory is None:
         log.warning(
@@ -137,12 +136,13 @@ def checkpoint_identity(
             "digested", str(model), revision,
         )
         weights = f"name:{model}@{revision or '-'}"
-        return ModelIdentity(config_digest({"config": config or {}, "settings": settings}), weights, str(dtype))
-    if config is None:
-        path = (directory if directory.is_dir() else directory.parent) / CONFIG_FILE
-        config = json.loads(path.read_text()) if path.is_file() else {}
-    architecture = config_digest({"config": config, "settings": settings})
-    return ModelIdentity(architecture, "checkpoint:" + checkpoint_digest(directory), str(dtype))
+    else:
+        if config is None:
+            path = (directory if directory.is_dir() else directory.parent) / CONFIG_FILE
+            config = json.loads(path.read_text()) if path.is_file() else {}
+        weights = "checkpoint:" + checkpoint_digest(directory)
+    settings = {name: value for name, value in (settings or {}).items() if value is not None}
+    return ModelIdentity(config_digest({"config": config or {}, "settings": settings}), weights, str(dtype))
 
 
 def find_checkpoint(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path | None:

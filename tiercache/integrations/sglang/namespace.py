@@ -36,8 +36,7 @@ def model_identity(config: Any) -> ModelIdentity:
     """The served model's identity, from SGLang's model settings or else ``config.model_name``."""
     served = _served_model()
     if served is not None:
-        path, dtype, settings, revision, cache_dir = served
-        return checkpoint_identity(path, dtype, settings=settings, revision=revision, cache_dir=cache_dir)
+        return checkpoint_identity(**served)
     if not config.model_name:
         raise MissingModelIdentity(
             "tiercache's SGLang backend needs the model's identity (SGLang's --model-path, or "
@@ -46,8 +45,8 @@ def model_identity(config: Any) -> ModelIdentity:
     return checkpoint_identity(config.model_name, "auto")
 
 
-def _served_model() -> tuple[str, str, dict[str, Any], str | None, str | None] | None:
-    """SGLang's published model settings (path, dtype, K/V-changing settings, revision, download dir), if any."""
+def _served_model() -> dict[str, Any] | None:
+    """SGLang's published model settings as ``checkpoint_identity``'s arguments (None outside a server)."""
     try:
         from sglang.srt.runtime_context import get_model
 
@@ -55,8 +54,10 @@ def _served_model() -> tuple[str, str, dict[str, Any], str | None, str | None] |
         path = model.model_path
     except (ImportError, ValueError, AttributeError):  # not published: the backend runs outside a server
         return None
-    settings = {"quantization": model.quantization, "overrides": model.json_model_override_args}
-    return path, str(model.dtype), settings, model.revision, model.download_dir
+    return {
+        "model": path, "dtype": str(model.dtype), "revision": model.revision, "cache_dir": model.download_dir,
+        "settings": {"quantization": model.quantization, "overrides": model.json_model_override_args},
+    }
 
 
 def page_namespace(config: Any, pages: HostPages, model: ModelIdentity) -> Namespace:
