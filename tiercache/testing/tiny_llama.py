@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,8 @@ def tiny_llama_config(
     )
 
 
-def _save_tokenizer(directory: Path, vocab_size: int, max_length: int) -> None:
+def save_tokenizer(directory: Path, vocab_size: int, max_length: int) -> None:
+    """Save the word-level tokenizer (the word ``t{i}`` is id ``i``) as ``PreTrainedTokenizerFast`` files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -120,35 +121,44 @@ def build_tiny_llama(
         "vocab_size": vocab_size,
         "max_position_embeddings": max_position_embeddings,
     }
-    if _complete(target, args):
-        return target
-    from transformers import LlamaForCausalLM
+    def write(staging: Path) -> None:
+        from transformers import LlamaForCausalLM
 
-    config = tiny_llama_config(**{name: value for name, value in args.items() if name != "seed"})
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp's 0o700 would outlive the rename
+        config = tiny_llama_config(**{name: value for name, value in args.items() if name != "seed"})
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config).to(torch.float32).eval()
         model.save_pretrained(staging, safe_serialization=True)
-        _save_tokenizer(staging, vocab_size, max_position_embeddings)
-        (staging / MARKER).write_text(json.dumps(args, sort_keys=True) + "\n")
-        if target.exists() and not _complete(target, args):
+        save_tokenizer(staging, vocab_size, max_position_embeddings)
+
+    return build_once(target, args, MARKER, write)
+
+
+def build_once(target: Path, args: dict[str, Any], marker: str, write: Callable[[Path], None]) -> Path:
+    """Have ``write`` fill a sibling staging directory, mark it with ``args`` and rename it to ``target``; a
+    ``target`` already marked with the same ``args`` is left as it is (anything else there is replaced)."""
+    if _complete(target, args, marker):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp's 0o700 would outlive the rename
+        write(staging)
+        (staging / marker).write_text(json.dumps(args, sort_keys=True) + "\n")
+        if target.exists() and not _complete(target, args, marker):
             shutil.rmtree(target)
         try:
             staging.rename(target)
         except OSError:  # another process finished the same build first
-            if not _complete(target, args):
+            if not _complete(target, args, marker):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def _complete(directory: Path, args: dict[str, int]) -> bool:
+def _complete(directory: Path, args: dict[str, Any], marker: str) -> bool:
     try:
-        return json.loads((directory / MARKER).read_text()) == args
+        return json.loads((directory / marker).read_text()) == args
     except (OSError, ValueError):
         return False
