@@ -112,11 +112,24 @@ def kv_cache_config(layers: Iterable[str] = LAYERS) -> KVCacheConfig:
                          spec)], kv_cache_layout="LBHNC")
 
 
-def kv_tensors(layers: Iterable[str] = LAYERS) -> dict[str, torch.Tensor]:
-    """vLLM's CPU KV cache: one storage, a ``[blocks, H, N, 2D]`` view per layer, filled with a marker."""
-    names = list(layers)
-    storage = torch.full((len(names), NUM_BLOCKS, *PAGE_SHAPE), -1.0, dtype=torch.float32)
-    return {name: storage[i] for i, name in enumerate(names)}
+def kv_tensors(config: KVCacheConfig) -> dict[str, torch.Tensor]:
+    """vLLM's CPU KV cache, filled with a marker: one ``[blocks, H, N, 2D]`` view per layer of one storage, or
+    where ``config.kv_cache_tensors`` places the layers (vLLM's planner: an allocation, strides per layer and
+    block), a view per layer of its allocation."""
+    if not config.kv_cache_tensors:
+        names = [name for group in config.kv_cache_groups for name in group.layer_names]
+        storage = torch.full((len(names), config.num_blocks, *PAGE_SHAPE), -1.0, dtype=torch.float32)
+        return {name: storage[i] for i, name in enumerate(names)}
+    kv = {}
+    item = torch.float32.itemsize
+    page = [KV_HEADS * BLOCK * 2 * HEAD_SIZE, BLOCK * 2 * HEAD_SIZE, 2 * HEAD_SIZE, 1]  # a page's own strides
+    for tensor in config.kv_cache_tensors:
+        backing = torch.full((tensor.size // item,), -1.0, dtype=torch.float32)
+        for index, name in enumerate(tensor.layers):
+            start = (tensor.offset + index * tensor.layer_stride) // item
+            shape = (config.num_blocks, *PAGE_SHAPE)
+            kv[name] = backing.as_strided(shape, (tensor.block_stride // item, *page[1:]), start)
+    return kv
 
 
 def totals(records: Iterable[StepRecord]) -> dict[str, int]:
@@ -159,11 +172,18 @@ class StepRecord:
 class Instance:
     """One vLLM instance (see the module docstring)."""
 
-    def __init__(self, config: VllmConfig, layers: Iterable[str] = LAYERS) -> None:
+    def __init__(self, config: VllmConfig, kv_config: KVCacheConfig | None = None) -> None:
         self.config = config
-        self.layers = list(layers)
-        self.kv_cache_config = kv_cache_config(self.layers)
-        self.kv = kv_tensors(self.layers)
+        self.kv_cache_config = kv_config or kv_cache_config()
+        groups = self.kv_cache_config.kv_cache_groups
+        self.layers = [name for group in groups for name in group.layer_names]
+        self.group_of = {name: index for index, group in enumerate(groups) for name in group.layer_names}
+        self.windows = [getattr(group.kv_cache_spec, "sliding_window", None) for group in groups]
+        """Per group, its attention window in tokens (None: full attention)."""
+        self.state_groups = {index for index, group in enumerate(groups) if not hasattr(group.kv_cache_spec,
+                                                                                        "num_kv_heads")}
+        """Groups of state (Mamba), not pages of tokens: the "model" leaves them alone."""
+        self.kv = kv_tensors(self.kv_cache_config)
         self.worker: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.worker.register_kv_caches(self.kv)
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=self.kv_cache_config,
@@ -249,8 +269,8 @@ class Instance:
         """vLLM's ``NewRequestData`` of ``req_id`` in the step that first scheduled it."""
         return next(new for record in records for new in record.output.scheduled_new_reqs if new.req_id == req_id)
 
-    def block_ids(self, req_id: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+    def block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
 
     def page(self, layer: str, block: int) -> torch.Tensor:
         """The bytes of one block's page of ``layer``."""
@@ -269,19 +289,28 @@ class Instance:
             yield req, end - count, end
 
     def _check_prefix(self, output: SchedulerOutput, layer: int, name: str) -> list[tuple[str, str, int]]:
-        wrong = []
+        """The full blocks before the step's first token that its attention reads (a window's only) and that differ
+        from the model's (a null block where one is read counts as wrong)."""
+        wrong: list[tuple[str, str, int]] = []
+        group = self.group_of[name]
+        window = self.windows[group]
+        if group in self.state_groups:
+            return wrong
         for req, start, _ in self._scheduled(output):
-            tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id)
-            for position in range(start // BLOCK):
+            tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id, group)
+            first = 0 if window is None else max(0, start - window + 1) // BLOCK
+            for position in range(first, start // BLOCK):
                 expected = page_bytes(layer, tokens[: (position + 1) * BLOCK])
-                if not torch.equal(self.page(name, blocks[position]), expected):
+                if blocks[position] == 0 or not torch.equal(self.page(name, blocks[position]), expected):
                     wrong.append((req.request_id, name, position))
         return wrong
 
     def _compute(self, output: SchedulerOutput, layer: int, name: str) -> None:
         """Write the pages of the blocks this step's tokens fall in (a partial block: its tokens so far)."""
+        if self.group_of[name] in self.state_groups:
+            return
         for req, start, end in self._scheduled(output):
-            tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id)
+            tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id, self.group_of[name])
             for position in range(start // BLOCK, (end - 1) // BLOCK + 1):
                 page = page_bytes(layer, tokens[: min((position + 1) * BLOCK, end)])
                 self.kv[name][blocks[position]].view(-1).view(torch.uint8).copy_(page)
@@ -309,10 +338,12 @@ class Instances:
         """``kv_connector_extra_config`` with the region in this test's directory."""
         return {"topology": topology, "shared_dir": str(self.root), **options}
 
-    def new(self, engine_id: str, topology: dict[str, Any], *, model: Path | None = None, **kwargs: Any) -> Instance:
-        """An instance called ``engine_id``; ``kwargs`` go to ``vllm_config`` (``kv_role``, ``events``)."""
+    def new(self, engine_id: str, topology: dict[str, Any], *, model: Path | None = None,
+            kv_config: Callable[[VllmConfig], KVCacheConfig] | None = None, **kwargs: Any) -> Instance:
+        """An instance called ``engine_id``; ``kv_config`` builds its KV cache config from its ``VllmConfig``
+        (default: one full-attention group); ``kwargs`` go to ``vllm_config`` (``kv_role``, ``events``)."""
         config = vllm_config(model or self.model, engine_id, self.extra(topology), **kwargs)
-        instance = Instance(config)
+        instance = Instance(config, kv_config(config) if kv_config is not None else None)
         self.built.append(instance)
         return instance
 

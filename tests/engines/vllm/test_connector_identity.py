@@ -1,7 +1,7 @@
 """What keeps one instance's KV from another's, and what the connector refuses before it copies a byte (vLLM 0.33).
 
-Tenants (``cache_salt``) and models (another ``config.json``) never share blocks;
-an unknown ``kv_connector_extra_config`` key, a KV cache of several groups or a
+Tenants (``cache_salt``), models (another ``config.json``) and KV-cache group
+structures never share blocks; an unknown ``kv_connector_extra_config`` key or a
 page layout it cannot copy whole is refused when vLLM builds the connector or
 registers its tensors. The version guard lets the connector import on 0.33 and
 keeps the package's other exports lazy.
@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 from tiercache.config import ConfigError
-from tiercache.integrations.vllm.connector.identity import UnsupportedLayoutError
+from tiercache.integrations.vllm.connector.identity import UnsupportedLayoutError, instance_geometry, model_id
 
 
 def served_tokens(instances: Instances, engine_id: str, remote: dict, req_id: str, *, salt: str | None = None,
@@ -99,15 +99,23 @@ def test_pages_of_another_size_than_the_spec_are_refused(vllm: Instances) -> Non
         worker.register_kv_caches(half)
 
 
-def test_a_kv_cache_of_several_groups_is_refused(vllm: Instances) -> None:
+def two_groups(window: int) -> KVCacheConfig:
+    """A full-attention and a sliding-window group (``window`` tokens) of one layer each."""
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
     sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
-                                sliding_window=64)
+                                sliding_window=window)
     groups = [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], sliding)]
-    two_groups = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups, kv_cache_layout="LBHNC")
+
+
+def test_kv_cache_groups_of_another_structure_never_share_a_namespace(vllm: Instances) -> None:
     config = vllm_config(vllm.model, "groups", vllm.extra(cpu_topology()))
-    with pytest.raises(UnsupportedLayoutError, match="one KV cache group"):
-        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, two_groups)
+    ids = {
+        model_id(config, kv, instance_geometry(config, kv).slots)
+        for kv in (two_groups(64), two_groups(96), kv_cache_config())
+    }
+    assert len(ids) == 3, "another window, or one group of full attention: another namespace"
+    assert model_id(config, two_groups(64), instance_geometry(config, two_groups(64)).slots) in ids
 
 
 def test_the_connector_imports_on_this_vllm_and_the_other_exports_stay_lazy() -> None:

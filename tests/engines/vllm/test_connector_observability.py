@@ -150,7 +150,7 @@ def run_worker_step(instance: Any, metadata: TierCacheConnectorMetadata) -> Any:
 
 def test_a_broken_load_job_is_a_load_error_never_an_exception(vllm: Instances) -> None:
     instance = vllm.new("broken-load", cpu_topology())
-    errors, report = run_worker_step(instance, TierCacheConnectorMetadata(loads=[CopyJob(1, (10**6,), (5,))]))
+    errors, report = run_worker_step(instance, TierCacheConnectorMetadata(loads=[CopyJob(1, (10**6,), (5,), (0,))]))
     assert errors == {5}, "vLLM recomputes the block: it is never served"
     assert report.failed == Counter({1: 1})
 
@@ -160,7 +160,8 @@ def test_a_broken_store_job_is_reported_failed_and_holds_no_slot(vllm: Instances
     instance.add(request("a", PROMPT))
     stores = instance.scheduler.schedule().kv_connector_metadata.stores
     assert [len(job.slots) for job in stores] == [6]
-    broken = [CopyJob(job.job_id, job.slots, (*job.block_ids[:-1], 10**6)) for job in stores]  # not vLLM's block
+    broken = [CopyJob(job.job_id, job.slots, (*job.block_ids[:-1], 10**6), job.groups)  # not vLLM's block
+              for job in stores]
     errors, report = run_worker_step(instance, TierCacheConnectorMetadata(stores=broken))
     assert errors == set() and report.failed == Counter({stores[0].job_id: 1}) and not report.done
     instance.connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))

@@ -23,7 +23,7 @@ import pytest
 import vllm
 from vllm.config import KVTransferConfig
 
-from tiercache.integrations.vllm.connector.identity import SlotGeometry
+from tiercache.integrations.vllm.connector.identity import GroupGeometry, GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
 from tiercache.testing.redis_servers import RedisServer
 
@@ -34,7 +34,9 @@ LINE = r"--kv-transfer-config '(\{\"kv_connector\":\"TierCacheConnector\".*?\})'
 README_SERVER = "redis://127.0.0.1:6379"
 LINES = re.findall(LINE, README, flags=re.DOTALL)
 PROMPT_TOKENS, BLOCK_SIZE = 2000, 32
-TINY_LLAMA = SlotGeometry(tuple(f"model.layers.{i}.self_attn.attn" for i in range(8)), 32768, 1, BLOCK_SIZE)
+TINY_LLAMA = SlotGeometry(
+    (GroupGeometry(GroupKind.FULL, tuple(f"model.layers.{i}.self_attn.attn" for i in range(8)), 32768),), 1, BLOCK_SIZE
+)
 """The geometry vLLM's CPU build gives the tiny Llama (8 layers, 2 KV heads of 64, block 32, float32)."""
 
 

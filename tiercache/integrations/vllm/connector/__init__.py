@@ -6,7 +6,8 @@
 ``worker`` and ``pages`` (the worker side: page copies, layer by layer),
 ``region`` (the CPU tier's memory, shared between vLLM's processes),
 ``identity`` (the slot geometry and namespace both sides derive from vLLM's
-configs), ``options`` (``kv_connector_extra_config``), ``metadata`` (the jobs
+configs), ``groups`` (what a hit needs and a store keeps of each KV-cache
+group), ``options`` (``kv_connector_extra_config``), ``metadata`` (the jobs
 sent each step and the reports back) and ``stats`` (vLLM's connector stats and
 Prometheus counters).
 """

@@ -23,19 +23,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.integrations.vllm.connector.identity import model_id, slot_geometry
+from tiercache.integrations.vllm.connector.identity import describe_groups, instance_geometry, model_id
 from tiercache.integrations.vllm.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
 from tiercache.integrations.vllm.connector.region import SharedRegion, region_path
 from tiercache.integrations.vllm.connector.scheduler import ConnectorScheduler
-from tiercache.integrations.vllm.connector.stats import TierCacheConnectorStats, TierCachePromMetrics
+from tiercache.integrations.vllm.connector.stats import SchedulerCounters, TierCacheConnectorStats, TierCachePromMetrics
 from tiercache.integrations.vllm.connector.worker import ConnectorWorker
 from tiercache.manager.lower_tiers import LowerTiers
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")
+"""Under vLLM's logger: its handlers and level (``VLLM_LOGGING_LEVEL``) apply in its processes."""
 T = TypeVar("T")
 
 
@@ -56,31 +58,44 @@ def guarded(fallback: Callable[[], Any]) -> Callable[[Callable[..., T]], Callabl
     return wrap
 
 
-class TierCacheConnector(KVConnectorBase_V1):
-    """tiercache's CPU tier and remotes under vLLM's own prefix cache (see the module docstring)."""
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """tiercache's CPU tier and remotes under vLLM's own prefix cache (see the module docstring); every KV-cache
+    group of vLLM's hybrid allocator, or none (a model whose state it cannot restore: every request declined)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
-        geometry = slot_geometry(vllm_config, kv_cache_config)
+        instance = instance_geometry(vllm_config, kv_cache_config)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        self._declined = instance.declined
+        """Why every request is declined (None: the connector serves this model)."""
+        self._declines = SchedulerCounters()
+        self._declined_ids: set[str] = set()
+        """Requests counted as declined (vLLM asks again for a request it could not schedule yet)."""
+        groups = describe_groups(kv_cache_config)
+        if instance.slots is None:
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("tiercache connector: KV-cache groups %s; declines every request: %s", groups,
+                            self._declined)
+            return
+        geometry = instance.slots
         config = options.config(model_id(vllm_config, kv_cache_config, geometry), geometry)
         num_slots = config.tiers[0].capacity_blocks
         path = region_path(options.shared_dir, self._kv_transfer_config.engine_id,
                            vllm_config.parallel_config.data_parallel_rank)
-        self._scheduler: ConnectorScheduler | None = None
-        self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            log.info("tiercache connector: KV-cache groups %s", groups)
             region = SharedRegion.for_scheduler(path, num_slots, geometry.slot_bytes, geometry.world)
             tiers = LowerTiers(config, cpu_buffer=region.slots)
             tiers.start()
             self._region = region
             events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
-            self._scheduler = ConnectorScheduler(tiers, geometry.world, options.force_latest, events=bool(events))
+            self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events))
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank())
-        self._errors = 0
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -90,29 +105,49 @@ class TierCacheConnector(KVConnectorBase_V1):
     # ---- scheduler side ------------------------------------------------------------------
     @guarded(lambda: (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self._kv_transfer_config.is_kv_consumer:  # a kv_producer writes only (but keeps the request)
-            self._scheduler_part.track(request)
+        if self._scheduler is None:  # a model this connector declines
+            if self._declined is not None and request.request_id not in self._declined_ids:
+                self._declined_ids.add(request.request_id)
+                self._declines.add("declined_requests")
             return 0, False
-        return self._scheduler_part.matched_tokens(request, num_computed_tokens)
+        if not self._kv_transfer_config.is_kv_consumer:  # a kv_producer writes only (but keeps the request)
+            self._scheduler.track(request)
+            return 0, False
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
 
     @guarded(lambda: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler_part.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     @guarded(TierCacheConnectorMetadata)
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        scheduler = self._scheduler_part
+        if self._scheduler is None:
+            return TierCacheConnectorMetadata()
+        scheduler = self._scheduler
         scheduler.preempted(scheduler_output.preempted_req_ids or ())
         return scheduler.step_metadata(scheduler_output, store=self._kv_transfer_config.is_kv_producer)
 
     @guarded(lambda: None)
     def update_connector_output(self, connector_output: Any) -> None:
         report = connector_output.kv_connector_worker_meta
-        self._scheduler_part.workers_reported(report if isinstance(report, TierCacheWorkerMetadata) else None)
+        if self._scheduler is not None:
+            self._scheduler.workers_reported(report if isinstance(report, TierCacheWorkerMetadata) else None)
 
     @guarded(lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_part.finished(request)
+        return self._finished(request)
+
+    @guarded(lambda: (False, None))
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid allocator's ``request_finished``: every store is in flight already, nothing to delay."""
+        return self._finished(request)
+
+    def _finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._declined_ids.discard(request.request_id)
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
         return False, None
 
     @guarded(list)
@@ -120,7 +155,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         return self._scheduler.take_events() if self._scheduler is not None else []
 
     def get_kv_connector_stats(self) -> TierCacheConnectorStats | None:
-        return self._scheduler.counters.take() if self._scheduler is not None else None
+        return (self._scheduler.counters if self._scheduler is not None else self._declines).take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheConnectorStats | None:
@@ -131,16 +166,12 @@ class TierCacheConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: dict[int, list[object]]) -> TierCachePromMetrics:
         return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    @property
-    def _scheduler_part(self) -> ConnectorScheduler:
-        if self._scheduler is None:
-            raise RuntimeError("a scheduler-side call on a worker's connector")
-        return self._scheduler
-
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map the shared CPU tier and check vLLM's tensors; a layout it cannot copy refuses to start."""
-        self._worker_part.register_kv_caches(kv_caches)
+        """Map the shared CPU tier and check vLLM's tensors; a layout it cannot copy refuses to start (a model it
+        declines maps nothing)."""
+        if self._declined is None:
+            self._worker_part.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -148,24 +179,28 @@ class TierCacheConnector(KVConnectorBase_V1):
 
     @guarded(lambda: None)
     def _bind(self, metadata: KVConnectorMetadata) -> None:
-        if isinstance(metadata, TierCacheConnectorMetadata):
-            self._worker_part.bind(metadata)
+        if isinstance(metadata, TierCacheConnectorMetadata) and self._worker is not None:
+            self._worker.bind(metadata)
 
     @guarded(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker_part.start(bool(getattr(forward_context, "attn_metadata", None)))
+        if self._worker is not None:
+            self._worker.start(bool(getattr(forward_context, "attn_metadata", None)))
 
     @guarded(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker_part.before_layer(layer_name)
+        if self._worker is not None:
+            self._worker.before_layer(layer_name)
 
     @guarded(lambda: None)
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        self._worker_part.after_layer(layer_name)
+        if self._worker is not None:
+            self._worker.after_layer(layer_name)
 
     @guarded(lambda: None)
     def wait_for_save(self) -> None:
-        self._worker_part.end()
+        if self._worker is not None:
+            self._worker.end()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

@@ -1,22 +1,27 @@
 """What fixes a block's bytes in a vLLM instance: its slot geometry and tiercache namespace, the same on both sides.
 
 The scheduler side sizes the CPU tier's slots and hashes keys with it; each worker
-checks its KV tensors against it before it copies a byte. A slot holds one vLLM
-block of every layer of every tensor-parallel rank (``[rank][layer][page]``), so
-one key names the whole block; a page's interior is vLLM's (it differs by
-attention backend and, on CPU, by the kernel's instruction set: K is stored
-transposed there) and is copied as opaque bytes, never reinterpreted.
+checks its KV tensors against it before it copies a byte. vLLM splits a model's
+layers into KV-cache groups (one block table each: full attention, a sliding
+window, Mamba state; docs/engines.md, "Hybrid and sliding-window models"). A slot holds
+one vLLM block of one group: that group's layers of every tensor-parallel rank
+(``[rank][layer of the group][page]``), so one key names a block of one group;
+a page's interior is vLLM's (it differs by attention backend and, on CPU, by the
+kernel's instruction set: K is stored transposed there) and is copied as opaque
+bytes, never reinterpreted.
 
 Two instances share a block exactly when everything below agrees: the model
 (``model_identity``: the core's one rule, ``tiercache.blocks.model_identity``:
 vLLM's effective config, quantization, dtype and a digest of the checkpoint's
-weights, never its name or path), the dtypes, the block size, the layers, the
-page's shape and bytes, the backend's layout and the parallel sizes. A
-request's ``cache_salt`` and LoRA go into each chain's keys (``block_extra``).
+weights, never its name or path), the dtypes, the block size, the groups (their
+kinds, windows and layers), the page's shape and bytes, the backend's layout and
+the parallel sizes. A request's ``cache_salt`` and LoRA go into each chain's
+keys (``block_extra``).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from dataclasses import dataclass
@@ -26,78 +31,165 @@ from tiercache.blocks.model_identity import ModelIdentity, checkpoint_identity
 
 DIGEST_HEX = 32
 """Hex digits of the page format's digest (128 bits of SHA-256)."""
+FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+"""vLLM KV cache specs whose groups keep every block of a prefix."""
+SLIDING_SPECS = ("SlidingWindowSpec",)
+"""vLLM KV cache specs whose groups keep only the blocks inside an attention window."""
 
 
 class UnsupportedLayoutError(ValueError):
-    """A vLLM KV cache the connector cannot copy as whole pages of one group (said before anything is copied)."""
+    """A vLLM KV cache the connector cannot copy as whole pages (said before anything is copied)."""
+
+
+class GroupKind(enum.Enum):
+    """What a KV-cache group's blocks hold, as far as a hit is concerned."""
+
+    FULL = "full"
+    """Every block of the prefix: a hit of N blocks needs all N."""
+    SLIDING = "sliding"
+    """Only the blocks inside the window: a hit of N blocks needs the last ``window_blocks`` before N."""
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """One vLLM KV-cache group: its layers, the bytes of one layer's page, and what a hit needs of it."""
+
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    page_bytes: int
+    window_blocks: int = 0
+    """Sliding window: the blocks before a hit's end that its next token attends to (vLLM's own count)."""
+
+    @property
+    def layers_bytes(self) -> int:
+        """One block of this group on one rank: every layer's page."""
+        return len(self.layer_names) * self.page_bytes
 
 
 @dataclass(frozen=True)
 class SlotGeometry:
-    """How a CPU slot holds one vLLM block: ``world`` ranks x ``layers`` pages of ``page_bytes``."""
+    """How a CPU slot holds one vLLM block of one group: ``world`` ranks x that group's pages."""
 
-    layer_names: tuple[str, ...]
-    page_bytes: int
+    groups: tuple[GroupGeometry, ...]
     world: int
     block_size: int
 
     @property
     def rank_bytes(self) -> int:
-        return len(self.layer_names) * self.page_bytes
+        """A rank's share of a slot: the largest group's pages of one block."""
+        return max(group.layers_bytes for group in self.groups)
 
     @property
     def slot_bytes(self) -> int:
         return self.world * self.rank_bytes
 
-    def offset(self, rank: int, layer: int) -> int:
-        """Where rank ``rank``'s page of layer ``layer`` starts in a slot."""
-        return rank * self.rank_bytes + layer * self.page_bytes
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Every layer the connector copies, group by group."""
+        return tuple(name for group in self.groups for name in group.layer_names)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether a hit needs more than a prefix of one kind of block (a sliding window or several groups)."""
+        return any(group.kind is GroupKind.SLIDING for group in self.groups)
+
+    def offset(self, rank: int, group: int, layer: int) -> int:
+        """Where rank ``rank``'s page of layer ``layer`` (its index in group ``group``) starts in a slot."""
+        return rank * self.rank_bytes + layer * self.groups[group].page_bytes
 
 
-def slot_geometry(vllm_config: Any, kv_cache_config: Any) -> SlotGeometry:
-    """The slot geometry of an instance (``UnsupportedLayoutError`` for a KV cache the connector refuses)."""
+@dataclass(frozen=True)
+class InstanceGeometry:
+    """What the connector does for an instance: copy blocks by ``slots``, or decline every request (``declined``)."""
+
+    slots: SlotGeometry | None
+    declined: str | None = None
+    """Why the connector declines every request of this model (None: it serves them)."""
+
+
+def _spec_name(spec: Any) -> str:
+    return type(spec).__name__
+
+
+def describe_groups(kv_cache_config: Any) -> str:
+    """vLLM's KV-cache groups in one line, for the log: index, spec, window, layers."""
+    parts = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        shown = f"(window {window})" if isinstance(window, int) else ""
+        parts.append(f"g{index} {_spec_name(spec)}{shown} x{len(group.layer_names)} layers")
+    return "; ".join(parts)
+
+
+def instance_geometry(vllm_config: Any, kv_cache_config: Any) -> InstanceGeometry:
+    """The slot geometry of an instance, or why it declines every request (``UnsupportedLayoutError``: a parallel
+    layout the connector refuses at startup)."""
     parallel = vllm_config.parallel_config
     for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) != 1:
             raise UnsupportedLayoutError(f"tiercache's connector supports {name} 1 only, got {getattr(parallel, name)}")
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedLayoutError(
-            f"tiercache's connector needs one KV cache group (plain attention in every layer); this model has "
-            f"{len(groups)} ({[type(group.kv_cache_spec).__name__ for group in groups]})"
-        )
-    spec = groups[0].kv_cache_spec
-    if type(spec).__name__ not in ("FullAttentionSpec", "MLAAttentionSpec"):
-        raise UnsupportedLayoutError(f"tiercache's connector copies full-attention KV only, not {type(spec).__name__}")
-    return SlotGeometry(
-        tuple(groups[0].layer_names), int(spec.page_size_bytes), int(parallel.tensor_parallel_size),
-        int(spec.block_size),
-    )
+    block_sizes = {int(group.kv_cache_spec.block_size) for group in groups}
+    known = FULL_SPECS + SLIDING_SPECS
+    others = [_spec_name(g.kv_cache_spec) for g in groups if _spec_name(g.kv_cache_spec) not in known]
+    if others:
+        return InstanceGeometry(None, f"its KV-cache groups hold {sorted(set(others))}: state (Mamba, linear "
+                                "attention) or blocks tiercache does not restore, so KV of its attention layers alone "
+                                "would be wrong")
+    if len(block_sizes) != 1:
+        return InstanceGeometry(None, f"its KV-cache groups have block sizes {sorted(block_sizes)}; tiercache keys "
+                                "one block size per instance")
+    block_size = block_sizes.pop()
+    speculative = getattr(vllm_config, "speculative_config", None)
+    eagle = bool(speculative is not None and speculative.use_eagle())
+    geometries = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        if _spec_name(spec) in SLIDING_SPECS:
+            if getattr(spec, "extra_retained_tokens", 0):
+                return InstanceGeometry(None, "a sliding window that retains blocks below it (multi-token "
+                                        "prediction) keeps blocks tiercache would not fill")
+            window = -(-(int(spec.sliding_window) - 1) // block_size) + int(eagle)  # vLLM's contiguous blocks
+            geometries.append(GroupGeometry(GroupKind.SLIDING, tuple(group.layer_names), int(spec.page_size_bytes),
+                                            window))
+        else:
+            geometries.append(GroupGeometry(GroupKind.FULL, tuple(group.layer_names), int(spec.page_size_bytes)))
+    return InstanceGeometry(SlotGeometry(tuple(geometries), int(parallel.tensor_parallel_size), block_size))
 
 
 def page_format(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) -> dict[str, Any]:
-    """Everything that fixes the bytes of a page (beyond the model), as plain data."""
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    """Everything that fixes the bytes of a slot (beyond the model), as plain data: per group its spec, window,
+    layers and page."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     device = str(getattr(vllm_config.device_config, "device_type", "") or "")
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
     fields = {
         "engine": "vllm-connector",
         "device": device,
         "model_dtype": str(model.dtype),
-        "kv_dtype": str(spec.dtype),
         "cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
-        "spec": type(spec).__name__,
-        "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
-        "head_size": int(getattr(spec, "head_size", 0)),
         "kv_cache_layout": str(kv_cache_config.kv_cache_layout),
-        "page_bytes": geometry.page_bytes,
         "block_size": geometry.block_size,
-        "layers": list(geometry.layer_names),
         "world": geometry.world,
+        "groups": [
+            {
+                "spec": _spec_name(spec),
+                "kind": group.kind.value,
+                "window": int(getattr(spec, "sliding_window", 0) or 0),
+                "window_blocks": group.window_blocks,
+                "kv_dtype": str(spec.dtype),
+                "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
+                "head_size": int(getattr(spec, "head_size", 0)),
+                "page_bytes": group.page_bytes,
+                "layers": list(group.layer_names),
+            }
+            for spec, group in zip(specs, geometry.groups, strict=True)
+        ],
     }
     if device == "cpu":
-        fields["cpu_attention_isa"] = _cpu_attention_isa(spec, cache)
+        fields["cpu_attention_isa"] = _cpu_attention_isa(specs[0], cache)
     return fields
 
 

@@ -19,11 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True)
 class CopyJob:
-    """One job: ``slots[i]`` and ``block_ids[i]`` are paired (a load copies slot -> block, a store block -> slot)."""
+    """One job: ``slots[i]``, ``block_ids[i]`` and ``groups[i]`` go together (a load copies slot -> block of that
+    KV-cache group's layers, a store block -> slot)."""
 
     job_id: int
     slots: tuple[int, ...]
     block_ids: tuple[int, ...]
+    groups: tuple[int, ...]
+    invalid: tuple[int, ...] = ()
+    """A load's blocks vLLM counts as loaded that no slot fills: the worker reports them failed (recomputed)."""
 
 
 @dataclass

@@ -109,12 +109,12 @@ def _raw_topology(value: Any) -> tuple[dict[str, Any], str]:
 def _opaque_layout(geometry: SlotGeometry) -> dict[str, Any]:
     """A layout whose blocks have a slot's bytes (one byte per element: the pages are vLLM's, copied whole)."""
     pair = 2 * geometry.block_size
-    if geometry.page_bytes % pair:
-        raise ConfigError(SOURCE, "topology", f"a vLLM page of a multiple of {pair} bytes", geometry.page_bytes)
+    if geometry.rank_bytes % pair:
+        raise ConfigError(SOURCE, "topology", f"vLLM pages of a multiple of {pair} bytes", geometry.rank_bytes)
     return {
-        "num_layers": geometry.world * len(geometry.layer_names),
+        "num_layers": geometry.world,
         "num_kv_heads": 1,
-        "head_dim": geometry.page_bytes // pair,
+        "head_dim": geometry.rank_bytes // pair,
         "dtype": "uint8",
         "block_size": geometry.block_size,
         "memory": "layer_major",

@@ -1,6 +1,7 @@
 """vLLM's KV tensors as pages: per layer, one byte row per block, copied to and from the shared CPU slots.
 
-vLLM hands a worker one tensor per layer. What the connector needs of it is that
+vLLM hands a worker one tensor per layer (with its hybrid allocator, one layer of
+each KV-cache group shares a tensor: block ids are unique across groups). What the connector needs of it is that
 each block's page of a layer is one contiguous run of bytes (true of the CPU
 backend's layout and of every layout whose block dimension is outside a page):
 the page is then copied whole, its interior never read. A layout whose page is
@@ -34,13 +35,17 @@ def page_rows(name: str, tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
 
 
 class KVPages:
-    """A worker's KV tensors as page rows, in the geometry's layer order."""
+    """A worker's KV tensors as page rows, in the geometry's layer order (group by group)."""
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], geometry: SlotGeometry) -> None:
         missing = [name for name in geometry.layer_names if name not in kv_caches]
         if missing:
             raise UnsupportedLayoutError(f"vLLM registered no KV tensor for layers {missing}")
-        self.rows = [page_rows(name, kv_caches[name], geometry.page_bytes) for name in geometry.layer_names]
+        self.rows = [
+            page_rows(name, kv_caches[name], group.page_bytes)
+            for group in geometry.groups
+            for name in group.layer_names
+        ]
         self.index = {name: layer for layer, name in enumerate(geometry.layer_names)}
         self.device = self.rows[0].device
 

@@ -8,7 +8,9 @@ the workers only copy pages between vLLM's blocks and its slots, as each step's
 metadata says (``worker``). Per request:
 
 * ``get_num_new_matched_tokens`` looks the prompt's chained keys up beyond
-  vLLM's own prefix-cache hit. CPU-resident blocks are pinned at once; blocks
+  vLLM's own prefix-cache hit, per KV-cache group (``groups``: every block of a
+  full-attention group, a sliding group's window before the end; the longest
+  end held whole, tried end by end). CPU-resident blocks are pinned at once; blocks
   only a remote holds are read into CPU slots in the background while vLLM is
   told to ask again (``None``), as long as the topology's prefetch policy lets
   a request wait (``QueueConfig.prefetch_wait_s``: ``wait_complete`` until they
@@ -16,9 +18,11 @@ metadata says (``worker``). Per request:
   answer is a sync load of whole blocks that leaves at least one prompt token to
   compute, so a load failure is recomputed, and the request is never parked
   waiting for a worker;
-* ``update_state_after_alloc`` pairs the pinned slots with vLLM's blocks, and the
-  next ``build_connector_meta`` sends them as a load job;
-* every step, blocks that became full (prompt and output) get CPU slots and a
+* ``update_state_after_alloc`` pairs the pinned slots with vLLM's blocks of each
+  group (never its null block), and the next ``build_connector_meta`` sends them
+  as a load job;
+* every step, blocks that became full (prompt and output) and that their group
+  keeps (a sliding group: the windows a later request can hit) get CPU slots and a
   store job; a store is committed and written down to the remotes once every
   worker copied it (``update_connector_output``), a load's pins go then too.
 
@@ -30,12 +34,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.integrations.vllm.connector.events import stored_events
-from tiercache.integrations.vllm.connector.identity import block_extra
+from tiercache.integrations.vllm.connector.groups import (
+    NULL_BLOCK,
+    Entry,
+    group_key,
+    hit_entries,
+    kept_positions,
+    next_end,
+    paired,
+)
+from tiercache.integrations.vllm.connector.identity import GroupKind, SlotGeometry, block_extra
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.stats import TIER_SEPARATOR, SchedulerCounters
 from tiercache.manager.lower_tiers import HostFetch, LowerTiers
@@ -50,19 +63,28 @@ class _Request:
     request: Any
     extra: str | None
     keys: list[bytes] = field(default_factory=list)
-    """The chained keys of its full blocks so far (extended as tokens are computed)."""
+    """The chained keys of its full blocks so far (extended as tokens are computed); a group's are derived."""
     fetch: HostFetch | None = None
     asked_at: float = 0.0
     skip: int = 0
     """vLLM's own prefix-cache hit, in blocks, when the connector was asked."""
+    end: int = 0
+    """The hit's end being looked up or fetched, in blocks (0: not chosen yet)."""
+    tries: int = 0
+    """Ends looked up and found not whole (``groups.next_end``)."""
+    entries: list[Entry] = field(default_factory=list)
+    """The (group, position) of each block of the fetch."""
     offer: list[int] = field(default_factory=list)
-    """The CPU slots offered to vLLM as external tokens."""
+    """The CPU slots offered to vLLM as external tokens (one per entry)."""
+    offered: int = 0
+    """The blocks offered to vLLM as external tokens."""
     tiers: list[str] = field(default_factory=list)
     """Per block of the fetch, the tiercache tier serving it."""
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV-cache group, vLLM's block ids by position."""
     computed: int = 0
-    stored: int = 0
-    """Blocks below this index have a store planned (or are held already)."""
+    stored: list[int] = field(default_factory=list)
+    """Per group, positions below this have a store planned (or are held already)."""
 
 
 @dataclass(eq=False)
@@ -82,11 +104,12 @@ class _Pending:
 class ConnectorScheduler:
     """The scheduler's half of the connector (see the module docstring)."""
 
-    def __init__(self, tiers: LowerTiers, world: int, force_latest: bool, *, events: bool = False) -> None:
+    def __init__(self, tiers: LowerTiers, geometry: SlotGeometry, force_latest: bool, *, events: bool = False) -> None:
         self.tiers = tiers
+        self.geometry = geometry
         self.events: list[Any] | None = [] if events else None
         """vLLM KV events of what the CPU tier took (None: vLLM's KV events are off)."""
-        self.world = world
+        self.world = geometry.world
         self.force_latest = force_latest
         self.block_size = tiers.block_size
         self.queues = tiers.config.queues
@@ -94,6 +117,8 @@ class ConnectorScheduler:
         self._pending: dict[int, _Pending] = {}
         self._loads: list[tuple[str, CopyJob]] = []
         self._job_ids = itertools.count()
+        self._event_group = next((i for i, g in enumerate(geometry.groups) if g.kind is GroupKind.FULL), None)
+        """The group whose stores are reported as KV events (the first full-attention one; none: no events)."""
         self.counters = SchedulerCounters()
 
     # ---- admission -----------------------------------------------------------------------
@@ -102,31 +127,66 @@ class ConnectorScheduler:
         state = self._state(request)
         usable = (request.num_tokens - 1) // self.block_size  # a sync load leaves a token to compute
         skip = num_computed_tokens // self.block_size
-        if state.fetch is not None and skip != state.skip:  # vLLM's own hit moved: the fetch no longer lines up
-            state.fetch.release()
-            state.fetch = None
+        if skip != state.skip:  # vLLM's own hit moved: a lookup or fetch no longer lines up
+            self._drop_fetch(state)
+            state.end = state.tries = 0
         state.skip = skip
         if usable <= skip:
             return 0, False
         if state.fetch is None:
-            keys = self._keys(state, usable * self.block_size)[state.skip : usable]
-            hit = self.tiers.lookup(keys, local_only=not keys)
-            if hit is None:
+            found = self._find(state, min(state.end or usable, usable))
+            if found is None:
                 self.counters.add("lookups_pending")
                 return None, False
             self.counters.add("lookups")
-            if not hit.num_blocks:
-                self.tiers.release(hit)
+            if not found:
                 return 0, False
-            state.fetch = self.tiers.fetch(hit, force_latest=self.force_latest)
-            state.tiers, state.asked_at = list(hit.tiers), time.monotonic()
         fetch = state.fetch
+        assert fetch is not None
         if not fetch.ready() and self._may_wait(state, len(fetch.items)):
             return None, False
         slots = fetch.slots()
-        state.offer = slots[: usable - state.skip]
-        self.counters.add("offered_blocks", len(state.offer))
-        return len(state.offer) * self.block_size, False
+        groups = len(self.geometry.groups)
+        if len(slots) == len(state.entries):
+            state.offered = state.end - skip
+        else:  # a prefix of whole positions, where no window is needed (else no block of this hit is any use)
+            state.offered = 0 if self.geometry.hybrid else len(slots) // groups
+        state.offer = slots if state.offered == state.end - skip else slots[: state.offered * groups]
+        self.counters.add("offered_blocks", state.offered)
+        return state.offered * self.block_size, False
+
+    def _find(self, state: _Request, end: int) -> bool | None:
+        """Look up ends from ``end`` down until one is held whole (a fetch starts) or none is left (False); None
+        while a remote's answer is in flight (``state.end`` says where to go on)."""
+        geometry = self.geometry
+        while True:
+            state.end = end
+            entries = hit_entries(geometry, state.skip, end)
+            keys = self._keys(state, end * self.block_size)
+            hit = self.tiers.lookup([group_key(keys[position], group, geometry) for group, position in entries],
+                                    local_only=not entries)
+            if hit is None:
+                return None
+            if hit.num_blocks == len(entries) or (hit.num_blocks and not geometry.hybrid):
+                break
+            self.tiers.release(hit)
+            state.tries += 1
+            following = next_end(geometry, state.skip, entries[hit.num_blocks][1], state.tries)
+            if following is None:
+                state.end = state.tries = 0
+                return False
+            end = following
+        if not geometry.hybrid:  # a prefix of whole positions is a hit too
+            positions = hit.num_blocks // len(geometry.groups)
+            if not positions:
+                self.tiers.release(hit)
+                state.end = 0
+                return False
+            state.end, entries = state.skip + positions, entries[: positions * len(geometry.groups)]
+        state.entries = entries
+        state.fetch = self.tiers.fetch(hit, len(entries), force_latest=self.force_latest)
+        state.tiers, state.asked_at = list(hit.tiers[: len(entries)]), time.monotonic()
+        return True
 
     def track(self, request: Any) -> None:
         """Keep a request tiercache does not load for (a kv_producer's): its blocks are still stored."""
@@ -136,23 +196,42 @@ class ConnectorScheduler:
         """Whether a request may still be held back for its remote blocks (the topology's prefetch policy)."""
         return time.monotonic() - state.asked_at < self.queues.prefetch_wait_s(blocks * self.block_size)
 
-    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated the request's blocks: pair the offered slots with the blocks that take them."""
+    def allocated(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (per group): pair the offered slots with the blocks that take them."""
         state = self.requests.get(request.request_id)
         if state is None or state.fetch is None:
             return
         count = num_external_tokens // self.block_size
         if count:
-            job = CopyJob(next(self._job_ids), tuple(state.offer[:count]),
-                          tuple(block_ids[state.skip : state.skip + count]))
+            end = state.skip + count
+            pairs = paired(state.entries, state.offer, block_ids, end)
+            invalid: tuple[int, ...] = ()
+            if count != state.offered and self.geometry.hybrid:  # a window of another end: recomputed, never served
+                pairs = [pair for pair in pairs if self.geometry.groups[pair[1]].kind is GroupKind.FULL]
+                invalid = tuple(
+                    block for group, blocks in enumerate(block_ids) for block in blocks[state.skip : end]
+                    if block != NULL_BLOCK and self.geometry.groups[group].kind is GroupKind.SLIDING
+                )
+            job = CopyJob(next(self._job_ids), tuple(p[0] for p in pairs), tuple(p[2] for p in pairs),
+                          tuple(p[1] for p in pairs), invalid)
             self._pending[job.job_id] = _Pending(fetch=state.fetch)
             self._loads.append((request.request_id, job))
-            self.counters.add("loaded_blocks", count)
-            for tier in state.tiers[:count]:
+            self.counters.add("loaded_blocks", len(pairs))
+            self.counters.add("loaded_bytes", self._bytes(job.groups))
+            for tier in state.tiers[: len(state.entries)]:
                 self.counters.add(f"hit_blocks{TIER_SEPARATOR}{tier}")
         else:
             state.fetch.release()
-        state.fetch, state.offer = None, []
+        state.fetch, state.offer, state.offered, state.end, state.tries = None, [], 0, 0, 0
+
+    def _drop_fetch(self, state: _Request) -> None:
+        if state.fetch is not None:
+            state.fetch.release()
+            state.fetch = None
+
+    def _bytes(self, groups: Iterable[int]) -> int:
+        """The bytes a job copies between vLLM's blocks and the CPU tier (every rank's pages of its blocks)."""
+        return sum(self.geometry.groups[group].layers_bytes for group in groups) * self.world
 
     # ---- each step -----------------------------------------------------------------------
     def step_metadata(self, output: Any, *, store: bool = True) -> TierCacheConnectorMetadata:
@@ -163,7 +242,7 @@ class ConnectorScheduler:
         for new in output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
-                state.block_ids, state.computed = list(new.block_ids[0]), new.num_computed_tokens
+                state.block_ids, state.computed = [list(blocks) for blocks in new.block_ids], new.num_computed_tokens
         cached = output.scheduled_cached_reqs
         for position, req_id in enumerate(cached.req_ids):
             state = self.requests.get(req_id)
@@ -171,41 +250,48 @@ class ConnectorScheduler:
                 continue
             blocks = cached.new_block_ids[position]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(blocks[0]) if blocks else []
+                state.block_ids = [list(group) for group in blocks] if blocks else []
             elif blocks:
-                state.block_ids.extend(blocks[0])
+                for group, new_ids in enumerate(blocks):
+                    state.block_ids[group].extend(new_ids)
             state.computed = cached.num_computed_tokens[position]
         for req_id, scheduled in output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
-            if state is not None and store:
+            if state is not None and store and state.block_ids:
                 job = self._store_job(state, state.computed + scheduled)
                 if job is not None:
                     metadata.stores.append(job)
         return metadata
 
     def _store_job(self, state: _Request, computed: int) -> CopyJob | None:
-        """Slots for the blocks that are full once ``computed`` tokens have their KV (None: none to store)."""
-        full = min(computed, len(state.request.all_token_ids), len(state.block_ids) * self.block_size)
-        end = full // self.block_size
-        if end <= state.stored:
+        """Slots for the blocks each group keeps that are full once ``computed`` tokens have their KV (None: none
+        to store)."""
+        full = min(computed, len(state.request.all_token_ids)) // self.block_size
+        if not state.stored:
+            state.stored = [0] * len(self.geometry.groups)
+        keys = self._keys(state, full * self.block_size)
+        prompt_blocks = state.request.num_prompt_tokens // self.block_size
+        wanted: list[tuple[bytes, int, int, int]] = []
+        for group, blocks in enumerate(state.block_ids):
+            end = min(full, len(blocks))
+            for position in kept_positions(self.geometry, group, state.stored[group], end, prompt_blocks):
+                if blocks[position] != NULL_BLOCK:
+                    wanted.append((group_key(keys[position], group, self.geometry), group, blocks[position], position))
+            state.stored[group] = max(state.stored[group], end)
+        if not wanted:
             return None
-        keys = self._keys(state, end * self.block_size)[state.stored : end]
-        blocks = state.block_ids[state.stored : end]
-        state.stored = end
-        slots = self.tiers.begin_writes(keys)
-        first = end - len(keys)
-        chosen = [
-            (key, slot, block, first + i)
-            for i, (key, slot, block) in enumerate(zip(keys, slots, blocks, strict=True))
-            if slot is not None
-        ]
+        slots = self.tiers.begin_writes([w[0] for w in wanted])
+        chosen = [(*w, slot) for w, slot in zip(wanted, slots, strict=True) if slot is not None]
         if not chosen:
             return None
-        job = CopyJob(next(self._job_ids), tuple(c[1] for c in chosen), tuple(c[2] for c in chosen))
+        job = CopyJob(next(self._job_ids), tuple(c[4] for c in chosen), tuple(c[2] for c in chosen),
+                      tuple(c[1] for c in chosen))
         self._pending[job.job_id] = _Pending(
-            keys=[c[0] for c in chosen], slots=list(job.slots), request=state.request, positions=[c[3] for c in chosen]
+            keys=[c[0] for c in chosen], slots=list(job.slots), request=state.request,
+            positions=[c[3] for c in chosen if c[1] == self._event_group],
         )
         self.counters.add("stored_blocks", len(chosen))
+        self.counters.add("stored_bytes", self._bytes(job.groups))
         return job
 
     def workers_reported(self, report: TierCacheWorkerMetadata | None) -> None:
@@ -246,8 +332,8 @@ class ConnectorScheduler:
     def finished(self, request: Any) -> None:
         """A request finished or was aborted: what only it held goes (jobs in flight finish on their own)."""
         state = self.requests.pop(request.request_id, None)
-        if state is not None and state.fetch is not None:
-            state.fetch.release()
+        if state is not None:
+            self._drop_fetch(state)
 
     def preempted(self, req_ids: Iterable[str]) -> None:
         """Preempted requests lose their blocks; when resumed, vLLM asks again (what was stored stays)."""

@@ -3,7 +3,8 @@
 Each step the scheduler side sends jobs (``metadata``). A load's pages are copied
 into their blocks for each layer just before that layer's attention reads them
 (``wait_for_layer_load``); a store's pages are copied out of their blocks right
-after the layer wrote them (``save_kv_layer``). A layer the engine did not call
+after the layer wrote them (``save_kv_layer``); each layer copies its own
+KV-cache group's share of a job. A layer the engine did not call
 a hook for is done at the end of the step: a store then (its pages are complete
 after the forward), a load as failed, since the forward has read the blocks
 already: its blocks are reported (``get_block_ids_with_load_errors``) so vLLM
@@ -34,11 +35,23 @@ class _Job:
     """A job of this step and the layers it still has to copy."""
 
     job: CopyJob
-    runs: list[tuple[int, int, int]]
-    """(first source, first destination, count): slot -> block for a load, block -> slot for a store."""
+    runs: dict[int, list[tuple[int, int, int]]]
+    """Per KV-cache group, (first source, first destination, count): slot -> block for a load, block -> slot for a
+    store."""
     layers_left: set[int] = field(default_factory=set)
     failed: bool = False
     """A copy of it raised: it is reported failed (a load's blocks recomputed, a store aborted)."""
+
+
+def _runs(job: CopyJob, load: bool, group_layers: dict[int, list[int]]) -> _Job:
+    """A job's copies as runs per group, with the layers of the groups it touches."""
+    runs: dict[int, list[tuple[int, int, int]]] = {}
+    for group in sorted(set(job.groups)):
+        slots = [slot for slot, g in zip(job.slots, job.groups, strict=True) if g == group]
+        blocks = [block for block, g in zip(job.block_ids, job.groups, strict=True) if g == group]
+        runs[group] = paired_runs(slots, blocks) if load else paired_runs(blocks, slots)
+    layers = {layer for group in runs for layer in group_layers[group]}
+    return _Job(job, runs, layers)
 
 
 class ConnectorWorker:
@@ -53,6 +66,11 @@ class ConnectorWorker:
         self.region: SharedRegion | None = None
         self._rows: list[torch.Tensor] = []
         """Per layer, this rank's pages of every slot: ``[num_slots, page_bytes]`` views of the region."""
+        self._group_of = [group for group, spec in enumerate(geometry.groups) for _ in spec.layer_names]
+        """Per layer (in the geometry's order), its KV-cache group."""
+        self._group_layers: dict[int, list[int]] = {}
+        for layer, group in enumerate(self._group_of):
+            self._group_layers.setdefault(group, []).append(layer)
         self._loads: list[_Job] = []
         self._stores: list[_Job] = []
         self._done: Counter[int] = Counter()
@@ -64,16 +82,16 @@ class ConnectorWorker:
         self.pages = KVPages(kv_caches, self.geometry)
         self.region = SharedRegion.for_worker(self.region_path, self.num_slots, self.geometry.slot_bytes, self.rank)
         geometry, slots = self.geometry, self.region.slots
-        self._rows = [
-            slots[:, geometry.offset(self.rank, layer) : geometry.offset(self.rank, layer) + geometry.page_bytes]
-            for layer in range(len(geometry.layer_names))
-        ]
+        self._rows = []
+        for group, spec in enumerate(geometry.groups):
+            for index in range(len(spec.layer_names)):
+                start = geometry.offset(self.rank, group, index)
+                self._rows.append(slots[:, start : start + spec.page_bytes])
 
     def bind(self, metadata: TierCacheConnectorMetadata) -> None:
         """A step's jobs, bound before its forward (so the layers' hooks copy as the forward goes)."""
-        layers = set(range(len(self.geometry.layer_names)))
-        self._loads = [_Job(job, paired_runs(job.slots, job.block_ids), set(layers)) for job in metadata.loads]
-        self._stores = [_Job(job, paired_runs(job.block_ids, job.slots), set(layers)) for job in metadata.stores]
+        self._loads = [_runs(job, True, self._group_layers) for job in metadata.loads]
+        self._stores = [_runs(job, False, self._group_layers) for job in metadata.stores]
 
     def start(self, forward: bool) -> None:
         """Loads may start; ``forward``: the engine runs a forward now (its layers will call the hooks), else
@@ -104,6 +122,10 @@ class ConnectorWorker:
                             job.job.job_id, sorted(job.layers_left))
                 self._failed[job.job.job_id] += 1
                 self._load_errors.update(job.job.block_ids)
+                self._load_errors.update(job.job.invalid)
+            elif job.job.invalid:
+                self._failed[job.job.job_id] += 1
+                self._load_errors.update(job.job.invalid)
             else:
                 self._done[job.job.job_id] += 1
         for job in self._stores:
@@ -116,14 +138,18 @@ class ConnectorWorker:
     def _copy_loads(self, layer: int) -> None:
         pages = self.pages
         assert pages is not None
+        group = self._group_of[layer]
         for job in self._loads:
-            self._copy(job, layer, lambda job=job: pages.load(layer, job.runs, self._rows[layer]))
+            runs = job.runs.get(group, [])
+            self._copy(job, layer, lambda runs=runs: pages.load(layer, runs, self._rows[layer]))
 
     def _copy_stores(self, layer: int) -> None:
         pages = self.pages
         assert pages is not None
+        group = self._group_of[layer]
         for job in self._stores:
-            self._copy(job, layer, lambda job=job: pages.save(layer, job.runs, self._rows[layer]))
+            runs = job.runs.get(group, [])
+            self._copy(job, layer, lambda runs=runs: pages.save(layer, runs, self._rows[layer]))
 
     @staticmethod
     def _copy(job: _Job, layer: int, copy: Callable[[], None]) -> None:
