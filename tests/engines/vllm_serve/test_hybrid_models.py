@@ -1,0 +1,307 @@
+"""Hybrid and sliding-window models with tiercache's connector: vLLM's hybrid KV-cache allocator stays on.
+
+Small random-weight models built here (``tiercache.testing.tiny_models``:
+hidden 256, 4 layers, sliding windows of 128 tokens = 4 blocks, far shorter
+than the 1500-2100-token prompts). Each fixture runs its servers inside itself,
+one at a time, and keeps only what they answered, counted and logged.
+
+Sliding-window families (Gemma 3: 3 sliding + 1 full layer; Mistral: 4 sliding
+layers): server 1 with the connector over a Redis answers long prompts and a
+chat's first turn, stores only what a sliding layer can use (less than every
+layer's KV of every block), and stops; server 2, a fresh process over the same
+Redis, loads and answers as the baseline (the same model without the connector
+and without vLLM's own prefix cache).
+
+Mamba hybrids (NemotronH, FalconH1, Zamba2, GraniteMoeHybrid): the connector
+declines every request (it does not restore SSM state), stores and loads
+nothing, and the answers are the baseline's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.vllm_serving import (
+    BLOCK,
+    CHAT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    EXTERNAL_HITS,
+    LOCAL_HITS,
+    TIERCACHE,
+    Counted,
+    log_problems,
+    redis_config,
+    redis_store,
+    reusable,
+    serving,
+    settled,
+    wait_until,
+)
+
+from tiercache.testing.redis_servers import RedisServer
+from tiercache.testing.tiny_llama import random_prompt_ids
+from tiercache.testing.tiny_models import FAMILY_ARGS, MAMBA_FAMILIES, SLIDING_WINDOW, build_tiny_model
+
+SLIDING_FAMILIES = ("gemma3", "mistral_sliding")
+HMA_OFF = "Turning off hybrid kv cache manager"
+"""vLLM's line when a connector makes it turn its hybrid allocator off (sliding layers then become full ones)."""
+GROUPS_LINE = "tiercache connector: KV-cache groups"
+"""The connector's start-up line listing vLLM's KV-cache groups."""
+COUNTERS = {
+    "external": EXTERNAL_HITS,
+    "local": LOCAL_HITS,
+    "stored_blocks": TIERCACHE.format("stored_blocks"),
+    "stored_bytes": TIERCACHE.format("stored_bytes"),
+    "declined": TIERCACHE.format("declined_requests"),
+}
+SHARED = 1280
+"""Tokens ``pair_b`` shares with ``pair_a`` (40 whole blocks)."""
+WINDOW_BLOCKS = -(-(SLIDING_WINDOW - 1) // BLOCK)
+"""The blocks before a hit's end a sliding layer attends to (vLLM's count: ceil(127 / 32) = 4)."""
+ANCHOR_BLOCKS = 4 * WINDOW_BLOCKS
+"""Anchor ends lie every 4 windows (docs/engines.md, "Hybrid and sliding-window models")."""
+
+
+def _prompts() -> dict[str, list[int]]:
+    prompts = {"long_1": random_prompt_ids(1600, 301), "long_2": random_prompt_ids(2100, 302),  # 2100: 2 steps
+               "chat_1": random_prompt_ids(1500, 303), "pair_a": random_prompt_ids(1800, 305)}
+    prompts["pair_b"] = prompts["pair_a"][:SHARED] + random_prompt_ids(500, 306)
+    return prompts
+
+
+PROMPTS = _prompts()
+"""Every family's prompts; ``chat_2`` (chat_1, its answer, a new turn) is added per family, from its answer."""
+CHAT_NEW_TURN = random_prompt_ids(200, 304)
+MAX_TOKENS = {"chat_1": CHAT_MAX_TOKENS}
+FIRST = ("long_1", "long_2", "chat_1", "pair_a")
+"""What server 1 answers (and stores)."""
+SECOND = ("long_1", "long_2", "chat_2", "pair_b")
+"""What server 2 answers: the same prompts, the chat's second turn, a prompt sharing ``SHARED`` tokens with one."""
+MAMBA_REQUESTS = ("long_1", "long_2", "long_1", "long_2")
+"""Each asked twice: the second ask would hit whatever the first stored."""
+
+
+def full_length_bytes(model: Path, tokens: int) -> int:
+    """Bytes a store of ``tokens`` tokens' KV for every layer would take: each layer keeps a key and a value
+    (x2), ``num_key_value_heads`` heads of ``head_dim`` float32 numbers (x4 bytes) per token, whether its
+    attention slides or not. Gemma 3 and Mistral here: 4 x 2 x 2 x 64 x 4 = 4096 bytes a token, 128 KiB a block.
+    A store that keeps, for sliding layers, only the blocks within the window stays below it."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4 * tokens
+
+
+def sliding_blocks_kept(prompt_tokens: int, computed_tokens: int) -> int:
+    """The blocks a sliding layer keeps of a request, by the design's definition: those inside the window before
+    an end a later request can hit (the prompt's end, one block short of it, any end after it, every anchor)."""
+    prompt, computed = prompt_tokens // BLOCK, computed_tokens // BLOCK
+    ends = {prompt - 1, prompt, *range(prompt + 1, computed + 1), *range(ANCHOR_BLOCKS, computed + 1, ANCHOR_BLOCKS)}
+    return sum(any(end - WINDOW_BLOCKS <= position < end for end in ends) for position in range(computed))
+
+
+def layer_kinds(model: Path) -> tuple[int, int]:
+    """(full-attention layers, sliding-window layers) of a Gemma 3 or Mistral model's config."""
+    config = json.loads((model / "config.json").read_text())
+    types = config.get("layer_types") or ["sliding_attention"] * config["num_hidden_layers"]
+    return types.count("full_attention"), types.count("sliding_attention")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one server answered, counted per request (``COUNTERS``' deltas) and in all, and logged."""
+
+    answers: dict[str, list[int]]
+    counted: dict[str, dict[str, int]]
+    totals: dict[str, int]
+    log: str
+    problems: list[str]
+
+    def lines(self, text: str) -> list[str]:
+        return [line for line in self.log.splitlines() if text in line]
+
+
+def serve(model: Path, log: Path, names: Sequence[str], prompts: dict[str, list[int]], *,
+          config: dict[str, Any] | None = None, args: Sequence[str] = (), redis: RedisServer | None = None) -> Served:
+    """Start a server, ask ``names`` in order (greedy; ``chat_2`` is made from this server's ``chat_1`` answer if
+    ``prompts`` lacks it), wait for ``redis`` to hold what it stored, stop it."""
+    answers: dict[str, list[int]] = {}
+    counted: dict[str, dict[str, int]] = {}
+    with serving(model, log, kv_transfer_config=config, args=args) as server:
+        for k, name in enumerate(names):
+            if name == "chat_2" and name not in prompts:
+                prompts[name] = prompts["chat_1"] + answers["chat_1"] + CHAT_NEW_TURN
+            with Counted(server) as seen:
+                answer = server.complete(prompts[name], max_tokens=MAX_TOKENS.get(name, DEFAULT_MAX_TOKENS))
+            label = name if name not in answers else f"{name}#{k}"
+            answers[label] = answer.token_ids
+            counted[label] = {key: seen.delta(counter) for key, counter in COUNTERS.items()}
+        metrics = settled(server)
+        if redis is not None:
+            redis_settled(redis)
+        problems = log_problems(server)
+    totals = {key: round(metrics.total(counter)) for key, counter in COUNTERS.items()}
+    return Served(answers, counted, totals, log.read_text(errors="replace"), problems)
+
+
+def redis_settled(redis: RedisServer) -> int:
+    """Redis's key count once it stopped changing for a second (the connector writes behind)."""
+    counts = [int(redis.cli("DBSIZE"))]
+
+    def steady() -> bool:
+        counts.append(int(redis.cli("DBSIZE")))
+        return counts[-1] == counts[-2]
+
+    assert wait_until(steady, timeout_s=30, pause_s=1.0), f"Redis keys still change: {counts[-5:]}"
+    return counts[-1]
+
+
+@pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family these tests serve, built once (a few seconds each)."""
+    root = tmp_path_factory.mktemp("hybrid-models")
+    return {family: build_tiny_model(root / family, family) for family in (*SLIDING_FAMILIES, *MAMBA_FAMILIES)}
+
+
+@pytest.fixture(scope="module")
+def hybrid_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The Redis every connector server here writes and reads (each model has its own namespace)."""
+    with redis_store(tmp_path_factory.mktemp("hybrid-redis")) as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class SlidingRun:
+    """One sliding-window family's servers: the baseline's answers, server 1's and server 2's."""
+
+    family: str
+    model: Path
+    prompts: dict[str, list[int]]
+    baseline: dict[str, list[int]]
+    first: Served
+    second: Served
+    landed: int
+    """Keys server 1 added to Redis."""
+
+
+@pytest.fixture(scope="module", params=SLIDING_FAMILIES)
+def sliding(request: pytest.FixtureRequest, hybrid_models: dict[str, Path], logs: Path,
+            hybrid_redis: RedisServer) -> SlidingRun:
+    """Baseline, server 1 (stores), server 2 (a fresh process over the same Redis, loads) for one family."""
+    family: str = request.param
+    model, args, prompts = hybrid_models[family], FAMILY_ARGS[family].args, dict(PROMPTS)
+    every = (*FIRST, *(name for name in SECOND if name not in FIRST))
+    baseline = serve(model, logs / f"{family}-baseline.log", every, prompts,
+                     args=(*args, "--no-enable-prefix-caching")).answers
+    config = redis_config(hybrid_redis.url)
+    keys = int(hybrid_redis.cli("DBSIZE"))
+    first = serve(model, logs / f"{family}-first.log", FIRST, prompts, config=config, args=args, redis=hybrid_redis)
+    landed = int(hybrid_redis.cli("DBSIZE")) - keys
+    second = serve(model, logs / f"{family}-second.log", SECOND, prompts, config=config, args=args)
+    return SlidingRun(family, model, prompts, baseline, first, second, landed)
+
+
+def test_hybrid_allocator_stays_on(sliding: SlidingRun) -> None:
+    """vLLM keeps its hybrid allocator on with the connector, which sees the sliding-window groups."""
+    for served in (sliding.first, sliding.second):
+        assert served.lines(HMA_OFF) == []
+        (groups,) = served.lines(GROUPS_LINE)
+        assert "sliding" in groups.lower(), groups
+
+
+def test_first_server_answers_as_baseline_and_stores(sliding: SlidingRun) -> None:
+    assert sliding.first.answers == {name: sliding.baseline[name] for name in FIRST}
+    assert sliding.first.totals["external"] == 0  # Redis held nothing of this model yet
+    assert sliding.first.totals["stored_blocks"] > 0
+    assert sliding.landed > 0
+
+
+@pytest.mark.parametrize("name", FIRST)
+def test_sliding_layers_store_only_their_windows(sliding: SlidingRun, name: str) -> None:
+    """Bytes copied into tiercache's CPU tier for one request: every block of a full layer, the windows of a
+    sliding one; against every layer's KV of every block (what a connector without the hybrid allocator stores)."""
+    prompt = len(sliding.prompts[name])
+    computed = prompt + MAX_TOKENS.get(name, DEFAULT_MAX_TOKENS) - 1  # the last token sampled has no KV
+    blocks = computed // BLOCK
+    full_layers, sliding_layers = layer_kinds(sliding.model)
+    per_layer_block = full_length_bytes(sliding.model, BLOCK) // (full_layers + sliding_layers)
+    expected = (full_layers * blocks + sliding_layers * sliding_blocks_kept(prompt, computed)) * per_layer_block
+    stored = sliding.first.counted[name]["stored_bytes"]
+    assert stored == expected < full_length_bytes(sliding.model, blocks * BLOCK) * 0.6
+
+
+@pytest.mark.parametrize("name", ("long_1", "long_2"))
+def test_second_server_loads_the_same_prompt(sliding: SlidingRun, name: str) -> None:
+    counted = sliding.second.counted[name]
+    assert sliding.second.answers[name] == sliding.baseline[name]
+    assert counted["external"] == reusable(len(sliding.prompts[name])), "every whole block but the last token's"
+    assert counted["local"] == 0
+
+
+def test_second_chat_turn_loads_the_first_turn_and_its_answer(sliding: SlidingRun) -> None:
+    """chat_2 is chat_1 (1500 tokens), its 100-token answer and a new turn: server 1 computed KV for 1599 tokens,
+    so at most their 49 whole blocks load."""
+    counted = sliding.second.counted["chat_2"]
+    assert sliding.second.answers["chat_2"] == sliding.baseline["chat_2"]
+    assert counted["external"] == (len(PROMPTS["chat_1"]) + CHAT_MAX_TOKENS - 1) // BLOCK * BLOCK
+    assert counted["local"] == 0
+
+
+def test_prompt_sharing_a_long_prefix_loads_up_to_the_last_anchor_inside_it(sliding: SlidingRun) -> None:
+    """pair_b shares its first 1280 tokens (40 blocks) with pair_a, which server 1 answered: a sliding layer holds
+    no window at block 40, so the hit ends at the last anchor inside the shared part (block 32: 1024 tokens)."""
+    counted = sliding.second.counted["pair_b"]
+    assert sliding.second.answers["pair_b"] == sliding.baseline["pair_b"]
+    assert counted["external"] == SHARED // BLOCK // ANCHOR_BLOCKS * ANCHOR_BLOCKS * BLOCK
+    assert counted["local"] == 0
+
+
+def test_sliding_servers_stayed_clean(sliding: SlidingRun) -> None:
+    assert sliding.first.problems == []
+    assert sliding.second.problems == []
+
+
+@dataclass(frozen=True)
+class MambaRun:
+    """One Mamba hybrid's servers: the baseline's answers and the connector's server."""
+
+    family: str
+    baseline: dict[str, list[int]]
+    served: Served
+
+
+@pytest.fixture(scope="module", params=MAMBA_FAMILIES)
+def mamba(request: pytest.FixtureRequest, hybrid_models: dict[str, Path], logs: Path,
+          hybrid_redis: RedisServer) -> MambaRun:
+    """Baseline and one server with the connector (each prompt asked twice) for one Mamba hybrid."""
+    family: str = request.param
+    model, args, prompts = hybrid_models[family], FAMILY_ARGS[family].args, dict(PROMPTS)
+    baseline = serve(model, logs / f"{family}-baseline.log", MAMBA_REQUESTS[:2], prompts, args=args).answers
+    served = serve(model, logs / f"{family}-connector.log", MAMBA_REQUESTS, prompts,
+                   config=redis_config(hybrid_redis.url), args=args, redis=hybrid_redis)
+    return MambaRun(family, baseline, served)
+
+
+def test_mamba_hybrid_answers_as_baseline(mamba: MambaRun) -> None:
+    assert mamba.served.answers == {label: mamba.baseline[label.split("#")[0]] for label in mamba.served.answers}
+    assert len(mamba.served.answers) == len(MAMBA_REQUESTS)
+
+
+def test_mamba_hybrid_requests_are_declined(mamba: MambaRun) -> None:
+    """Every request declined, none stored, none loaded, with the hybrid allocator on (it starts at all only so:
+    vLLM cannot put Mamba and attention layers in one group)."""
+    assert mamba.served.totals["declined"] == len(MAMBA_REQUESTS)
+    assert all(counted["declined"] == 1 for counted in mamba.served.counted.values())
+    assert mamba.served.totals["stored_blocks"] == 0
+    assert mamba.served.totals["stored_bytes"] == 0
+    assert mamba.served.totals["external"] == 0
+    assert mamba.served.lines(HMA_OFF) == []
+    assert len(mamba.served.lines(GROUPS_LINE)) == 1
+
+
+def test_mamba_hybrid_server_stayed_clean(mamba: MambaRun) -> None:
+    assert mamba.served.problems == []
