@@ -20,7 +20,13 @@ Rows: vLLM with no cache at all (every token computed), vLLM's own local prefix
 cache (the ceiling: no copy, no I/O), tiercache's CPU tier alone (vLLM's cache
 off, so every reuse goes through the connector), and tiercache over Redis and
 over the file tier (vLLM's cache on, as it is served), each followed by a
-restart. "Prefill saved" is the share of prompt tokens not computed
+restart. Then the same workload on a sliding-window model (the tiny Gemma 3 of
+``tiercache.testing.tiny_models``: 3 layers of a 128-token window to 1 full,
+4 KV-cache groups): no cache, vLLM's prefix cache, tiercache over Redis with
+vLLM's hybrid allocator on (restart), and the same with it off
+(``--disable-hybrid-kv-cache-manager``: every layer keeps and stores its whole
+context, what a connector without ``SupportsHMA`` gets); the KV bytes the
+connector stored per request say what the windows save. "Prefill saved" is the share of prompt tokens not computed
 (``vllm:prefix_cache_hits`` + ``vllm:external_prefix_cache_hits`` over prompt
 tokens). Goals (issue 26): a restart served from Redis within 1.3x of the local
 prefix-cache hit's TTFT (pass 2 p50 ratio); a miss costing at most 3% more
@@ -45,6 +51,7 @@ from common import arguments, parse, write_result
 
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.tiny_llama import build_tiny_llama, random_prompt_ids
+from tiercache.testing.tiny_models import build_tiny_model
 from tiercache.testing.vllm_server import VllmServer
 
 HERE = Path(__file__).resolve().parent
@@ -68,6 +75,10 @@ NO_PREFIX_CACHE = ["--no-enable-prefix-caching"]
 SAME_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 """Every server computes on core 0 with one thread: vLLM's CPU build reserves one more core for any KV connector
 (meant for NIXL), which on this 2-core machine would give the connector's servers two threads and the others one."""
+SLIDING_FAMILY = "gemma3"
+SLIDING = "sliding window (Gemma 3)"
+"""The prefix of the sliding-window model's rows."""
+NO_HYBRID_ALLOCATOR = "--disable-hybrid-kv-cache-manager"
 QUICK = {"SYSTEM_TOKENS": 256, "USER_TOKENS": (64, 96), "COLD_PROMPT_TOKENS": 256}
 """The constants ``--quick`` replaces (with 1 system prompt, 2 chats, 2 turns, 1 cold prompt and one server)."""
 
@@ -80,6 +91,7 @@ class Pass:
     prompt_tokens: float = 0.0
     local_hits: float = 0.0
     external_hits: float = 0.0
+    stored_bytes: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -90,6 +102,7 @@ class Pass:
             "requests": len(self.ttfts), "ttft_p50_ms": 1000 * statistics.median(ordered), "ttft_p99_ms": 1000 * p99,
             "prompt_tokens": self.prompt_tokens, "local_hit_tokens": self.local_hits,
             "external_hit_tokens": self.external_hits, "prefill_saved": saved,
+            "stored_bytes_per_request": self.stored_bytes / len(self.ttfts) if self.ttfts else 0.0,
         }
 
 
@@ -117,7 +130,8 @@ def run_pass(server: VllmServer, prompts: list[list[int]]) -> Pass:
         result.outputs.append(streamed.token_ids)
     after = server.metrics()
     for name, attr in (("vllm:prompt_tokens_total", "prompt_tokens"), ("vllm:prefix_cache_hits_total", "local_hits"),
-                       ("vllm:external_prefix_cache_hits_total", "external_hits")):
+                       ("vllm:external_prefix_cache_hits_total", "external_hits"),
+                       ("vllm:tiercache_stored_bytes_total", "stored_bytes")):
         setattr(result, attr, after.total(name) - before.total(name))
     return result
 
@@ -151,11 +165,14 @@ def measure(model: Path, name: str, kv: dict[str, Any] | None, args: list[str], 
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tiercache-bench-model")
+    parser.add_argument("--sliding-model-dir", type=Path,
+                        default=Path(tempfile.gettempdir()) / "tiercache-bench-gemma3")
     options = parse(parser)
     if options.quick:
         globals().update(QUICK)
     systems, chats, turns, colds = (1, 2, 2, 1) if options.quick else (2, 3, 3, 6)
     model = build_tiny_llama(options.model_dir)
+    sliding = build_tiny_model(options.sliding_model_dir, SLIDING_FAMILY)
     cold = [random_prompt_ids(COLD_PROMPT_TOKENS, seed=50_000 + i) for i in range(colds)]
     if options.quick:  # made-up answers: no server to take them from
         prompts = chat_prompts(systems, chats, turns, lambda prompt: random_prompt_ids(ANSWER_TOKENS, seed=len(prompt)))
@@ -167,19 +184,27 @@ def main() -> None:
             )
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as files, RedisServer(Path(files) / "redis", maxmemory="2gb").start() as redis:
+        redis_tier = connector([{"type": "redis", "options": {"url": redis.url}}])
         rows = [
-            ("no cache", None, NO_PREFIX_CACHE, False),
-            ("vLLM prefix cache", None, [], False),
-            ("tiercache cpu", connector([]), NO_PREFIX_CACHE, False),
-            ("tiercache redis", connector([{"type": "redis", "options": {"url": redis.url}}]), [], True),
-            ("tiercache file", connector([{"type": "file", "options": {"path": str(Path(files) / "kv"),
-                                                                         "max_bytes": "2GB"}}]), [], True),
+            ("no cache", model, None, NO_PREFIX_CACHE, False),
+            ("vLLM prefix cache", model, None, [], False),
+            ("tiercache cpu", model, connector([]), NO_PREFIX_CACHE, False),
+            ("tiercache redis", model, redis_tier, [], True),
+            ("tiercache file", model, connector([{"type": "file", "options": {"path": str(Path(files) / "kv"),
+                                                                                "max_bytes": "2GB"}}]), [], True),
+            (f"{SLIDING}: no cache", sliding, None, NO_PREFIX_CACHE, False),
+            (f"{SLIDING}: vLLM prefix cache", sliding, None, [], False),
+            (f"{SLIDING}: tiercache redis", sliding, redis_tier, [], True),
+            (f"{SLIDING}: tiercache redis, hybrid allocator off", sliding, redis_tier, [NO_HYBRID_ALLOCATOR], True),
         ]
         if options.quick:
-            rows = [(name, kv, args, False) for name, kv, args, _ in rows if name == "tiercache redis"]
-        for name, kv, args, restart in rows:
+            rows = [(name, *rest[:3], False) for name, *rest in rows if name.endswith("tiercache redis")]
+        for name, served, kv, args, restart in rows:
             started = time.perf_counter()
-            runs[name] = measure(model, name.replace(" ", "_"), kv, args, prompts, cold, restart)
+            if kv is not None:
+                redis.cli("FLUSHALL")  # each configuration starts from an empty store
+            runs[name] = measure(served, name.replace(" ", "_").replace(":", "").replace(",", ""), kv, args, prompts,
+                                 cold, restart)
             runs[name]["restart"] = restart
             print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
     report(runs, prompts, options.out, options.quick)
@@ -188,13 +213,15 @@ def main() -> None:
 def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]], out: Path | None, quick: bool) -> None:
     """Print the table and write the JSON; without the "no cache" or "vLLM prefix cache" row (``--quick``), what
     compares with them is None."""
-    reference = runs.get("no cache")
-    ceiling = statistics.median(runs["vLLM prefix cache"]["pass2"].ttfts) if "vLLM prefix cache" in runs else None
-    miss = statistics.median(reference["cold"].ttfts) if reference else None
     table, result = [], {}
     header = ("configuration", "pass 1 TTFT p50/p99 ms", "saved", "pass 2 TTFT p50/p99 ms", "saved",
-              "pass 2 / ceiling", "miss / no cache", "outputs")
+              "pass 2 / ceiling", "miss / no cache", "stored MB/request", "outputs")
     for name, run in runs.items():
+        model = f"{SLIDING}: " if name.startswith(SLIDING) else ""
+        reference = runs.get(f"{model}no cache")
+        local = runs.get(f"{model}vLLM prefix cache")
+        ceiling = statistics.median(local["pass2"].ttfts) if local else None
+        miss = statistics.median(reference["cold"].ttfts) if reference else None
         same = None if reference is None else all(
             run[key].outputs == reference["cold" if key == "cold" else "pass1"].outputs
             for key in ("pass1", "pass2", "cold")
@@ -206,17 +233,29 @@ def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]], out: Path 
             f"{two['ttft_p50_ms']:.0f} / {two['ttft_p99_ms']:.0f}", f"{two['prefill_saved']:.1%}",
             "-" if ceiling is None else f"{two['ttft_p50_ms'] / 1000 / ceiling:.2f}",
             "-" if miss is None else f"{cold['ttft_p50_ms'] / 1000 / miss:.3f}",
+            f"{one['stored_bytes_per_request'] / 1e6:.1f}" if one["stored_bytes_per_request"] else "-",
             {None: "-", True: "equal", False: "DIFFER"}[same],
         ))
         result[name] = {"pass1": one, "pass2": two, "cold": cold, "outputs_equal_no_cache": same}
     widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))]
     for row in [header, *table]:
         print(" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
-    redis = result["tiercache redis"]
-    result_goals = {
-        "restart_redis_over_ceiling": None if ceiling is None else redis["pass2"]["ttft_p50_ms"] / 1000 / ceiling,
-        "miss_redis_over_no_cache": None if miss is None else redis["cold"]["ttft_p50_ms"] / 1000 / miss,
-    }
+    result_goals = {}
+    for model in ("", f"{SLIDING}: "):
+        redis, local, reference = (result.get(f"{model}{row}") for row in ("tiercache redis", "vLLM prefix cache",
+                                                                           "no cache"))
+        if redis is None:
+            continue
+        prefix = "sliding_" if model else ""
+        result_goals[f"{prefix}restart_redis_over_ceiling"] = (
+            None if local is None else redis["pass2"]["ttft_p50_ms"] / local["pass2"]["ttft_p50_ms"])
+        result_goals[f"{prefix}miss_redis_over_no_cache"] = (
+            None if reference is None else redis["cold"]["ttft_p50_ms"] / reference["cold"]["ttft_p50_ms"])
+    off = result.get(f"{SLIDING}: tiercache redis, hybrid allocator off")
+    on = result.get(f"{SLIDING}: tiercache redis")
+    if on is not None and off is not None and off["pass1"]["stored_bytes_per_request"]:
+        result_goals["sliding_stored_bytes_on_over_off"] = (
+            on["pass1"]["stored_bytes_per_request"] / off["pass1"]["stored_bytes_per_request"])
     print("goals:", {k: v if v is None else round(v, 3) for k, v in result_goals.items()},
           "(restart <= 1.3, miss <= 1.03)")
     path = write_result(__file__, {"prompts": [len(p) for p in prompts], "rows": result, "goals": result_goals,
