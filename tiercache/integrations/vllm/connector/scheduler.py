@@ -85,6 +85,8 @@ class _Request:
     computed: int = 0
     stored: list[int] = field(default_factory=list)
     """Per group, positions below this have a store planned (or are held already)."""
+    group_keys: dict[int, list[bytes]] = field(default_factory=dict)
+    """Per group of a model of several, its blocks' keys so far (derived once, whatever the lookups tried)."""
 
 
 @dataclass(eq=False)
@@ -162,9 +164,8 @@ class ConnectorScheduler:
         while True:
             state.end = end
             entries = hit_entries(geometry, state.skip, end)
-            keys = self._keys(state, end * self.block_size)
-            hit = self.tiers.lookup([group_key(keys[position], group, geometry) for group, position in entries],
-                                    local_only=not entries)
+            keys = {group: self._group_keys(state, group, end) for group in range(len(geometry.groups))}
+            hit = self.tiers.lookup([keys[group][position] for group, position in entries], local_only=not entries)
             if hit is None:
                 return None
             if hit.num_blocks == len(entries) or (hit.num_blocks and not geometry.hybrid):
@@ -269,14 +270,14 @@ class ConnectorScheduler:
         full = min(computed, len(state.request.all_token_ids)) // self.block_size
         if not state.stored:
             state.stored = [0] * len(self.geometry.groups)
-        keys = self._keys(state, full * self.block_size)
         prompt_blocks = state.request.num_prompt_tokens // self.block_size
         wanted: list[tuple[bytes, int, int, int]] = []
         for group, blocks in enumerate(state.block_ids):
             end = min(full, len(blocks))
+            keys = self._group_keys(state, group, end)
             for position in kept_positions(self.geometry, group, state.stored[group], end, prompt_blocks):
                 if blocks[position] != NULL_BLOCK:
-                    wanted.append((group_key(keys[position], group, self.geometry), group, blocks[position], position))
+                    wanted.append((keys[position], group, blocks[position], position))
             state.stored[group] = max(state.stored[group], end)
         if not wanted:
             return None
@@ -361,6 +362,15 @@ class ConnectorScheduler:
             extra = block_extra(getattr(request, "cache_salt", None), getattr(lora, "lora_name", None))
             state = self.requests[request.request_id] = _Request(request, extra)
         return state
+
+    def _group_keys(self, state: _Request, group: int, blocks: int) -> list[bytes]:
+        """The keys of ``group``'s first ``blocks`` blocks of the request (the chained keys for a one-group model)."""
+        keys = self._keys(state, blocks * self.block_size)
+        if len(self.geometry.groups) == 1:
+            return keys
+        derived = state.group_keys.setdefault(group, [])
+        derived.extend(group_key(key, group, self.geometry) for key in keys[len(derived) :])
+        return derived[:blocks]
 
     def _keys(self, state: _Request, tokens: int) -> list[bytes]:
         """The keys of the request's full blocks within its first ``tokens`` tokens (extended as needed)."""
