@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import binascii
 import threading
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -37,15 +36,6 @@ from tiercache.config import ConfigError, config_from_dict
 from tiercache.manager.lower_tiers import LowerTiers
 from tiercache.movement.runtime import CLOSE_DRAIN_SECONDS
 from tiercache.testing.redis_servers import RedisServer
-
-
-@pytest.fixture
-def opened() -> Iterator[list[LowerTiers]]:
-    """LowerTiers a test starts (append them); each is closed afterwards."""
-    made: list[LowerTiers] = []
-    yield made
-    for tiers in made:
-        tiers.close()
 
 
 def test_a_cpu_hit_pinned_by_lookup_is_never_evicted_by_write_pressure(opened: list[LowerTiers]) -> None:

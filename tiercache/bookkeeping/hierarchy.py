@@ -66,9 +66,9 @@ class Hierarchy:
         self.outbox: list[Move] = []
         self._hits = HitCounts(remember_keys)
         self.written_keys = WrittenKeys(len(self.lanes), remember_keys)
+        """Per lane, the keys known written there (``written_keys.landings`` is its clock)."""
         self._putting: list[dict[bytes, bool]] = [{} for _ in self.lanes]
         """Per lane, the keys with a put in flight, and whether the remote reported dropping them meanwhile."""
-        """Per lane, the keys known written there (``written_keys.landings`` is its clock)."""
 
     @property
     def cpu_name(self) -> str:
@@ -250,13 +250,17 @@ class Hierarchy:
         """The remote lanes a CPU victim must still be written to (drops counted when the queue is full)."""
         lanes = []
         for lane, rule in enumerate(self.lanes):
-            if self.written(lane, key) or not self._admits(rule, key, evicted=True):
+            if not self.owes(lane, key):
                 continue
             if self.pending_stores + len(lanes) >= self.max_pending_stores:
                 self.metrics.add(rule.name, "stores_dropped")
                 continue
             lanes.append(lane)
         return lanes
+
+    def owes(self, lane: int, key: bytes) -> bool:
+        """Whether ``lane`` still needs ``key`` from the CPU tier: not known written there, admitted on eviction."""
+        return not self.written(lane, key) and self._admits(self.lanes[lane], key, evicted=True)
 
     def end_cpu_writes(self, slots: Sequence[int], oks: Sequence[bool]) -> None:
         """CPU writes finished: committed slots become cached, failed ones are forgotten."""

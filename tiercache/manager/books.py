@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from tiercache.bookkeeping.cpu_reset import reset_cpu_tier
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.load_plan import LoadItem, LoadPlanner
 from tiercache.bookkeeping.memory_tiers import LookupPins, MemoryTiers, PinState
@@ -128,6 +129,12 @@ class Books:
         with self.lock:
             self._reap()
             self.local.drop(found.pins, with_run=True)
+
+    def reset_cpu(self) -> int:
+        """Drop the CPU tier's entries nothing holds (``tiercache.bookkeeping.cpu_reset``); how many."""
+        with self.lock:
+            self._reap()
+            return len(reset_cpu_tier(self.hierarchy))
 
     def release_blocks(self, ids: Sequence[int]) -> None:
         """The engine hands GPU blocks back (checked first)."""

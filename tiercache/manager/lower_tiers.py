@@ -14,7 +14,9 @@ model and events. The engine's scheduler asks it, never waiting:
   (``HostFetch.ready``); the engine copies them into its pool, then ``release``;
 * ``begin_writes(keys)`` / ``end_writes``: CPU slots for blocks the engine
   computed; once it has copied them in, they are committed and written down to
-  the remotes by their write policies.
+  the remotes by their write policies;
+* ``reset_cpu_tier()``: an operator's cache reset (vLLM's ``reset_cache``): the CPU
+  tier's entries nothing holds are dropped, the held ones stay valid, the remotes are untouched.
 
 The CPU tier's memory may be the caller's (``cpu_buffer``, e.g. a shared-memory
 region the engine's workers map), slot ``i`` being row ``i`` of it. Everything
@@ -150,6 +152,11 @@ class LowerTiers:
     def end_writes(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
         """The engine copied ``keys`` into ``slots`` (``oks``: which copies landed): commit and write them down."""
         self._books.engine_wrote(keys, slots, oks)
+
+    def reset_cpu_tier(self) -> int:
+        """Drop every CPU-tier entry nothing holds (pins, writes in flight, a remote still owed it: see
+        ``tiercache.bookkeeping.cpu_reset``), each reported as an eviction; how many. Remotes are untouched."""
+        return self._books.reset_cpu()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` of prefill in ``seconds`` (the cost model's recompute rate)."""
