@@ -36,6 +36,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import ForwardContext
@@ -47,6 +48,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from tiercache.testing.tiny_llama import tiny_llama_config
 
@@ -141,10 +143,10 @@ def totals(records: Iterable[StepRecord]) -> dict[str, int]:
     return summed
 
 
-def page_bytes(layer: int, prefix: list[int]) -> torch.Tensor:
-    """The page the "model" computes for a block whose token prefix (its own tokens included) is ``prefix``."""
+def page_bytes(layer: int, prefix: list[int], size: int = KV_HEADS * BLOCK * 2 * HEAD_SIZE * 4) -> torch.Tensor:
+    """The page (``size`` bytes, vLLM's logical order) the "model" computes for a block whose token prefix (its own
+    tokens included) is ``prefix``."""
     seed = hashlib.sha256(repr((layer, prefix)).encode()).digest()
-    size = KV_HEADS * BLOCK * 2 * HEAD_SIZE * 4
     return torch.frombuffer(bytearray(hashlib.shake_256(seed).digest(size)), dtype=torch.uint8)
 
 
@@ -167,12 +169,15 @@ class StepRecord:
     """vLLM's ``SchedulerStats.kv_connector_stats`` of the step (the counts the API server gets)."""
     external_hits: int = 0
     """Tokens vLLM counted as external prefix-cache hits in the step."""
+    hits_by_source: dict[str, int] = field(default_factory=dict)
+    """Those tokens by vLLM's ``CacheHitSource`` (what the connector's ``get_external_cache_hit_sources`` said)."""
 
 
 class Instance:
     """One vLLM instance (see the module docstring)."""
 
-    def __init__(self, config: VllmConfig, kv_config: KVCacheConfig | None = None) -> None:
+    def __init__(self, config: VllmConfig, kv_config: KVCacheConfig | None = None,
+                 kv: dict[str, torch.Tensor] | None = None, *, runner: str = "v1") -> None:
         self.config = config
         self.kv_cache_config = kv_config or kv_cache_config()
         groups = self.kv_cache_config.kv_cache_groups
@@ -183,15 +188,22 @@ class Instance:
         self.state_groups = {index for index, group in enumerate(groups) if not hasattr(group.kv_cache_spec,
                                                                                         "num_kv_heads")}
         """Groups of state (Mamba), not pages of tokens: the "model" leaves them alone."""
-        self.kv = kv_tensors(self.kv_cache_config)
+        self.kv = kv if kv is not None else kv_tensors(self.kv_cache_config)
+        """vLLM's KV views per layer (``kv``: another layout's, e.g. vLLM's own ``allocate_kv_cache``)."""
         self.worker: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.worker.register_kv_caches(self.kv)
+        self.v2: Any = None
+        """vLLM's V2 model runner's connector driver (``runner="v2"``: FULL CUDA graphs, no per-layer hook)."""
+        if runner == "v2":
+            kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+            self.v2 = ActiveKVConnector(config, self.kv)  # registers the KV caches, as the V2 runner does
+        else:
+            self.worker.register_kv_caches(self.kv)
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(config), block_size=BLOCK,
                                    log_stats=True)
         self.connector: Any = self.scheduler.connector
-        self.skip_layer_loads: set[str] = set()
-        """Layers whose ``wait_for_layer_load`` the "engine" does not call (a broken backend)."""
+        self.skip_loads = False
+        """The "engine" calls neither ``start_load_kv`` nor ``wait_for_layer_load`` (a broken runner)."""
         self.worker_stats: list[Any] = []
 
     def add(self, req: Request) -> Request:
@@ -201,22 +213,24 @@ class Instance:
     def step(self) -> StepRecord:
         """One engine step (see the module docstring)."""
         output = self.scheduler.schedule()
+        if self.v2 is not None:
+            return self._step_v2(output)
         record = StepRecord(output)
         worker = self.worker
         worker.bind_connector_metadata(output.kv_connector_metadata)
         forward = output.total_num_scheduled_tokens > 0
         context = ForwardContext(no_compile_layers={}, slot_mapping={},
                                  attn_metadata={name: output for name in self.layers} if forward else {})
-        if output.has_sync_kv_loads:
+        if output.has_sync_kv_loads and not self.skip_loads:
             worker.start_load_kv(context)
         if forward:
             for index, name in enumerate(self.layers):
-                if name not in self.skip_layer_loads:
+                if not self.skip_loads:
                     worker.wait_for_layer_load(name)
                 record.wrong_pages.extend(self._check_prefix(output, index, name))
                 self._compute(output, index, name)
                 worker.save_kv_layer(name, self.kv[name], context.attn_metadata)
-        if not output.has_sync_kv_loads:
+        if not output.has_sync_kv_loads and not self.skip_loads:
             worker.start_load_kv(context)
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
@@ -230,7 +244,32 @@ class Instance:
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
-        outputs = self.scheduler.update_from_output(output, self._model_output(output, connector_output))
+        return self._update(record, self._model_output(output, connector_output))
+
+    def _step_v2(self, output: SchedulerOutput) -> StepRecord:
+        """A step as vLLM 0.33's V2 runner drives the connector with FULL CUDA graphs (``vllm/v1/worker/gpu/
+        model_runner.py``): ``pre_forward`` outside any forward context, the graph's replay (no per-layer hook),
+        ``finish_forward``, ``post_forward``; a step with nothing scheduled goes through ``no_forward``."""
+        record = StepRecord(output)
+        if output.total_num_scheduled_tokens == 0:
+            model_output = self.v2.no_forward(output)
+        else:
+            self.v2.pre_forward(output)
+            for index, name in enumerate(self.layers):
+                record.wrong_pages.extend(self._check_prefix(output, index, name))
+                self._compute(output, index, name)
+            self.v2.finish_forward()
+            model_output = self._model_output(output, self.v2.post_forward(output.finished_req_ids))
+        connector_output = model_output.kv_connector_output
+        if connector_output is not None:
+            record.invalid_blocks = set(connector_output.invalid_block_ids or ())
+            if connector_output.kv_connector_stats is not None:
+                self.worker_stats.append(connector_output.kv_connector_stats)
+        return self._update(record, model_output)
+
+    def _update(self, record: StepRecord, model_output: ModelRunnerOutput) -> StepRecord:
+        """vLLM's scheduler takes the step's output; the record gets the stats the API server would."""
+        outputs = self.scheduler.update_from_output(record.output, model_output)
         for engine_output in outputs.values():
             stats = engine_output.scheduler_stats
             if stats is not None:
@@ -238,6 +277,8 @@ class Instance:
                     record.connector_stats[name] = record.connector_stats.get(name, 0) + count
                 hits = stats.connector_prefix_cache_stats
                 record.external_hits += hits.hits if hits is not None else 0
+                for source, count in (hits.hits_by_source if hits is not None else {}).items():
+                    record.hits_by_source[str(source.value)] = record.hits_by_source.get(source.value, 0) + count
         return record
 
     def run(self, done: Callable[[], bool], wait_s: float = WAIT_S) -> list[StepRecord]:
@@ -273,12 +314,17 @@ class Instance:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
 
     def page(self, layer: str, block: int) -> torch.Tensor:
-        """The bytes of one block's page of ``layer``."""
+        """The bytes of one block's page of ``layer``, in vLLM's logical order."""
         return self.kv[layer][block].contiguous().view(torch.uint8).flatten()
+
+    def page_size(self, layer: str) -> int:
+        return self.kv[layer][0].numel() * self.kv[layer].element_size()
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self.worker.shutdown()
+        if self.v2 is not None:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
 
     # ---- the "model" ------------------------------------------------------------------
     def _scheduled(self, output: SchedulerOutput) -> Iterable[tuple[Request, int, int]]:
@@ -300,7 +346,7 @@ class Instance:
             tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id, group)
             first = 0 if window is None else max(0, start - window + 1) // BLOCK
             for position in range(first, start // BLOCK):
-                expected = page_bytes(layer, tokens[: (position + 1) * BLOCK])
+                expected = page_bytes(layer, tokens[: (position + 1) * BLOCK], self.page_size(name))
                 if blocks[position] == 0 or not torch.equal(self.page(name, blocks[position]), expected):
                     wrong.append((req.request_id, name, position))
         return wrong
@@ -312,8 +358,9 @@ class Instance:
         for req, start, end in self._scheduled(output):
             tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id, self.group_of[name])
             for position in range(start // BLOCK, (end - 1) // BLOCK + 1):
-                page = page_bytes(layer, tokens[: min((position + 1) * BLOCK, end)])
-                self.kv[name][blocks[position]].view(-1).view(torch.uint8).copy_(page)
+                page = page_bytes(layer, tokens[: min((position + 1) * BLOCK, end)], self.page_size(name))
+                target = self.kv[name][blocks[position]]
+                target.copy_(page.view(target.dtype).view(target.shape))
 
     def _model_output(self, output: SchedulerOutput, connector_output: KVConnectorOutput) -> ModelRunnerOutput:
         """A sampled token for every request whose prompt is computed after this step."""
@@ -339,11 +386,15 @@ class Instances:
         return {"topology": topology, "shared_dir": str(self.root), **options}
 
     def new(self, engine_id: str, topology: dict[str, Any], *, model: Path | None = None,
-            kv_config: Callable[[VllmConfig], KVCacheConfig] | None = None, **kwargs: Any) -> Instance:
+            kv_config: Callable[[VllmConfig], KVCacheConfig] | None = None,
+            kv: Callable[[KVCacheConfig], dict[str, torch.Tensor]] | None = None, runner: str = "v1",
+            **kwargs: Any) -> Instance:
         """An instance called ``engine_id``; ``kv_config`` builds its KV cache config from its ``VllmConfig``
-        (default: one full-attention group); ``kwargs`` go to ``vllm_config`` (``kv_role``, ``events``)."""
+        (default: one full-attention group), ``kv`` its KV tensors from that (default: the CPU backend's);
+        ``kwargs`` go to ``vllm_config`` (``kv_role``, ``events``)."""
         config = vllm_config(model or self.model, engine_id, self.extra(topology), **kwargs)
-        instance = Instance(config, kv_config(config) if kv_config is not None else None)
+        kv_cache = kv_config(config) if kv_config is not None else kv_cache_config()
+        instance = Instance(config, kv_cache, kv(kv_cache) if kv is not None else None, runner=runner)
         self.built.append(instance)
         return instance
 

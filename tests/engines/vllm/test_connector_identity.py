@@ -1,10 +1,11 @@
 """What keeps one instance's KV from another's, and what the connector refuses before it copies a byte (vLLM 0.33).
 
 Tenants (``cache_salt``), models (another ``config.json``) and KV-cache group
-structures never share blocks; an unknown ``kv_connector_extra_config`` key or a
-page layout it cannot copy whole is refused when vLLM builds the connector or
-registers its tensors. The version guard lets the connector import on 0.33 and
-keeps the package's other exports lazy.
+structures never share blocks; an unknown ``kv_connector_extra_config`` key is
+refused when vLLM builds the connector; a KV layout it cannot map declines every
+request (logged with the layer, shape and strides) while vLLM serves on. The
+version guard lets the connector import on 0.33 and keeps the package's other
+exports lazy.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from support.vllm_connector import (
     LAYERS,
     NUM_BLOCKS,
     PROMPT,
+    Instance,
     Instances,
     cpu_topology,
     kv_cache_config,
@@ -29,6 +31,7 @@ from support.vllm_connector import (
     remote_written,
     request,
     simulated_remote,
+    totals,
     vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -36,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 from tiercache.config import ConfigError
-from tiercache.integrations.vllm.connector.identity import UnsupportedLayoutError, instance_geometry, model_id
+from tiercache.integrations.vllm.connector.identity import instance_geometry, model_id
 
 
 def served_tokens(instances: Instances, engine_id: str, remote: dict, req_id: str, *, salt: str | None = None,
@@ -81,22 +84,31 @@ def test_an_unknown_extra_config_key_is_refused_naming_the_one_it_resembles(
     assert wrong in str(refused.value) and f"did you mean {meant!r}" in str(refused.value)
 
 
-def test_a_page_that_is_not_contiguous_is_refused_before_anything_is_mapped(vllm: Instances) -> None:
-    config = vllm_config(vllm.model, "layout", vllm.extra(cpu_topology()))
-    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
-    token_major = torch.zeros(len(LAYERS), BLOCK, NUM_BLOCKS, KV_HEADS, 2 * HEAD_SIZE)  # blocks inside a token
-    tensors = {name: token_major[i].permute(1, 2, 0, 3) for i, name in enumerate(LAYERS)}
-    with pytest.raises(UnsupportedLayoutError, match=rf"layer {LAYERS[0]}: a block's page is not contiguous"):
-        worker.register_kv_caches(tensors)
-    assert not list(vllm.root.glob("tiercache-*")), "no region is made for a layout that is refused"
+def declining_instance(vllm: Instances, engine_id: str, kv: dict[str, torch.Tensor]) -> Instance:
+    """An instance whose worker registers ``kv`` (a layout the connector cannot map), then builds its scheduler."""
+    return vllm.new(engine_id, cpu_topology(), kv=lambda _: kv)
 
 
-def test_pages_of_another_size_than_the_spec_are_refused(vllm: Instances) -> None:
-    config = vllm_config(vllm.model, "size", vllm.extra(cpu_topology()))
-    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config())
+def test_a_layout_it_cannot_map_declines_every_request_and_vllm_serves_on(vllm: Instances,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    strided = torch.zeros(len(LAYERS), NUM_BLOCKS, KV_HEADS, BLOCK, 2 * 2 * HEAD_SIZE)[..., ::2]  # content strided
+    instance = declining_instance(vllm, "strided", {name: strided[i] for i, name in enumerate(LAYERS)})
+    assert "innermost dimension is not contiguous" in caplog.text and f"layer {LAYERS[0]}" in caplog.text
+    assert "strides" in caplog.text and "declines every request" in caplog.text
+    for salt in ("a", "b"):  # a tenant of its own each: vLLM's own prefix cache has nothing for either
+        records = instance.serve(request(salt, PROMPT, cache_salt=salt))
+        assert instance.new_request(records, salt).num_computed_tokens == 0
+        assert sum(record.external_hits for record in records) == 0 and not any(r.wrong_pages for r in records)
+        assert totals(records).get("declined_requests") == 1 and "stored_blocks" not in totals(records)
+    assert not list(vllm.root.glob("tiercache-*")), "a declined region's file is unlinked by the scheduler side"
+
+
+def test_pages_of_another_size_than_the_spec_decline(vllm: Instances, caplog: pytest.LogCaptureFixture) -> None:
     half = {name: torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.float16) for name in LAYERS}
-    with pytest.raises(UnsupportedLayoutError, match="vLLM's KV cache spec says"):
-        worker.register_kv_caches(half)
+    instance = declining_instance(vllm, "size", half)
+    assert "vLLM's KV cache spec says" in caplog.text
+    records = instance.serve(request("r", PROMPT))
+    assert totals(records).get("declined_requests") == 1
 
 
 def two_groups(window: int) -> KVCacheConfig:

@@ -139,20 +139,20 @@ def test_none_while_a_remote_probe_is_pending_then_a_number(vllm: Instances) -> 
         second.run(lambda asked=asked: asked.is_finished())
 
 
-def test_a_layer_never_loaded_is_reported_and_recomputed_never_served(vllm: Instances) -> None:
+def test_a_load_never_started_is_reported_and_recomputed_never_served(vllm: Instances) -> None:
     remote = simulated_remote()
     first = vllm.new("first", cpu_topology(remotes=[remote]))
     first.serve(request("a", PROMPT))
     remote_written(first, "sim", 6)
     second = vllm.new("second", cpu_topology(remotes=[remote]))
-    second.skip_layer_loads = {LAYERS[1]}
+    second.skip_loads = True  # a runner that calls neither start_load_kv nor wait_for_layer_load
     asked = second.add(request("b", PROMPT))
     loading = second.until_scheduled("b")
     loaded = second.new_request([loading], "b").block_ids[0][:6]
     assert loading.invalid_blocks == set(loaded)
-    assert {wrong[1] for wrong in loading.wrong_pages} == {LAYERS[1]}, "only the skipped layer read wrong pages"
+    assert {wrong[1] for wrong in loading.wrong_pages} == set(LAYERS), "every layer read pages never loaded"
     assert asked.num_computed_tokens == 0, "vLLM rewinds to the first invalid block (kv_load_failure_policy)"
-    second.skip_layer_loads = set()
+    second.skip_loads = False
     rest = second.run(asked.is_finished)
     assert rest[0].output.num_scheduled_tokens["b"] == len(PROMPT), "recomputed from the start"
     assert not [wrong for record in rest for wrong in record.wrong_pages]

@@ -3,19 +3,30 @@
 
 ``connector`` (the class vLLM loads: a role switch with every hook guarded),
 ``scheduler`` (the scheduler side: ``LowerTiers``, lookups, load and store jobs),
-``worker`` and ``pages`` (the worker side: page copies, layer by layer),
+``worker`` (the worker side: each step's copies, layer by layer),
 ``region`` (the CPU tier's memory, shared between vLLM's processes),
 ``identity`` (the slot geometry and namespace both sides derive from vLLM's
 configs), ``groups`` (what a hit needs and a store keeps of each KV-cache
 group), ``options`` (``kv_connector_extra_config``), ``metadata`` (the jobs
 sent each step and the reports back) and ``stats`` (vLLM's connector stats and
-Prometheus counters).
+Prometheus counters); ``pages``, ``transfers`` and ``staged`` (the worker's page
+map and transfer engines) need torch only, not vLLM (``scripts/gpu_check_connector.sh``
+runs them on a GPU machine without vLLM), so the class is imported on first use,
+after the installed vLLM's version is checked.
 """
+
+from typing import Any
 
 from tiercache.integrations.vllm.version import CONNECTOR_SERIES, require_vllm
 
-require_vllm(CONNECTOR_SERIES, "TierCacheConnector (tiercache.integrations.vllm.connector)")
-
-from tiercache.integrations.vllm.connector.connector import TierCacheConnector  # noqa: E402 (after the check)
-
 __all__ = ["TierCacheConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    """``TierCacheConnector``, once the installed vLLM is one it is written for (``UnsupportedVllmError``)."""
+    if name != "TierCacheConnector":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    require_vllm(CONNECTOR_SERIES, "TierCacheConnector (tiercache.integrations.vllm.connector)")
+    from tiercache.integrations.vllm.connector.connector import TierCacheConnector
+
+    return TierCacheConnector

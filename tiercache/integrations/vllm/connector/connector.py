@@ -30,7 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiercache.integrations.vllm.connector.identity import describe_groups, instance_geometry, model_id
 from tiercache.integrations.vllm.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
-from tiercache.integrations.vllm.connector.region import SharedRegion, region_path
+from tiercache.integrations.vllm.connector.region import RegionDeclined, SharedRegion, region_path
 from tiercache.integrations.vllm.connector.scheduler import ConnectorScheduler
 from tiercache.integrations.vllm.connector.stats import SchedulerCounters, TierCacheConnectorStats, TierCachePromMetrics
 from tiercache.integrations.vllm.connector.worker import ConnectorWorker
@@ -88,18 +88,32 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                            vllm_config.parallel_config.data_parallel_rank)
         if role == KVConnectorRole.SCHEDULER:
             log.info("tiercache connector: KV-cache groups %s", groups)
-            region = SharedRegion.for_scheduler(path, num_slots, geometry.slot_bytes, geometry.world)
+            try:
+                region = SharedRegion.for_scheduler(path, num_slots, geometry.slot_bytes, geometry.world)
+            except RegionDeclined as declined:
+                self._declined = f"a worker cannot map vLLM's KV cache: {declined}"
+                log.warning("tiercache connector: declines every request: %s", self._declined)
+                return
             tiers = LowerTiers(config, cpu_buffer=region.slots)
             tiers.start()
             self._region = region
             events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
             self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events))
         else:
-            self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank())
+            self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
+                                           staging_bytes=options.staging_bytes,
+                                           num_blocks=getattr(kv_cache_config, "num_blocks", None))
+        self._tier_sources = [_hit_source(tier.type) for tier in config.tiers]
 
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a dropped save is a later miss, never a request to recompute."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """No: loads land in ``start_load_kv`` and stores left by per-layer hooks at ``wait_for_save``, so FULL CUDA
+        graphs (whose replay runs no hook) keep their speed and lose nothing."""
         return False
 
     # ---- scheduler side ------------------------------------------------------------------
@@ -134,6 +148,36 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.workers_reported(report if isinstance(report, TierCacheWorkerMetadata) else None)
 
+    @guarded(dict)
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The tokens of this request's load by the tier that held them: the CPU tier as host memory, a file tier as
+        disk, Redis and regional stores as a remote store (vLLM's ``external_unspecified``)."""
+        if self._scheduler is None or not num_external_tokens:
+            return {}
+        sources: dict[CacheHitSource, int] = {}
+        for tier, tokens in self._scheduler.hit_tokens(request.request_id).items():
+            source = self._tier_sources[tier]
+            sources[source] = sources.get(source, 0) + tokens
+        if sum(sources.values()) != num_external_tokens:  # vLLM accepted fewer tokens than offered
+            return {self._cache_hit_source: num_external_tokens}
+        return sources
+
+    @guarded(lambda: False)
+    def has_pending_push_work(self) -> bool:
+        """While copies are in flight (CUDA: they complete after their step), vLLM keeps stepping until the workers
+        reported them, so a store is committed even when no request is left."""
+        return self._scheduler is not None and self._scheduler.has_pending()
+
+    @guarded(lambda: False)
+    def reset_cache(self) -> bool | None:
+        """Drop every entry of the CPU tier nothing holds now (``/reset_prefix_cache``); remote stores keep theirs:
+        other instances share them, and their own TTLs and eviction expire them."""
+        if self._scheduler is None:
+            return True
+        dropped = self._scheduler.tiers.reset_cpu_tier()
+        log.info("tiercache connector: reset dropped %d blocks of the CPU tier (remotes untouched)", dropped)
+        return True
+
     @guarded(lambda: (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._finished(request)
@@ -155,6 +199,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.take_events() if self._scheduler is not None else []
 
     def get_kv_connector_stats(self) -> TierCacheConnectorStats | None:
+        """The scheduler side's counts; a worker's bytes and copy time per direction (summed over workers)."""
+        if self._worker is not None:
+            moved = self._worker.take_moved()
+            return TierCacheConnectorStats(data=moved) if moved else None
         return (self._scheduler.counters if self._scheduler is not None else self._declines).take()
 
     @classmethod
@@ -168,10 +216,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Map the shared CPU tier and check vLLM's tensors; a layout it cannot copy refuses to start (a model it
-        declines maps nothing)."""
+        """Map vLLM's tensors as pages and the shared CPU tier; a layout it cannot map declines every request (a
+        startup error in the log naming the backend, shape and strides), a model it declines maps nothing."""
         if self._declined is None:
-            self._worker_part.register_kv_caches(kv_caches)
+            self._worker_part.register_kv_caches(kv_caches, _attention_backends(self._vllm_config, kv_caches))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -184,13 +232,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @guarded(lambda: None)
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Every layer of the step's loads, now: with CUDA graphs no per-layer hook runs."""
         if self._worker is not None:
-            self._worker.start(bool(getattr(forward_context, "attn_metadata", None)))
+            self._worker.start()
 
     @guarded(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads were copied in ``start_load_kv``; a runner that skipped it gets them before its first layer."""
         if self._worker is not None:
-            self._worker.before_layer(layer_name)
+            self._worker.start()
 
     @guarded(lambda: None)
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
@@ -220,6 +270,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
 
 
 def _tensor_parallel_rank() -> int:
@@ -230,3 +282,20 @@ def _tensor_parallel_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # no group initialised (a single process): rank 0
         return 0
+
+
+def _hit_source(tier_type: str) -> CacheHitSource:
+    """vLLM's name for where a tiercache tier's blocks come from."""
+    return {"cpu": CacheHitSource.HOST, "file": CacheHitSource.DISK}.get(tier_type, CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+
+def _attention_backends(vllm_config: Any, kv_caches: dict[str, Any]) -> dict[str, str]:
+    """Each layer's attention backend, by vLLM's name for it (for a layout error; empty where vLLM has no layers)."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, list(kv_caches))  # type: ignore[type-abstract]
+        return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
+    except Exception:  # no model built in this process (tests), or another vLLM
+        return {}

@@ -92,3 +92,18 @@ def paired(entries: Sequence[Entry], slots: Sequence[int], block_ids: Sequence[S
         if position < end and position < len(blocks) and blocks[position] != NULL_BLOCK:
             pairs.append((slot, group, blocks[position]))
     return pairs
+
+
+def tokens_by_tier(entries: Sequence[Entry], tiers: Sequence[str], names: Sequence[str], end: int,
+                   block_size: int) -> dict[int, int]:
+    """Tokens of the positions below ``end`` a load brings, by tier index (``names``' order): a position counts
+    under the farthest tier any of its groups' blocks came from."""
+    index = {name: i for i, name in enumerate(names)}
+    farthest: dict[int, int] = {}
+    for (_, position), tier in zip(entries, tiers, strict=False):
+        if position < end:
+            farthest[position] = max(farthest.get(position, 0), index.get(tier, 0))
+    tokens: dict[int, int] = {}
+    for tier in farthest.values():
+        tokens[tier] = tokens.get(tier, 0) + block_size
+    return tokens

@@ -5,18 +5,21 @@ checks its KV tensors against it before it copies a byte. vLLM splits a model's
 layers into KV-cache groups (one block table each: full attention, a sliding
 window, Mamba state; docs/engines.md, "Hybrid and sliding-window models"). A slot holds
 one vLLM block of one group: that group's layers of every tensor-parallel rank
-(``[rank][layer of the group][page]``), so one key names a block of one group;
-a page's interior is vLLM's (it differs by attention backend and, on CPU, by the
-kernel's instruction set: K is stored transposed there) and is copied as opaque
-bytes, never reinterpreted.
+(``[rank][layer of the group][page]``; MLA's replicated latent once), so one key
+names a block of one group. A page is kept in vLLM's logical order
+(``[heads, tokens, content]``, RFC #42082) whatever the physical KV layout
+(``pages``); each (head, token) cell's content is vLLM's and copied as opaque
+bytes (on CPU it differs by the kernel's instruction set: K is stored
+transposed there).
 
 Two instances share a block exactly when everything below agrees: the model
 (``model_identity``: the core's one rule, ``tiercache.blocks.model_identity``:
 vLLM's effective config, quantization, dtype and a digest of the checkpoint's
-weights, never its name or path), the dtypes, the block size, the groups (their
-kinds, windows and layers), the page's shape and bytes, the backend's layout and
-the parallel sizes. A request's ``cache_salt`` and LoRA go into each chain's
-keys (``block_extra``).
+weights, never its name or path), the device type, the dtypes, the block size,
+the groups (their kinds, windows and layers), the page's heads, head sizes and
+bytes, and the parallel sizes; not the physical layout (LBNHC, LBHNC, ...
+share). A request's ``cache_salt`` and LoRA go into each chain's keys
+(``block_extra``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from tiercache.blocks.model_identity import ModelIdentity, checkpoint_identity
 DIGEST_HEX = 32
 """Hex digits of the page format's digest (128 bits of SHA-256)."""
 FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+SLOT_FORMAT = "pages in vLLM's logical [heads, tokens, content] order, v2"
+"""How a slot's pages are ordered: vLLM's logical page, whatever the physical layout (``pages``), so instances on
+different KV layouts share blocks; the physical layout is deliberately not part of the namespace."""
+REPLICATED_SPECS = ("MLAAttentionSpec",)
+"""vLLM KV cache specs whose pages every tensor-parallel rank holds alike (one latent head, not split by rank)."""
 """vLLM KV cache specs whose groups keep every block of a prefix."""
 SLIDING_SPECS = ("SlidingWindowSpec",)
 """vLLM KV cache specs whose groups keep only the blocks inside an attention window."""
@@ -59,6 +67,9 @@ class GroupGeometry:
     page_bytes: int
     window_blocks: int = 0
     """Sliding window: the blocks before a hit's end that its next token attends to (vLLM's own count)."""
+    replicated: bool = False
+    """Every tensor-parallel rank holds the same pages (MLA's latent KV): a slot keeps one copy, rank 0 stores it,
+    every rank loads it."""
 
     @property
     def layers_bytes(self) -> int:
@@ -80,8 +91,22 @@ class SlotGeometry:
         return max(group.layers_bytes for group in self.groups)
 
     @property
+    def copies(self) -> int:
+        """Rank shares in a slot: one per rank, or one for all when every group is replicated (MLA)."""
+        return 1 if all(group.replicated for group in self.groups) else self.world
+
+    @property
     def slot_bytes(self) -> int:
-        return self.world * self.rank_bytes
+        return self.copies * self.rank_bytes
+
+    def writes(self, rank: int, group: int) -> bool:
+        """Whether rank ``rank`` stores its pages of ``group`` (a replicated group: rank 0 only)."""
+        return rank == 0 or not self.groups[group].replicated
+
+    def group_bytes(self, group: int) -> int:
+        """The bytes one block of ``group`` moves between vLLM and a slot, over every rank that copies it."""
+        spec = self.groups[group]
+        return spec.layers_bytes * (1 if spec.replicated else self.world)
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -94,8 +119,10 @@ class SlotGeometry:
         return any(group.kind is GroupKind.SLIDING for group in self.groups)
 
     def offset(self, rank: int, group: int, layer: int) -> int:
-        """Where rank ``rank``'s page of layer ``layer`` (its index in group ``group``) starts in a slot."""
-        return rank * self.rank_bytes + layer * self.groups[group].page_bytes
+        """Where rank ``rank``'s page of layer ``layer`` (its index in group ``group``) starts in a slot (a replicated
+        group: rank 0's, for every rank)."""
+        spec = self.groups[group]
+        return (0 if spec.replicated else rank) * self.rank_bytes + layer * spec.page_bytes
 
 
 @dataclass(frozen=True)
@@ -151,11 +178,16 @@ def instance_geometry(vllm_config: Any, kv_cache_config: Any) -> InstanceGeometr
                 return InstanceGeometry(None, "a sliding window that retains blocks below it (multi-token "
                                         "prediction) keeps blocks tiercache would not fill")
             window = -(-(int(spec.sliding_window) - 1) // block_size) + int(eagle)  # vLLM's contiguous blocks
-            geometries.append(GroupGeometry(GroupKind.SLIDING, tuple(group.layer_names), int(spec.page_size_bytes),
-                                            window))
+            geometries.append(GroupGeometry(GroupKind.SLIDING, tuple(group.layer_names), _page_bytes(spec), window))
         else:
-            geometries.append(GroupGeometry(GroupKind.FULL, tuple(group.layer_names), int(spec.page_size_bytes)))
+            geometries.append(GroupGeometry(GroupKind.FULL, tuple(group.layer_names), _page_bytes(spec),
+                                            replicated=_spec_name(spec) in REPLICATED_SPECS))
     return InstanceGeometry(SlotGeometry(tuple(geometries), int(parallel.tensor_parallel_size), block_size))
+
+
+def _page_bytes(spec: Any) -> int:
+    """The bytes of a page a slot keeps: vLLM's unpadded page (a padded page's tail holds nothing)."""
+    return int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
 
 
 def page_format(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) -> dict[str, Any]:
@@ -170,7 +202,7 @@ def page_format(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) 
         "device": device,
         "model_dtype": str(model.dtype),
         "cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
-        "kv_cache_layout": str(kv_cache_config.kv_cache_layout),
+        "slot_format": SLOT_FORMAT,
         "block_size": geometry.block_size,
         "world": geometry.world,
         "groups": [
@@ -182,7 +214,9 @@ def page_format(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) 
                 "kv_dtype": str(spec.dtype),
                 "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
                 "head_size": int(getattr(spec, "head_size", 0)),
+                "head_size_v": int(getattr(spec, "head_size_v", 0) or 0),
                 "page_bytes": group.page_bytes,
+                "replicated": group.replicated,
                 "layers": list(group.layer_names),
             }
             for spec, group in zip(specs, geometry.groups, strict=True)

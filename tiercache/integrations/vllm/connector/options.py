@@ -8,7 +8,9 @@
 - ``overrides``: dotted field paths set on the topology, e.g. ``{"tiers.redis.options.url": ...}``;
 - ``force_latest``: loads ask a regional topology's central store for the newest version
   (refused for a topology without a versioned tier);
-- ``shared_dir``: where the CPU tier's shared memory lives (default ``/dev/shm``).
+- ``shared_dir``: where the CPU tier's shared memory lives (default ``/dev/shm``);
+- ``staging_mib``: on CUDA, the most device memory one step's stores stage before their copy to the
+  CPU tier (default 512; a store past it is skipped: a later miss, never an error).
 
 A key that is none of these is refused with the one it resembles. Every error names the flag,
 the field and what was expected, before vLLM serves a request.
@@ -32,9 +34,12 @@ from tiercache.tiers import tier_class
 
 SOURCE = "--kv-transfer-config kv_connector_extra_config"
 """Where the options come from, as errors name it."""
-OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir")
+OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib")
 ENGINE_FIELDS = ("id", "tp_rank")
 """``model`` fields vLLM supplies: a topology may not set them."""
+DEFAULT_STAGING_MIB = 512
+"""Device memory a step's stores may stage on CUDA (a 2048-token prefill chunk of an 8B model's KV is 256 MiB)."""
+MIB = 1 << 20
 DEFAULT_SHARED_DIR = "/dev/shm"
 """Shared memory on Linux: the CPU tier's region lives in RAM, not on a disk."""
 
@@ -47,6 +52,7 @@ class ConnectorOptions:
     source: str
     force_latest: bool
     shared_dir: Path
+    staging_bytes: int = DEFAULT_STAGING_MIB * MIB
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -71,7 +77,10 @@ class ConnectorOptions:
         shared_dir = Path(shared or tempfile.gettempdir())
         if not shared_dir.is_dir():
             raise ConfigError(SOURCE, "shared_dir", "an existing directory (shared memory: /dev/shm)", str(shared))
-        return cls(topology, source, force_latest, shared_dir)
+        staging = extra.get("staging_mib", DEFAULT_STAGING_MIB)
+        if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
+            raise ConfigError(SOURCE, "staging_mib", "a positive whole number of MiB", staging)
+        return cls(topology, source, force_latest, shared_dir, staging * MIB)
 
     def config(self, model_id: str, geometry: SlotGeometry) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model id and a layout of the slot's bytes."""
@@ -112,7 +121,7 @@ def _opaque_layout(geometry: SlotGeometry) -> dict[str, Any]:
     if geometry.rank_bytes % pair:
         raise ConfigError(SOURCE, "topology", f"vLLM pages of a multiple of {pair} bytes", geometry.rank_bytes)
     return {
-        "num_layers": geometry.world,
+        "num_layers": geometry.copies,
         "num_kv_heads": 1,
         "head_dim": geometry.rank_bytes // pair,
         "dtype": "uint8",

@@ -1,64 +1,120 @@
-"""vLLM's KV tensors as pages: per layer, one byte row per block, copied to and from the shared CPU slots.
+"""vLLM's KV tensors and the CPU slots as pages in one canonical order, whatever vLLM's physical KV layout.
 
-vLLM hands a worker one tensor per layer (with its hybrid allocator, one layer of
-each KV-cache group shares a tensor: block ids are unique across groups). What the connector needs of it is that
-each block's page of a layer is one contiguous run of bytes (true of the CPU
-backend's layout and of every layout whose block dimension is outside a page):
-the page is then copied whole, its interior never read. A layout whose page is
-split across the tensor (heads outside blocks, say) is refused with the layer
-and strides, before anything is copied.
+vLLM (0.32, 0.33) hands a worker one view per layer of the logical shape
+``[blocks, heads, tokens, content]`` (RFC #42082), laid out in memory by one of
+six stride permutations (``vllm/v1/kv_cache_layout.py``: LBHNC, LBNHC, LHBNC,
+BLHNC, BLNHC, BHLNC) and possibly padded; MLA has one latent head. The page
+map here is read from each view's shape and strides, nothing else: a block's
+page is ``view[block]`` as bytes (``[heads, tokens, content bytes]``), and a
+slot keeps it contiguous in that logical order. So a page may be one run of
+memory (LBHNC, BLHNC), one per (head, token) cell (token-major LBNHC, BLNHC:
+flash-attention's) or one per head (LHBNC, BHLNC); a page saved under one
+layout loads into another byte for byte (docs/engines.md, "KV layouts, GPU copies and CUDA graphs").
+A view the map cannot read (not a tensor, blocks not on its first dim, content
+not contiguous, a page of another size than vLLM's spec) is refused with the
+layer, backend, shape and strides, before anything is copied.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from tiercache.integrations.vllm.connector.identity import SlotGeometry, UnsupportedLayoutError
 
 
-def page_rows(name: str, tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
-    """``tensor`` as a ``[num_blocks, page_bytes]`` uint8 view of the same memory (blocks on its first dim)."""
-    if tensor.dim() < 2 or not tensor[0].is_contiguous():
-        raise UnsupportedLayoutError(
-            f"layer {name}: a block's page is not contiguous (shape {tuple(tensor.shape)}, strides "
-            f"{tensor.stride()}); tiercache's connector copies whole pages"
-        )
-    item = tensor.element_size()
-    if tensor[0].numel() * item != page_bytes:
-        raise UnsupportedLayoutError(
-            f"layer {name}: a block's page has {tensor[0].numel() * item} bytes, vLLM's KV cache spec says {page_bytes}"
-        )
-    raw = tensor.view(torch.uint8) if tensor.dtype != torch.uint8 else tensor
-    return raw.as_strided((tensor.shape[0], page_bytes), (tensor.stride(0) * item, 1), raw.storage_offset())
+def page_view(name: str, tensor: object, page_bytes: int, num_blocks: int | None = None,
+              backend: str = "unknown") -> torch.Tensor:
+    """``tensor`` as uint8 ``[num_blocks, *page]`` (the page's dims in vLLM's logical order, the last in bytes), the
+    same memory; ``UnsupportedLayoutError`` naming the layer, backend, shape and strides where it cannot be.
+
+    A cache in kernel blocks (a backend splitting vLLM's blocks: ``num_blocks`` times k rows) is grouped back:
+    ``[blocks, heads, k, tokens, content]``, whose order is the block's ``[heads, tokens, content]`` all the same."""
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsupportedLayoutError(f"layer {name} ({backend}): vLLM registered a {type(tensor).__name__}, not one "
+                                     "KV tensor per layer")
+    where = f"layer {name} ({backend}, shape {tuple(tensor.shape)}, strides {tensor.stride()}, {tensor.dtype})"
+    if tensor.dim() < 2 or tensor.stride(-1) != 1:
+        raise UnsupportedLayoutError(f"{where}: a page's innermost dimension is not contiguous")
+    raw = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+    if num_blocks is not None and raw.shape[0] != num_blocks:
+        if raw.dim() != 4 or raw.shape[0] % num_blocks:
+            raise UnsupportedLayoutError(f"{where}: {raw.shape[0]} rows are not kernel blocks of {num_blocks} blocks")
+        raw = raw.unflatten(0, (num_blocks, -1)).permute(0, 2, 1, 3, 4)
+    if raw[0].numel() != page_bytes:
+        raise UnsupportedLayoutError(f"{where}: a block's page has {raw[0].numel()} bytes, vLLM's KV cache spec says "
+                                     f"{page_bytes}")
+    return raw
+
+
+def runs_per_page(view: torch.Tensor) -> int:
+    """The contiguous runs of memory one page of ``view`` is read as, in the slot's order (1: copied whole)."""
+    page, run = view[0], 1
+    for size, stride in reversed(list(zip(page.shape, page.stride(), strict=True))):
+        if size == 1:
+            continue
+        if stride != run:
+            break
+        run *= size
+    return math.prod(page.shape) // run
+
+
+def slot_pages(slots: torch.Tensor, offset: int, page_shape: tuple[int, ...]) -> torch.Tensor:
+    """``[num_slots, *page_shape]`` view of each slot's page at ``offset`` (contiguous within a slot)."""
+    strides = [1] * len(page_shape)
+    for dim in range(len(page_shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * page_shape[dim + 1]
+    return slots.as_strided((slots.shape[0], *page_shape), (slots.stride(0), *strides),
+                            slots.storage_offset() + offset)
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """One layer as pages: vLLM's blocks and this rank's page in every slot, both ``[n, *page]`` uint8."""
+
+    name: str
+    group: int
+    blocks: torch.Tensor
+    slots: torch.Tensor
+    runs: int
+    """Contiguous runs per page on vLLM's side."""
+
+
+def page_views(kv_caches: Mapping[str, object], geometry: SlotGeometry, num_blocks: int | None = None,
+               backends: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Every layer the geometry names as ``page_view``s of vLLM's ``num_blocks`` blocks (``UnsupportedLayoutError``
+    for the first it cannot map)."""
+    missing = [name for name in geometry.layer_names if name not in kv_caches]
+    if missing:
+        raise UnsupportedLayoutError(f"vLLM registered no KV tensor for layers {missing}")
+    backends = backends or {}
+    return {name: page_view(name, kv_caches[name], spec.page_bytes, num_blocks, backends.get(name, "unknown"))
+            for spec in geometry.groups for name in spec.layer_names}
 
 
 class KVPages:
-    """A worker's KV tensors as page rows, in the geometry's layer order (group by group)."""
+    """A worker's KV tensors (``page_views``) and the region's slots as pages, in the geometry's layer order (group
+    by group)."""
 
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor], geometry: SlotGeometry) -> None:
-        missing = [name for name in geometry.layer_names if name not in kv_caches]
-        if missing:
-            raise UnsupportedLayoutError(f"vLLM registered no KV tensor for layers {missing}")
-        self.rows = [
-            page_rows(name, kv_caches[name], group.page_bytes)
-            for group in geometry.groups
-            for name in group.layer_names
-        ]
-        self.index = {name: layer for layer, name in enumerate(geometry.layer_names)}
-        self.device = self.rows[0].device
+    def __init__(self, views: Mapping[str, torch.Tensor], geometry: SlotGeometry, rank: int,
+                 slots: torch.Tensor) -> None:
+        self.layers: list[LayerPages] = []
+        for group, spec in enumerate(geometry.groups):
+            for index, name in enumerate(spec.layer_names):
+                blocks = views[name]
+                page_slots = slot_pages(slots, geometry.offset(rank, group, index), tuple(blocks.shape[1:]))
+                self.layers.append(LayerPages(name, group, blocks, page_slots, runs_per_page(blocks)))
+        self.index = {layer.name: position for position, layer in enumerate(self.layers)}
+        self.device = self.layers[0].blocks.device if self.layers else torch.device("cpu")
 
-    def load(self, layer: int, runs: Sequence[tuple[int, int, int]], region_rows: torch.Tensor) -> None:
-        """Copy this rank's pages of ``layer`` from slots into blocks: ``runs`` of (first slot, first block,
-        count), each one ``copy_`` (a gather through ``index_select`` is several times slower here)."""
-        rows = self.rows[layer]
-        for slot, block, count in runs:
-            rows[block : block + count].copy_(region_rows[slot : slot + count])
-
-    def save(self, layer: int, runs: Sequence[tuple[int, int, int]], region_rows: torch.Tensor) -> None:
-        """Copy this rank's pages of ``layer`` from blocks into slots: ``runs`` of (first block, first slot,
-        count)."""
-        rows = self.rows[layer]
-        for block, slot, count in runs:
-            region_rows[slot : slot + count].copy_(rows[block : block + count])
+    def describe(self) -> str:
+        """The page map in one line, for the log: per distinct (shape, strides), its layers and runs per page."""
+        seen: dict[tuple[object, ...], list[str]] = {}
+        for layer in self.layers:
+            key = (tuple(layer.blocks.shape[1:]), layer.blocks.stride(), layer.runs)
+            seen.setdefault(key, []).append(layer.name)
+        return "; ".join(f"{len(names)} layers page {shape} bytes strides {strides}: {runs} runs per page"
+                         for (shape, strides, runs), names in seen.items())

@@ -10,6 +10,11 @@ builds its scheduler; each marks its rank in the header. The scheduler side then
 maps it, checks that every rank is there (else it refuses to start: a worker
 mapping another file would copy into memory no one reads), and unlinks the name,
 so the memory goes when the last process does, however they end.
+
+A worker whose KV layout the connector cannot map (``pages``) declines instead:
+it writes only the header, marks its rank declined with the reason, and the
+scheduler side then declines every request (``RegionDeclined``) rather than
+stop vLLM from serving.
 """
 
 from __future__ import annotations
@@ -26,10 +31,18 @@ HEADER_BYTES = 4096
 """The header: the magic, then one byte per rank that has mapped the region."""
 RANKS_AT = 64
 """Where the ranks' bytes start in the header."""
+MAPPED, DECLINED = 1, 2
+"""A rank's byte: it mapped the region, or it declined (its reason at ``REASON_AT``)."""
+REASON_AT = 1024
+"""Where a declining worker's reason starts in the header (UTF-8, NUL-padded)."""
 
 
 class RegionError(RuntimeError):
     """The shared region is missing, of another size, or not mapped by every worker."""
+
+
+class RegionDeclined(RegionError):
+    """A worker declined (a KV layout it cannot map): the message is its reason."""
 
 
 def region_path(shared_dir: Path, engine_id: str, dp_rank: int) -> Path:
@@ -71,12 +84,28 @@ class SharedRegion:
         """Create (or open) and map the region, and mark ``rank`` as mapped."""
         region = cls(path, num_slots, slot_bytes, create=True)
         region.header[: len(MAGIC)] = torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8)
-        region.header[RANKS_AT + rank] = 1
+        region.header[RANKS_AT + rank] = MAPPED
         return region
+
+    @staticmethod
+    def decline(path: Path, rank: int, reason: str) -> None:
+        """Mark ``rank`` declined with ``reason`` in the region's header (the file made header-only if new)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < HEADER_BYTES:
+                os.ftruncate(fd, HEADER_BYTES)
+            os.pwrite(fd, MAGIC, 0)
+            os.pwrite(fd, bytes([DECLINED]), RANKS_AT + rank)
+            text = reason.encode()[: HEADER_BYTES - REASON_AT - 1]
+            os.pwrite(fd, text + bytes(HEADER_BYTES - REASON_AT - len(text)), REASON_AT)
+        finally:
+            os.close(fd)
 
     @classmethod
     def for_scheduler(cls, path: Path, num_slots: int, slot_bytes: int, world: int) -> SharedRegion:
-        """Map the region the workers made, check every rank mapped it, and unlink its name."""
+        """Map the region the workers made, check every rank mapped it, and unlink its name (``RegionDeclined``: a
+        worker declined)."""
+        _raise_if_declined(path)
         region = cls(path, num_slots, slot_bytes, create=False)
         if bytes(region.header[: len(MAGIC)].tolist()) != MAGIC:
             raise RegionError(f"{path} is not a tiercache region")
@@ -85,3 +114,16 @@ class SharedRegion:
             raise RegionError(f"{path}: ranks {missing} of {world} did not map tiercache's CPU tier")
         path.unlink(missing_ok=True)
         return region
+
+
+def _raise_if_declined(path: Path) -> None:
+    """``RegionDeclined`` with the worker's reason when a rank declined (the name is unlinked then)."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(HEADER_BYTES)
+    except FileNotFoundError:
+        return  # reported as missing by the mapping
+    if header[: len(MAGIC)] != MAGIC or DECLINED not in header[RANKS_AT:REASON_AT]:
+        return
+    path.unlink(missing_ok=True)
+    raise RegionDeclined(header[REASON_AT:].rstrip(b"\0").decode(errors="replace"))

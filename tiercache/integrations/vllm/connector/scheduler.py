@@ -47,6 +47,7 @@ from tiercache.integrations.vllm.connector.groups import (
     kept_positions,
     next_end,
     paired,
+    tokens_by_tier,
 )
 from tiercache.integrations.vllm.connector.identity import GroupKind, SlotGeometry, block_extra
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
@@ -87,6 +88,9 @@ class _Request:
     """Per group, positions below this have a store planned (or are held already)."""
     group_keys: dict[int, list[bytes]] = field(default_factory=dict)
     """Per group of a model of several, its blocks' keys so far (derived once, whatever the lookups tried)."""
+    hit_tokens: dict[int, int] = field(default_factory=dict)
+    """The last load's tokens by tier index (a position counts under the farthest tier any of its blocks came
+    from), for vLLM's ``get_external_cache_hit_sources``."""
 
 
 @dataclass(eq=False)
@@ -221,9 +225,22 @@ class ConnectorScheduler:
             self.counters.add("loaded_bytes", self._bytes(job.groups))
             for tier in state.tiers[: len(state.entries)]:
                 self.counters.add(f"hit_blocks{TIER_SEPARATOR}{tier}")
+            state.hit_tokens = tokens_by_tier(state.entries, state.tiers, self.tiers.names, end, self.block_size)
         else:
             state.fetch.release()
         state.fetch, state.offer, state.offered, state.end, state.tries = None, [], 0, 0, 0
+
+    def hit_tokens(self, req_id: str) -> dict[int, int]:
+        """The tokens of ``req_id``'s last load by tier index (once: vLLM asks right after allocating)."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return {}
+        tokens, state.hit_tokens = state.hit_tokens, {}
+        return tokens
+
+    def has_pending(self) -> bool:
+        """Whether jobs sent to the workers are not yet reported by every one of them."""
+        return bool(self._pending)
 
     def _drop_fetch(self, state: _Request) -> None:
         if state.fetch is not None:
@@ -232,7 +249,7 @@ class ConnectorScheduler:
 
     def _bytes(self, groups: Iterable[int]) -> int:
         """The bytes a job copies between vLLM's blocks and the CPU tier (every rank's pages of its blocks)."""
-        return sum(self.geometry.groups[group].layers_bytes for group in groups) * self.world
+        return sum(self.geometry.group_bytes(group) for group in groups)
 
     # ---- each step -----------------------------------------------------------------------
     def step_metadata(self, output: Any, *, store: bool = True) -> TierCacheConnectorMetadata:

@@ -31,6 +31,10 @@ DOCUMENTATION = {
     "failed_loads": "Load jobs a worker failed (their blocks recomputed by vLLM)",
     "failed_stores": "Store jobs a worker failed (nothing written)",
     "hit_blocks": "Blocks loaded, by the tiercache tier that served them",
+    "load_copy_bytes": "Bytes the workers copied from the CPU tier into vLLM's KV cache (summed over workers)",
+    "load_copy_us": "Microseconds the workers' loads took (summed over workers; CUDA: between the copies' events)",
+    "store_copy_bytes": "Bytes the workers copied from vLLM's KV cache into the CPU tier (summed over workers)",
+    "store_copy_us": "Microseconds the workers' stores took (summed over workers; CUDA: between the copies' events)",
 }
 
 

@@ -1,177 +1,215 @@
-"""The worker side: copies between vLLM's KV tensors and the shared CPU slots, layer by layer, as told.
+"""The worker side: each step's jobs handed to the transfer engine, layer by layer, and their completion reported.
 
-Each step the scheduler side sends jobs (``metadata``). A load's pages are copied
-into their blocks for each layer just before that layer's attention reads them
-(``wait_for_layer_load``); a store's pages are copied out of their blocks right
-after the layer wrote them (``save_kv_layer``); each layer copies its own
-KV-cache group's share of a job. A layer the engine did not call
-a hook for is done at the end of the step: a store then (its pages are complete
-after the forward), a load as failed, since the forward has read the blocks
-already: its blocks are reported (``get_block_ids_with_load_errors``) so vLLM
-recomputes them, never serves them. Every finished job is reported back once.
+Each step the scheduler side sends jobs (``metadata``). Loads are copied for every
+layer in ``start_load_kv``, before the forward: with CUDA graphs (FULL, or
+vLLM's V2 runner replaying one) the per-layer hooks never run, so a load that
+waited for them would never land; a load never started (no ``start_load_kv``)
+fails and its blocks are reported (``get_block_ids_with_load_errors``) so vLLM
+recomputes them, never serves them. A store's pages are copied after each layer
+wrote them (``save_kv_layer``); layers no hook ran for are copied at the step's
+end (``wait_for_save``, which never waits: the copies may complete steps later).
+Each layer copies its own KV-cache group's share of a job; a replicated group
+(MLA) is stored by rank 0 only. Every job is reported back once, when its
+copies completed (``transfers``: polled, never waited for).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from tiercache.integrations.vllm.connector.identity import SlotGeometry
+from tiercache.integrations.vllm.connector.identity import SlotGeometry, UnsupportedLayoutError
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.integrations.vllm.connector.pages import KVPages
+from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
-from tiercache.movement.swap.handles import paired_runs
+from tiercache.integrations.vllm.connector.staged import StagedTransfers
+from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")
+MICROS = 1_000_000
 
 
 @dataclass
-class _Job:
-    """A job of this step and the layers it still has to copy."""
+class _StepStore:
+    """A store job of this step and the layers it still has to copy."""
 
     job: CopyJob
-    runs: dict[int, list[tuple[int, int, int]]]
-    """Per KV-cache group, (first source, first destination, count): slot -> block for a load, block -> slot for a
-    store."""
+    copies: dict[int, GroupCopy]
+    """Per KV-cache group this rank copies, its pages."""
     layers_left: set[int] = field(default_factory=set)
     failed: bool = False
-    """A copy of it raised: it is reported failed (a load's blocks recomputed, a store aborted)."""
 
 
-def _runs(job: CopyJob, load: bool, group_layers: dict[int, list[int]]) -> _Job:
-    """A job's copies as runs per group, with the layers of the groups it touches."""
-    runs: dict[int, list[tuple[int, int, int]]] = {}
-    for group in sorted(set(job.groups)):
-        slots = [slot for slot, g in zip(job.slots, job.groups, strict=True) if g == group]
-        blocks = [block for block, g in zip(job.block_ids, job.groups, strict=True) if g == group]
-        runs[group] = paired_runs(slots, blocks) if load else paired_runs(blocks, slots)
-    layers = {layer for group in runs for layer in group_layers[group]}
-    return _Job(job, runs, layers)
+def _group_copies(job: CopyJob, groups: set[int]) -> dict[int, GroupCopy]:
+    """A job's pairs per KV-cache group, for the groups in ``groups``."""
+    copies: dict[int, GroupCopy] = {}
+    for group in sorted(set(job.groups) & groups):
+        pairs = [(slot, block) for slot, block, g in zip(job.slots, job.block_ids, job.groups, strict=True)
+                 if g == group]
+        copies[group] = GroupCopy(job.job_id, group, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+    return copies
 
 
 class ConnectorWorker:
     """One worker's half of the connector (see the module docstring)."""
 
-    def __init__(self, geometry: SlotGeometry, num_slots: int, region_path: Any, rank: int) -> None:
+    def __init__(self, geometry: SlotGeometry, num_slots: int, region_path: Any, rank: int, *,
+                 staging_bytes: int | None = None, num_blocks: int | None = None) -> None:
         self.geometry = geometry
         self.num_slots = num_slots
         self.region_path = region_path
         self.rank = rank
+        self.staging_bytes = staging_bytes
+        self.num_blocks = num_blocks
+        """vLLM's blocks per layer (a cache in kernel blocks has a multiple of it as rows)."""
         self.pages: KVPages | None = None
         self.region: SharedRegion | None = None
-        self._rows: list[torch.Tensor] = []
-        """Per layer, this rank's pages of every slot: ``[num_slots, page_bytes]`` views of the region."""
-        self._group_of = [group for group, spec in enumerate(geometry.groups) for _ in spec.layer_names]
-        """Per layer (in the geometry's order), its KV-cache group."""
-        self._group_layers: dict[int, list[int]] = {}
-        for layer, group in enumerate(self._group_of):
-            self._group_layers.setdefault(group, []).append(layer)
-        self._loads: list[_Job] = []
-        self._stores: list[_Job] = []
+        self.transfers: Transfers | None = None
+        self.declined: str | None = None
+        """Why this worker copies nothing (a KV layout it cannot map), else None."""
+        groups = range(len(geometry.groups))
+        self._loaded_groups = set(groups)
+        self._stored_groups = {group for group in groups if geometry.writes(rank, group)}
+        self._loads: list[CopyJob] = []
+        self._loads_started = False
+        self._loads_failed: set[int] = set()
+        """This step's loads whose copies failed to start."""
+        self._invalid: set[int] = set()
+        """Loads in flight that vLLM counts blocks of that no slot fills: reported failed when complete."""
+        self._stores: list[_StepStore] = []
         self._done: Counter[int] = Counter()
         self._failed: Counter[int] = Counter()
         self._load_errors: set[int] = set()
+        self._moved = Completed()
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Check vLLM's tensors against the geometry, then map the shared CPU slots."""
-        self.pages = KVPages(kv_caches, self.geometry)
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], backends: Mapping[str, str] | None = None) -> None:
+        """Map the shared CPU slots and vLLM's tensors as pages; a layout it cannot map declines (logged, the
+        scheduler told through the region), never stops vLLM."""
+        try:
+            views = page_views(kv_caches, self.geometry, self.num_blocks, backends)
+        except UnsupportedLayoutError as error:
+            self.declined = str(error)
+            log.error("tiercache connector: cannot map vLLM's KV cache, so it declines every request: %s", error)
+            SharedRegion.decline(self.region_path, self.rank, self.declined)
+            return
         self.region = SharedRegion.for_worker(self.region_path, self.num_slots, self.geometry.slot_bytes, self.rank)
-        geometry, slots = self.geometry, self.region.slots
-        self._rows = []
-        for group, spec in enumerate(geometry.groups):
-            for index in range(len(spec.layer_names)):
-                start = geometry.offset(self.rank, group, index)
-                self._rows.append(slots[:, start : start + spec.page_bytes])
+        self.pages = KVPages(views, self.geometry, self.rank, self.region.slots)
+        if self.pages.device.type == "cuda":
+            self.transfers = StagedTransfers(self.pages, self.geometry, self.rank, self.region.slots,
+                                             self.staging_bytes)
+        else:
+            self.transfers = HostTransfers(self.pages)
+        log.info("tiercache connector: rank %d, %s transfers, pages: %s", self.rank,
+                 type(self.transfers).__name__, self.pages.describe())
 
     def bind(self, metadata: TierCacheConnectorMetadata) -> None:
-        """A step's jobs, bound before its forward (so the layers' hooks copy as the forward goes)."""
-        self._loads = [_runs(job, True, self._group_layers) for job in metadata.loads]
-        self._stores = [_runs(job, False, self._group_layers) for job in metadata.stores]
+        """A step's jobs, bound before its forward."""
+        self._loads, self._loads_started = list(metadata.loads), False
+        self._stores = []
+        budget = self.transfers.step_budget_bytes if self.transfers is not None else None
+        for job in metadata.stores:
+            store = _StepStore(job, _group_copies(job, self._stored_groups))
+            store.layers_left = {i for i, layer in enumerate(self._layers()) if layer.group in store.copies}
+            if budget is not None:
+                budget -= sum(self.geometry.groups[g].layers_bytes * len(c.slots) for g, c in store.copies.items())
+                if budget < 0:
+                    log.warning("tiercache connector: store %d is past this step's staging budget; not stored",
+                                job.job_id)
+                    store.failed = True
+            self._stores.append(store)
 
-    def start(self, forward: bool) -> None:
-        """Loads may start; ``forward``: the engine runs a forward now (its layers will call the hooks), else
-        nothing reads the blocks this step and every layer is loaded at once."""
-        if not forward:
-            for layer in range(len(self.geometry.layer_names)):
-                self._copy_loads(layer)
-
-    def before_layer(self, layer_name: str) -> None:
-        """A layer's attention is about to read its KV: load that layer's pages."""
-        layer = self._layer(layer_name)
-        if layer is not None:
-            self._copy_loads(layer)
+    def start(self) -> None:
+        """Copy every layer of the step's loads into their blocks now, before the forward reads any."""
+        if self._loads_started or self.transfers is None:
+            return
+        self._loads_started = True
+        copies = [copy for job in self._loads for copy in _group_copies(job, self._loaded_groups).values()]
+        self._loads_failed = set(self.transfers.load(copies)) if copies else set()
 
     def after_layer(self, layer_name: str) -> None:
-        """A layer has written this step's KV: save that layer's pages."""
-        layer = self._layer(layer_name)
+        """A layer has written this step's KV: copy that layer's pages of the step's stores."""
+        layer = self.pages.index.get(layer_name) if self.pages is not None else None
         if layer is not None:
-            self._copy_stores(layer)
+            self._store(layer)
 
     def end(self) -> None:
-        """The step's forward is over: finish the stores, fail loads a layer was never loaded for, report."""
-        for layer in range(len(self.geometry.layer_names)):
-            self._copy_stores(layer)
+        """The step's forward is over: copy what no hook copied, hand the step's jobs over, report loads that
+        never started as failed."""
+        if self.transfers is None:
+            return
+        for layer in range(len(self._layers())):
+            self._store(layer)
+        loads_ok = []
         for job in self._loads:
-            if job.failed or job.layers_left:
-                log.warning("tiercache connector: load %d missed layers %s; vLLM recomputes its blocks",
-                            job.job.job_id, sorted(job.layers_left))
-                self._failed[job.job.job_id] += 1
-                self._load_errors.update(job.job.block_ids)
-                self._load_errors.update(job.job.invalid)
-            elif job.job.invalid:
-                self._failed[job.job.job_id] += 1
-                self._load_errors.update(job.job.invalid)
+            if not self._loads_started or job.job_id in self._loads_failed:
+                log.warning("tiercache connector: load %d was never copied; vLLM recomputes its blocks", job.job_id)
+                self._failed[job.job_id] += 1
+                self._load_errors.update(job.block_ids)
+                self._load_errors.update(job.invalid)
+                continue
+            if job.invalid:
+                self._load_errors.update(job.invalid)
+                self._invalid.add(job.job_id)
+            loads_ok.append(job.job_id)
+        stores_ok = []
+        for store in self._stores:
+            if store.failed:
+                self._failed[store.job.job_id] += 1
             else:
-                self._done[job.job.job_id] += 1
-        for job in self._stores:
-            (self._failed if job.failed else self._done)[job.job.job_id] += 1
-        self._loads, self._stores = [], []
+                stores_ok.append(store.job.job_id)
+        self.transfers.end_step(loads_ok, stores_ok)
+        self._loads, self._stores, self._loads_failed = [], [], set()
 
-    def _layer(self, layer_name: str) -> int | None:
-        return None if self.pages is None else self.pages.index.get(layer_name)
-
-    def _copy_loads(self, layer: int) -> None:
-        pages = self.pages
-        assert pages is not None
-        group = self._group_of[layer]
-        for job in self._loads:
-            runs = job.runs.get(group, [])
-            self._copy(job, layer, lambda runs=runs: pages.load(layer, runs, self._rows[layer]))
-
-    def _copy_stores(self, layer: int) -> None:
-        pages = self.pages
-        assert pages is not None
-        group = self._group_of[layer]
-        for job in self._stores:
-            runs = job.runs.get(group, [])
-            self._copy(job, layer, lambda runs=runs: pages.save(layer, runs, self._rows[layer]))
-
-    @staticmethod
-    def _copy(job: _Job, layer: int, copy: Callable[[], None]) -> None:
-        """One layer of one job; a copy that raises fails its job (reported at the step's end), not the others."""
-        if job.failed or layer not in job.layers_left:
+    def _store(self, layer: int) -> None:
+        assert self.transfers is not None
+        group = self._layers()[layer].group
+        pending = [s for s in self._stores if not s.failed and layer in s.layers_left and group in s.copies]
+        if not pending:
             return
-        try:
-            copy()
-        except Exception:
-            log.exception("tiercache connector: job %d failed at layer %d", job.job.job_id, layer)
-            job.failed = True
-            return
-        job.layers_left.discard(layer)
+        failed = set(self.transfers.store_layer(layer, [s.copies[group] for s in pending]))
+        for store in pending:
+            store.layers_left.discard(layer)
+            store.failed |= store.job.job_id in failed
+
+    def _layers(self) -> list[Any]:
+        return self.pages.layers if self.pages is not None else []
+
+    def _poll(self) -> None:
+        """Take what the transfer engine completed into the next report and the next stats."""
+        if self.transfers is not None:
+            completed = self.transfers.poll()
+            for job_id in completed.done:
+                (self._failed if job_id in self._invalid else self._done)[job_id] += 1
+                self._invalid.discard(job_id)
+            for job_id in completed.failed:
+                self._failed[job_id] += 1
+            self._moved.add(completed)
 
     def take_report(self) -> TierCacheWorkerMetadata | None:
-        """The jobs finished (and failed) since the last report."""
+        """The jobs completed (and failed) since the last report."""
+        self._poll()
         if not self._done and not self._failed:
             return None
         report = TierCacheWorkerMetadata(self._done, self._failed)
         self._done, self._failed = Counter(), Counter()
         return report
 
+    def take_moved(self) -> dict[str, int]:
+        """Bytes and microseconds each direction's copies took since the last call (this rank)."""
+        self._poll()
+        moved, self._moved = self._moved, Completed()
+        counts = {"load_copy_bytes": moved.load_bytes, "load_copy_us": round(moved.load_seconds * MICROS),
+                  "store_copy_bytes": moved.store_bytes, "store_copy_us": round(moved.store_seconds * MICROS)}
+        return {name: count for name, count in counts.items() if count}
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def close(self) -> None:
+        """Wait for copies in flight (shutdown: the region must outlive them)."""
+        if self.transfers is not None:
+            self.transfers.drain()

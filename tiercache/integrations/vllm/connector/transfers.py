@@ -1,0 +1,137 @@
+"""The worker's transfer engine: every page copy between vLLM's KV and the CPU slots goes through one of these.
+
+One interface (``Transfers``), two engines: ``HostTransfers`` copies at once
+(vLLM's CPU build: its tensors are host memory, a copy is a memcpy, nothing to
+overlap); ``StagedTransfers`` (``staged``) moves a step's pages in a few batched
+launches on a side stream (CUDA). Either way a caller submits a step's loads
+(every layer, before the forward reads them), each layer's stores (after the
+layer wrote them) and the step's end, then pulls what completed with ``poll``:
+completion is polled, never waited for, and an engine never raises into the
+worker: a copy that fails fails its job only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tiercache.integrations.vllm.connector.pages import KVPages
+from tiercache.movement.swap.handles import paired_runs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupCopy:
+    """One job's pages of one KV-cache group: ``slots[i]`` <-> ``blocks[i]`` for every layer of the group."""
+
+    job_id: int
+    group: int
+    slots: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+
+@dataclass
+class Completed:
+    """What completed since the last ``poll``: job ids, and the bytes and seconds each direction moved."""
+
+    done: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+
+    def add(self, other: Completed) -> None:
+        self.done += other.done
+        self.failed += other.failed
+        self.load_bytes += other.load_bytes
+        self.load_seconds += other.load_seconds
+        self.store_bytes += other.store_bytes
+        self.store_seconds += other.store_seconds
+
+
+class Transfers(ABC):
+    """A worker's page copies (see the module docstring)."""
+
+    step_budget_bytes: int | None = None
+    """Most bytes of stores one step may stage (None: no bound); a job past it fails (a later miss, nothing else)."""
+
+    def __init__(self, pages: KVPages) -> None:
+        self.pages = pages
+        self._completed = Completed()
+
+    @abstractmethod
+    def load(self, copies: Sequence[GroupCopy]) -> list[int]:
+        """Copy every layer's pages of ``copies`` slot -> block, ordered before the forward that reads them; the ids of
+        jobs that failed to start (their blocks must be recomputed)."""
+
+    @abstractmethod
+    def store_layer(self, layer: int, copies: Sequence[GroupCopy]) -> list[int]:
+        """Copy layer ``layer``'s pages of ``copies`` block -> slot (the layer has written them); failed job ids."""
+
+    @abstractmethod
+    def end_step(self, loads: Sequence[int], stores: Sequence[int]) -> None:
+        """The step's forward is over; its load and store jobs (failed ones excluded) complete when their copies
+        have."""
+
+    def poll(self) -> Completed:
+        """Jobs whose copies completed since the last call (never waits)."""
+        completed, self._completed = self._completed, Completed()
+        return completed
+
+    def drain(self) -> Completed:
+        """Wait for every copy in flight (shutdown only), then ``poll``."""
+        return self.poll()
+
+    def _failed(self, job_ids: Sequence[int], what: str, error: BaseException) -> list[int]:
+        log.error("tiercache connector: %s failed for jobs %s: %s", what, sorted(set(job_ids)), error,
+                  exc_info=error)
+        return list(job_ids)
+
+
+class HostTransfers(Transfers):
+    """Copies at once, run by run (vLLM's CPU build): a run of consecutive slots and blocks is one strided copy."""
+
+    def __init__(self, pages: KVPages) -> None:
+        super().__init__(pages)
+        self._step = Completed()
+
+    def load(self, copies: Sequence[GroupCopy]) -> list[int]:
+        failed: list[int] = []
+        started = time.perf_counter()
+        for copy in copies:
+            try:
+                for layer in self._layers(copy.group):
+                    for slot, block, count in paired_runs(list(copy.slots), list(copy.blocks)):
+                        layer.blocks[block : block + count].copy_(layer.slots[slot : slot + count])
+                        self._step.load_bytes += count * layer.blocks[0].numel()
+            except Exception as error:
+                failed += self._failed([copy.job_id], "load", error)
+        self._step.load_seconds += time.perf_counter() - started
+        return failed
+
+    def store_layer(self, layer: int, copies: Sequence[GroupCopy]) -> list[int]:
+        failed: list[int] = []
+        pages = self.pages.layers[layer]
+        started = time.perf_counter()
+        for copy in copies:
+            try:
+                for block, slot, count in paired_runs(list(copy.blocks), list(copy.slots)):
+                    pages.slots[slot : slot + count].copy_(pages.blocks[block : block + count])
+                    self._step.store_bytes += count * pages.blocks[0].numel()
+            except Exception as error:
+                failed += self._failed([copy.job_id], f"store of layer {pages.name}", error)
+        self._step.store_seconds += time.perf_counter() - started
+        return failed
+
+    def end_step(self, loads: Sequence[int], stores: Sequence[int]) -> None:
+        self._step.done += [*loads, *stores]
+        self._completed.add(self._step)
+        self._step = Completed()
+
+    def _layers(self, group: int) -> list:
+        return [layer for layer in self.pages.layers if layer.group == group]
