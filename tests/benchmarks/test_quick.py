@@ -23,6 +23,7 @@ ENGINE_RUNS = {
     "vllm_lookup.py": "engines/vllm/test_vllm_lookup_quick.py",
     "sglang_transfers.py": "engines/sglang/test_sglang_transfers_quick.py",
     "vllm_serve.py": "engines/vllm_serve/test_vllm_serve_quick.py",
+    "vllm_loaded.py": "engines/vllm_serve/test_vllm_loaded_quick.py",
 }
 """Benchmarks run by an engine's suite, in its venv (``scripts/test.sh``), and the test that runs each."""
 
@@ -77,6 +78,8 @@ QUICK_RUNS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                           "rows": [FILE_ROW]}),
     "sync.py": ((), {"rows": {name: LATENCY for name in SYNC_READS},
                      "runs": Each([LATENCY]), "refreshed": int, "batch": int, "block_bytes": int, "runs_count": int}),
+    "gpu_connector.py": (("--device", "cpu"), {"device": str, "shape": dict, "layouts": {
+        "pairs": int, "all_equal": bool, "unequal": list}}),
     "swap.py": ((), {"device": str, "layout": dict, "engine": list, "rows": [{
         "memory": str, "blocks": int, "path": str, "direction": str, "gb_per_s": N, "contiguous_gb_per_s": N,
         "ratio": N}]}),
