@@ -68,8 +68,6 @@ class ConnectorWorker:
         self.pages: KVPages | None = None
         self.region: SharedRegion | None = None
         self.transfers: Transfers | None = None
-        self.declined: str | None = None
-        """Why this worker copies nothing (a KV layout it cannot map), else None."""
         groups = range(len(geometry.groups))
         self._loaded_groups = set(groups)
         self._stored_groups = {group for group in groups if geometry.writes(rank, group)}
@@ -91,9 +89,8 @@ class ConnectorWorker:
         try:
             views = page_views(kv_caches, self.geometry, self.num_blocks, backends)
         except UnsupportedLayoutError as error:
-            self.declined = str(error)
             log.error("tiercache connector: cannot map vLLM's KV cache, so it declines every request: %s", error)
-            SharedRegion.decline(self.region_path, self.rank, self.declined)
+            SharedRegion.decline(self.region_path, self.rank, str(error))
             return
         self.region = SharedRegion.for_worker(self.region_path, self.num_slots, self.geometry.slot_bytes, self.rank)
         self.pages = KVPages(views, self.geometry, self.rank, self.region.slots)
