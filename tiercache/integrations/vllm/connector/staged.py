@@ -115,7 +115,7 @@ class StagedTransfers(Transfers):
         index = self._index(blocks)
         packed = staging.view(len(slots), len(layers), page)
         for position, layer in enumerate(layers):
-            layer.blocks[index] = packed[:, position].view(len(slots), *layer.blocks.shape[1:])
+            layer.blocks.index_copy_(0, index, packed[:, position].view(len(slots), *layer.blocks.shape[1:]))
         return len(slots) * len(layers) * page
 
     # ---- stores -----------------------------------------------------------------------------
