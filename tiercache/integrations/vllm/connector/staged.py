@@ -107,7 +107,7 @@ class StagedTransfers(Transfers):
         page = layers[0].blocks[0].numel()
         staging = torch.empty((len(slots), len(layers) * page), dtype=torch.uint8, device=self.pages.device)
         shares = self._shares(group, len(layers) * page)
-        self._side_waits_compute()  # the staging memory may be the compute stream's until now
+        self._side_waits_compute()  # the staging memory may have been the compute stream's until just now
         with self._on_side():
             for first, slot, count in _consecutive(slots, merge=shares.stride(0) == shares.shape[1]):
                 staging[first : first + count].copy_(shares[slot : slot + count], non_blocking=self.pinned)
@@ -159,7 +159,6 @@ class StagedTransfers(Transfers):
             return
         flight = self._begin(jobs)
         try:
-            self._side_waits_compute()
             with self._on_side():
                 for group, (staging, _, copies) in staged.items():
                     slots = [slot for copy in copies for slot in copy.slots]
@@ -206,6 +205,9 @@ class StagedTransfers(Transfers):
         return self.region_slots[:, offset : offset + share_bytes]
 
     def _begin(self, jobs: list[int]) -> _SideCopies:
+        """Copies on the side stream from here, after what the compute stream has queued (their timing starts
+        then)."""
+        self._side_waits_compute()
         start = torch.cuda.Event(enable_timing=True) if self.cuda else None
         if start is not None:
             start.record(self.side)
