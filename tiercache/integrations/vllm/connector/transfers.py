@@ -12,6 +12,7 @@ worker: a copy that fails fails its job only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -32,6 +33,11 @@ class GroupCopy:
     group: int
     slots: tuple[int, ...]
     blocks: tuple[int, ...]
+
+    @functools.cached_property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(first slot, first block, count) per run of consecutive pairs: worked out once, not per layer."""
+        return paired_runs(list(self.slots), list(self.blocks))
 
 
 @dataclass
@@ -106,7 +112,7 @@ class HostTransfers(Transfers):
         for copy in copies:
             try:
                 for layer in self._layers(copy.group):
-                    for slot, block, count in paired_runs(list(copy.slots), list(copy.blocks)):
+                    for slot, block, count in copy.runs:
                         layer.blocks[block : block + count].copy_(layer.slots[slot : slot + count])
                         self._step.load_bytes += count * layer.blocks[0].numel()
             except Exception as error:
@@ -120,7 +126,7 @@ class HostTransfers(Transfers):
         started = time.perf_counter()
         for copy in copies:
             try:
-                for block, slot, count in paired_runs(list(copy.blocks), list(copy.slots)):
+                for slot, block, count in copy.runs:
                     pages.slots[slot : slot + count].copy_(pages.blocks[block : block + count])
                     self._step.store_bytes += count * pages.blocks[0].numel()
             except Exception as error:
