@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from common import arguments, parse, write_result
 
-from tiercache.integrations.vllm.connector.identity import GroupGeometry, GroupKind, SlotGeometry
+from tiercache.integrations.vllm.connector.geometry import GroupGeometry, GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
 from tiercache.integrations.vllm.connector.transfers import GroupCopy

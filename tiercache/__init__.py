@@ -7,7 +7,10 @@ from tiercache.common.exports import lazy_exports
 _EXPORTS = {
     "BlockHasher": "tiercache.blocks.keys",
     "Namespace": "tiercache.blocks.keys",
+    "PageFormat": "tiercache.blocks.namespaces",
+    "engine_namespace": "tiercache.blocks.namespaces",
     "KVLayout": "tiercache.blocks.layout",
+    "PageLayout": "tiercache.blocks.layout",
     "MemoryOrder": "tiercache.blocks.layout",
     "UnsupportedModelError": "tiercache.blocks.layout",
     "PagedKV": "tiercache.blocks.paged",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.blocks.layout import KVLayout
+from tiercache.blocks.layout import KVLayout, PageLayout
 from tiercache.bookkeeping.slots import SlotTable
 from tiercache.policies import EvictionPolicy
 
@@ -30,7 +30,7 @@ class CpuTier:
     Options = CpuOptions
 
     def __init__(
-        self, name: str, layout: KVLayout, num_slots: int, policy: EvictionPolicy, options: CpuOptions,
+        self, name: str, layout: KVLayout | PageLayout, num_slots: int, policy: EvictionPolicy, options: CpuOptions,
         buffer: torch.Tensor | None = None,
     ) -> None:
         """``buffer``: memory the caller provides (``[num_slots, bytes_per_block]`` uint8 on the CPU, e.g. shared

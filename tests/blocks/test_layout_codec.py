@@ -37,8 +37,8 @@ def test_layout_sizes_and_shapes() -> None:
     layer_major = KVLayout(32, 8, 128, "bfloat16", 16, MemoryOrder.LAYER_MAJOR)
     assert layer_major.pool_shapes(10) == [(10, 2, 16, 8, 128)] * 32
     assert layer_major.block_shape == (32, 2, 16, 8, 128)
-    assert layout.fingerprint() != layer_major.fingerprint()
-    assert layout.fingerprint() == KVLayout(32, 8, 128, "bfloat16", 16).fingerprint()
+    assert layout.page_format().fingerprint() != layer_major.page_format().fingerprint()
+    assert layout.page_format().fingerprint() == KVLayout(32, 8, 128, "bfloat16", 16).page_format().fingerprint()
 
 
 @pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "block_size"])

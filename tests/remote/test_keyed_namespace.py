@@ -20,6 +20,7 @@ from support.manager_helpers import TINY_LAYOUT, WAIT_S, block_kv, compute_and_s
 
 from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import BlockHasher, Namespace
+from tiercache.blocks.namespaces import engine_namespace
 from tiercache.config import config_from_dict
 from tiercache.config.remote import remote_topology_from_dict
 from tiercache.manager.tier_manager import TierManager
@@ -180,7 +181,7 @@ def test_routers_see_differently_keyed_fleets_share_no_blocks() -> None:
     fleet_a, fleet_b, plain = stored_hashes("TC_SECRET_A"), stored_hashes("TC_SECRET_B"), stored_hashes(None)
     assert not set(fleet_a) & set(fleet_b) and not set(fleet_a) & set(plain) and not set(fleet_b) & set(plain)
     assert stored_hashes("TC_SECRET_A") == fleet_a, "engines sharing a secret announce the same blocks"
-    unkeyed = BlockHasher(Namespace("test-model", config(None).layout.fingerprint()), TINY_LAYOUT["block_size"])
+    unkeyed = BlockHasher(engine_namespace("test-model", config(None).layout.page_format()), TINY_LAYOUT["block_size"])
     assert plain == [block_hash(key) for key in unkeyed.keys(PROMPTS[0])], "an unkeyed namespace's keys are unchanged"
 
 
@@ -190,7 +191,7 @@ def test_keyed_values_written_before_keys_depended_on_the_secret_are_misses_left
     """The previous release keyed only the values: they sit at the unkeyed namespace's keys, never read now."""
     tokens = PROMPTS[0]
     layout = config(None).layout
-    namespace = Namespace("test-model", layout.fingerprint())
+    namespace = engine_namespace("test-model", layout.page_format())
     old_codec = Codec(namespace.root(), secret=namespace_secrets["TC_SECRET_A"].encode())
     with TierManager(config("TC_SECRET_A", redis_tier(redis_server))) as manager:
         tier = manager.parts.remotes[0]

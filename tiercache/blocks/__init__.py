@@ -2,9 +2,12 @@
 
 ``keys`` (the namespace and the chained block keys, stable across processes and
 hosts), ``model_identity`` (``ModelIdentity``: when two models' KV is interchangeable,
-the one rule every adapter uses), ``layout`` (``KVLayout``: the bytes of a block and
-how a pool holds them), ``paged`` (``PagedKV``: the paged view attention reads) and ``codec`` (a stored
-value's header, checksum or keyed MAC, and optional compression).
+the one rule every adapter uses), ``namespaces`` (``engine_namespace``: the one rule for
+"same namespace", model, page format, rank, tenant and LoRA, that every adapter and
+topology builds its namespace with), ``layout`` (``KVLayout``: the bytes of a block and
+how a pool holds them; ``PageLayout``: an engine's opaque pages), ``paged``
+(``PagedKV``: the paged view attention reads) and ``codec`` (a stored value's
+header, checksum or keyed MAC, and optional compression).
 
 Imports from: ``common``.
 """

@@ -92,7 +92,8 @@ class Namespace:
     """
 
     model_id: str
-    layout_fingerprint: str
+    page_format: str
+    """The page format's fingerprint (``namespaces.PageFormat.fingerprint``)."""
     tp_rank: int = 0
     tenant_salt: str | None = None
     lora_id: str | None = None
@@ -103,7 +104,7 @@ class Namespace:
         fields = (
             "tiercache-v1",
             self.model_id,
-            self.layout_fingerprint,
+            self.page_format,
             str(self.tp_rank),
             self.tenant_salt or "",
             self.lora_id or "",

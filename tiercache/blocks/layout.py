@@ -15,11 +15,11 @@ layer-major. The memory order is part of the fingerprint, so the two never mix.
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tiercache.blocks.namespaces import PageFormat
 from tiercache.common.fields import FieldError
 
 if TYPE_CHECKING:
@@ -41,6 +41,10 @@ MAX_LAYOUT_DIM = 1 << 20
 """Largest layer count, head count, head size or block size accepted (larger is a typo)."""
 MAX_BLOCK_BYTES = 1 << 32
 """Largest block: the codec and every tier size buffers per block; 4 GiB is far past any model's."""
+KV_FORMAT = "tiercache-kv"
+"""The page format of a ``KVLayout``'s blocks (K/V per layer, in the pool's order)."""
+PAGES_FORMAT = "tiercache-pages"
+"""The page format of a ``PageLayout`` a topology declares without an engine's description."""
 
 
 class UnsupportedModelError(ValueError):
@@ -160,12 +164,12 @@ class KVLayout:
     def block_major(self) -> bool:
         return self.memory is MemoryOrder.BLOCK_MAJOR
 
-    def fingerprint(self) -> str:
-        """A stable short id of everything that decides a block's bytes."""
-        text = (
-            f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.block_size}/{self.memory.value}"
-        )
-        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    def page_format(self) -> PageFormat:
+        """Everything beyond the model that decides a block's bytes (the namespace's page format)."""
+        return PageFormat(KV_FORMAT, {
+            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "dtype": self.dtype, "block_size": self.block_size, "memory": self.memory.value,
+        })
 
     def pool_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:
         """Shapes of the pool tensors for ``num_blocks`` blocks."""
@@ -228,3 +232,44 @@ def _unsupported_cache_reasons(config: Any) -> list[str]:
     if getattr(config, "num_kv_shared_layers", None) or getattr(config, "kv_sharing_modes", None):
         reasons.append("KV shared between layers")
     return reasons
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """A block as an engine's opaque pages: ``block_bytes`` per block of ``block_size`` tokens, moved whole and never
+    read as K/V (the engine knows their order). Only below an engine's own pool (``LowerTiers``): a topology says
+    ``layout: {block_bytes: N, block_size: B}``; an engine adds its ``engine_format`` (what fixes those bytes)."""
+
+    block_bytes: int
+    block_size: int = 16
+    engine_format: PageFormat | None = None
+    """The engine's description of its pages (None: only their size and block size are known)."""
+
+    dtype = "uint8"
+    """Pages are bytes: every tier sizes and copies them as such."""
+
+    def __post_init__(self) -> None:
+        for name, highest in (("block_bytes", MAX_BLOCK_BYTES), ("block_size", MAX_LAYOUT_DIM)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= highest:
+                raise FieldError(name, f"a positive integer up to {highest}", value)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_bytes
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.block_bytes,)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return torch.uint8
+
+    def page_format(self) -> PageFormat:
+        """The engine's format, or (declared in a topology) the pages' size and block size."""
+        if self.engine_format is not None:
+            return self.engine_format
+        return PageFormat(PAGES_FORMAT, {"block_bytes": self.block_bytes, "block_size": self.block_size})

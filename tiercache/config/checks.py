@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from tiercache.blocks.layout import KVLayout, PageLayout
 from tiercache.bookkeeping.admission import WritePolicy
 from tiercache.common.fields import MAX_QUEUE_ITEMS, parse_size
 from tiercache.common.plugins import PluginError
@@ -23,7 +24,6 @@ from tiercache.config.machine import HOST_MEMORY_SOURCE, host_memory_available
 from tiercache.config.typed import CONVERSION_ERRORS, ConfigError, build_dataclass
 
 if TYPE_CHECKING:
-    from tiercache.blocks.layout import KVLayout
     from tiercache.config.topology import TierCacheConfig, TierConfig
 
 MAX_ADMIT_AFTER_HITS = 1 << 20
@@ -45,7 +45,7 @@ def _class_of(
         raise ConfigError(source, field, f"{expected} ({error})", value) from None
 
 
-def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout | None) -> None:
+def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout | PageLayout | None) -> None:
     """Check one tier in place: type, name, policy and its options, capacity, and build its ``Options``.
 
     ``layout`` sizes local tiers given in bytes; None for a remote-only topology (remote tiers never read it).
@@ -72,7 +72,7 @@ def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout | 
         raise ConfigError(source, f"{path}.options", f"no options for tier type {tier.type!r}", tier.options)
 
 
-def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayout | None) -> None:
+def _validate_capacity(tier: TierConfig, path: str, source: str, layout: KVLayout | PageLayout | None) -> None:
     """Sizes parse and are positive; local tiers get ``capacity_blocks`` (memory is checked later)."""
     if tier.capacity_bytes is not None:
         try:
@@ -222,6 +222,9 @@ def validate_hierarchy(config: TierCacheConfig, *, engine_pool: bool = False) ->
     if engine_pool:
         _validate_below_engine_pool(config)
         return
+    if isinstance(config.layout, PageLayout):  # opaque pages: attention cannot read them from a pool
+        raise ConfigError(source, "layout", "num_layers, num_kv_heads and head_dim (a GPU pool holds K/V per layer; "
+                          "a layout of block_bytes is for an engine that keeps its own pool)", "block_bytes")
     if not tiers:
         raise ConfigError(source, "tiers", "a non-empty list of tiers, the first of type 'gpu'", tiers)
     if tiers[0].type != "gpu":

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from tiercache.blocks.layout import KVLayout
+from tiercache.blocks.layout import KVLayout, PageLayout
 from tiercache.bookkeeping.admission import WritePolicy
 from tiercache.common.fields import (
     int_in_range,
@@ -132,7 +132,8 @@ class TierCacheConfig:
     """A validated topology."""
 
     model: ModelConfig
-    layout: KVLayout
+    layout: KVLayout | PageLayout
+    """K/V per layer (every topology), or an engine's opaque pages (only below an engine's own pool)."""
     tiers: list[TierConfig]
     exclusive: bool = False
     queues: QueueConfig = field(default_factory=QueueConfig)

@@ -61,6 +61,9 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
+        shaped = _dataclass_of_shape(typing.get_args(tp), value)
+        if shaped is not None:  # a mapping whose keys say which dataclass it is: that one's errors are precise
+            return build_dataclass(shaped, value, source, path)
         for option in typing.get_args(tp):
             try:
                 return _convert(option, value, source, path)
@@ -111,6 +114,17 @@ def _convert(tp: Any, value: Any, source: str, path: str) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise ConfigError(source, path, _type_name(tp), value)
+
+
+def _dataclass_of_shape(options: tuple[Any, ...], value: Any) -> type | None:
+    """The first dataclass among ``options`` whose fields take every key of the mapping ``value`` (None: not a
+    mapping, or no such dataclass)."""
+    if not isinstance(value, Mapping):
+        return None
+    for option in options:
+        if dataclasses.is_dataclass(option) and set(value) <= {f.name for f in dataclasses.fields(option) if f.init}:
+            return option  # type: ignore[return-value]
+    return None
 
 
 def build_dataclass(cls: type, data: Any, source: str, path: str) -> Any:

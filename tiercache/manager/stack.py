@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tiercache.blocks.keys import BlockHasher
+from tiercache.blocks.keys import BlockHasher, Namespace
 from tiercache.bookkeeping.admission import FillRule
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.load_plan import LoadItem, LoadPlanner
@@ -35,7 +35,7 @@ from tiercache.movement.swap import make_swapper
 from tiercache.movement.swap.queue import SwapQueue
 from tiercache.movement.transfers import Transfer
 from tiercache.policies import make_policy
-from tiercache.remote.build import build_remotes, close_remotes, lane_stats, model_namespace
+from tiercache.remote.build import build_remotes, close_remotes, lane_stats, model_namespace, topology_namespace
 from tiercache.telemetry.counters import Metrics
 from tiercache.telemetry.mrc import MissRatioCurve
 from tiercache.telemetry.observer import FleetObserver
@@ -71,6 +71,7 @@ class Stack:
         model = config.model
         self.namespace, codec = model_namespace(config)
         self.hasher = BlockHasher(self.namespace, self.block_size)
+        self._hashers: dict[Namespace, BlockHasher] = {}
         self.metrics = Metrics()
         lower = list(config.tiers)
         first = lower.pop(0) if lower[0].type == "gpu" else None
@@ -147,6 +148,17 @@ class Stack:
             self.events.cleared()
         await asyncio.gather(*(tier.start() for tier in self.remotes))
 
+
+    def hasher_of(self, namespace: Namespace | None) -> BlockHasher:
+        """The keys of an engine's own namespace (``engine_namespace``), keyed with the topology's secret like the
+        topology's; None: the topology's own (``model.id``)."""
+        if namespace is None:
+            return self.hasher
+        hasher = self._hashers.get(namespace)
+        if hasher is None:
+            keyed, _ = topology_namespace(namespace, self.config.model.secret_env, self.config.source)
+            hasher = self._hashers[namespace] = BlockHasher(keyed, self.block_size)
+        return hasher
     def close(self) -> None:
         """Cancel explorations, finish or drop other work in flight within ``CLOSE_DRAIN_SECONDS``, close the
         remotes, stop the loop."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiercache.blocks.keys import token_array
+from tiercache.blocks.keys import Namespace, token_array
 from tiercache.bookkeeping.memory_tiers import PinState
 from tiercache.bookkeeping.slots import CapacityError
 from tiercache.config import TierCacheConfig, load_config
@@ -114,15 +114,18 @@ class TierManager:
 
     # ---- the engine-facing API -----------------------------------------------------------
     def lookup(
-        self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None, *, local_only: bool = False
+        self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None, *, local_only: bool = False,
+        namespace: Namespace | None = None,
     ) -> Lookup:
         """The longest prefix of ``tokens`` cached over all tiers (see ``Lookup``); pins what it counts.
 
         No other side effect: retry it freely. ``local_only``: GPU and CPU only,
-        never pending (remote tiers count as misses).
+        never pending (remote tiers count as misses). ``namespace``: an engine's own
+        (``engine_namespace``: its model's identity), else the topology's ``model.id``;
+        ``allocate`` and ``store`` take the same.
         """
         self._require_running()
-        keys = self.hasher.keys(tokens, extra)
+        keys = self.parts.hasher_of(namespace).keys(tokens, extra)
         found = self._books.find(keys, local_only=local_only)
         if found is None:
             return Lookup(keys, self.block_size, dict.fromkeys(self.parts.names, 0), [], pending=True)
@@ -132,7 +135,8 @@ class TierManager:
         return hit
 
     def allocate(
-        self, count: int, tokens: Sequence[int] | np.ndarray | None = None, extra: bytes | str | None = None
+        self, count: int, tokens: Sequence[int] | np.ndarray | None = None, extra: bytes | str | None = None,
+        *, namespace: Namespace | None = None,
     ) -> list[int]:
         """``count`` free GPU blocks, held by the caller; evicts (and demotes) by policy.
 
@@ -144,11 +148,11 @@ class TierManager:
         evictable; never evicts what an outstanding Lookup pinned.
         """
         self._require_running()
-        chain = None if tokens is None else self.hasher.keys(tokens, extra)
+        chain = None if tokens is None else self.parts.hasher_of(namespace).keys(tokens, extra)
         return self._books.allocate(count, chain)
 
-    def store(self, tokens: Sequence[int] | np.ndarray, ids: Sequence[int], extra: bytes | str | None = None
-              ) -> Transfer:
+    def store(self, tokens: Sequence[int] | np.ndarray, ids: Sequence[int], extra: bytes | str | None = None,
+              *, namespace: Namespace | None = None) -> Transfer:
         """Index the blocks the engine computed into ``ids`` (prompt order) and start their write-down.
 
         The transfer's result is the tokens indexed; it completes once they are safe
@@ -156,7 +160,7 @@ class TierManager:
         """
         self._require_running()
         array = token_array(tokens)
-        keys = self.hasher.keys(array, extra)
+        keys = self.parts.hasher_of(namespace).keys(array, extra)
         fresh, copies = self._books.store(keys, ids, array)
         stored = min(len(keys), len(ids))
         transfer = Transfer(TransferKind.STORE, stored, self.block_size, [int(block) for block in ids[:stored]])
@@ -212,20 +216,20 @@ class TierManager:
         return finished
 
     def lookup_wait(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None,
-                    timeout_s: float | None = None) -> Lookup:
+                    timeout_s: float | None = None, *, namespace: Namespace | None = None) -> Lookup:
         """``lookup`` retried while pending (a synchronous caller); after ``timeout_s``, the local tiers only."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-        while (hit := self.lookup(tokens, extra)).pending and time.monotonic() < deadline:
+        while (hit := self.lookup(tokens, extra, namespace=namespace)).pending and time.monotonic() < deadline:
             time.sleep(LOOKUP_RETRY_SECONDS)
-        return self.lookup(tokens, extra, local_only=True) if hit.pending else hit
+        return self.lookup(tokens, extra, local_only=True, namespace=namespace) if hit.pending else hit
 
     async def lookup_async(self, tokens: Sequence[int] | np.ndarray, extra: bytes | str | None = None,
-                           timeout_s: float | None = None) -> Lookup:
+                           timeout_s: float | None = None, *, namespace: Namespace | None = None) -> Lookup:
         """``lookup`` awaited until not pending; after ``timeout_s``, the local tiers only."""
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
-        while (hit := self.lookup(tokens, extra)).pending and time.monotonic() < deadline:
+        while (hit := self.lookup(tokens, extra, namespace=namespace)).pending and time.monotonic() < deadline:
             await asyncio.sleep(LOOKUP_RETRY_SECONDS)
-        return self.lookup(tokens, extra, local_only=True) if hit.pending else hit
+        return self.lookup(tokens, extra, local_only=True, namespace=namespace) if hit.pending else hit
 
     def subscribe(self, callback: Any) -> Any:
         """``callback(batch)`` gets every ``KVEventBatch``, off the engine's thread (needs ``events.enabled``)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import Namespace
+from tiercache.blocks.namespaces import engine_namespace
 from tiercache.common.units import MS_PER_SECOND
 from tiercache.config.topology import QueueConfig, TierCacheConfig, TierConfig
 from tiercache.config.typed import ConfigError
@@ -56,7 +57,8 @@ def model_namespace(config: TierCacheConfig) -> tuple[Namespace, Codec]:
     """A topology's namespace (model, layout, rank, tenant, LoRA; keyed with ``model.secret_env``'s secret
     when set, so its keys depend on it) and the codec of its values."""
     model = config.model
-    namespace = Namespace(model.id, config.layout.fingerprint(), model.tp_rank, model.tenant, model.lora)
+    namespace = engine_namespace(model.id, config.layout.page_format(), model.tp_rank, tenant=model.tenant,
+                                 lora=model.lora)
     return topology_namespace(namespace, model.secret_env, config.source)
 
 

@@ -86,7 +86,7 @@ def inspect_topology(config: TierCacheConfig, timeout: float = CHECK_TIMEOUT_S) 
         + (f"; keyed by {model.secret_env}, key id {namespace.key_id.hex()}" if namespace.key_id else ""),
         f"layout: {layout.num_layers} layers x {layout.num_kv_heads} kv heads x {layout.head_dim} dims, "
         f"{layout.dtype}, {layout.block_size} tokens/block, {layout.memory.value}: "
-        f"{layout.bytes_per_block} bytes per block; fingerprint {layout.fingerprint()}",
+        f"{layout.bytes_per_block} bytes per block; page format {namespace.page_format}",
         f"exclusive: {config.exclusive}; queues: "
         + ", ".join(f"{k} {getattr(v, 'value', v)}" for k, v in dataclasses.asdict(config.queues).items()),
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiercache.integrations.vllm.connector.geometry import GroupGeometry, GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.groups import (
     MAX_TRIES,
     anchor_spacing,
@@ -19,7 +20,6 @@ from tiercache.integrations.vllm.connector.groups import (
     next_end,
     paired,
 )
-from tiercache.integrations.vllm.connector.identity import GroupGeometry, GroupKind, SlotGeometry
 
 PAGE = 1024
 

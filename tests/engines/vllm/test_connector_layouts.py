@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from tiercache.integrations.vllm.connector.identity import SlotGeometry, instance_geometry
+from tiercache.integrations.vllm.connector.geometry import SlotGeometry, instance_geometry
 from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
 from tiercache.integrations.vllm.connector.transfers import GroupCopy, HostTransfers, Transfers

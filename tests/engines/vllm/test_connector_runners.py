@@ -39,7 +39,7 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheLayout, MLAAttentionSpec
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from tiercache.integrations.vllm.connector.identity import GroupGeometry, GroupKind, SlotGeometry
+from tiercache.integrations.vllm.connector.geometry import GroupGeometry, GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata
 from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.worker import ConnectorWorker

@@ -18,7 +18,7 @@ import pytest
 from support.vllm_tiers import engine_over, tier_of
 from vllm.v1.kv_offload.base import LookupResult, Medium
 
-from tiercache.integrations.vllm.metrics import PROBES, READ_HITS, WRITES
+from tiercache.integrations.vllm.offloading.metrics import PROBES, READ_HITS, WRITES
 from tiercache.integrations.vllm.version import UnsupportedVllmError, require_vllm
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.vllm_offloading import (

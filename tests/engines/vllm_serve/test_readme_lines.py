@@ -23,7 +23,7 @@ import pytest
 import vllm
 from vllm.config import KVTransferConfig
 
-from tiercache.integrations.vllm.connector.identity import GroupGeometry, GroupKind, SlotGeometry
+from tiercache.integrations.vllm.connector.geometry import GroupGeometry, GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
 from tiercache.testing.redis_servers import RedisServer
 

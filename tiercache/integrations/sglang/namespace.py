@@ -22,9 +22,12 @@ from typing import Any
 
 from tiercache.blocks.keys import Namespace
 from tiercache.blocks.model_identity import ModelIdentity, checkpoint_identity
+from tiercache.blocks.namespaces import PageFormat, engine_namespace
 from tiercache.integrations.sglang.pages import HostPages
 
-FORMAT = "sglang-hicache-1"
+ENGINE = "sglang-hicache"
+"""The page format's engine: SGLang's HiCache host pages, split into pieces as ``pages`` does."""
+FORMAT_VERSION = 1
 """Changes when the way pages become blocks changes, so older blocks stop matching."""
 
 
@@ -61,17 +64,17 @@ def _served_model() -> dict[str, Any] | None:
 
 
 def page_namespace(config: Any, pages: HostPages, model: ModelIdentity) -> Namespace:
-    """The namespace of this rank's pages (``config`` is SGLang's ``HiCacheStorageConfig``)."""
-    shard = [f"pp{config.pp_rank}/{config.pp_size}"]
+    """The namespace of this rank's pages (``config`` is SGLang's ``HiCacheStorageConfig``), built by the core's one
+    builder (``tiercache.blocks.namespaces.engine_namespace``)."""
+    fields: dict[str, Any] = {
+        "version": FORMAT_VERSION, "layout": pages.layout, "dtype": str(pages.dtype).removeprefix("torch."),
+        "page_size": pages.page_size, "pieces": pages.pieces, "piece_bytes": pages.piece_bytes,
+        "geometry": dict(pages.geometry), "pp": [config.pp_rank, config.pp_size],
+    }
     if config.attn_cp_size > 1:
-        shard.append(f"cp{config.attn_cp_rank}/{config.attn_cp_size}")
-    if config.is_mla_model:
-        attention, tp_rank = "mla", 0
+        fields["cp"] = [config.attn_cp_rank, config.attn_cp_size]
+    if config.is_mla_model:  # one latent copy, whole on every TP rank: every rank shares it
+        fields["attention"], tp_rank = "mla", 0
     else:
-        attention, tp_rank = f"mha:tp{config.tp_size}", config.tp_rank
-    geometry = ",".join(f"{name}={value}" for name, value in sorted(pages.geometry.items()))
-    fingerprint = ":".join([
-        FORMAT, attention, pages.layout, str(pages.dtype).removeprefix("torch."), f"page{pages.page_size}",
-        f"{pages.pieces}x{pages.piece_bytes}", geometry, *shard,
-    ])
-    return Namespace(model.model_id, fingerprint, tp_rank=tp_rank)
+        fields["attention"], fields["tp_size"], tp_rank = "mha", config.tp_size, config.tp_rank
+    return engine_namespace(model, PageFormat(ENGINE, fields), tp_rank)

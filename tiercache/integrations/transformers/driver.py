@@ -20,9 +20,11 @@ Two ways to use it:
   ``turn.finish(sequences)`` stores the KV and releases the blocks (leaving the
   block without ``finish`` releases them unstored).
 
-Every key carries the model's identity (``hf_model_identity``: its config,
-dtype and a digest of its weights), so a different model on the same topology,
-or the same one updated in place, never reuses this one's KV.
+Its keys are in the model's own namespace (the core's one builder,
+``engine_namespace``: the model's identity, ``hf_model_identity``: its config,
+dtype and a digest of its weights; the topology's page format, rank, tenant and
+LoRA), so a different model on the same topology, or the same one updated in
+place, never reuses this one's KV.
 
 It is a synchronous reference driver for one request at a time; an engine's
 scheduler interleaves the same calls across requests (see README).
@@ -38,6 +40,7 @@ import torch
 
 from tiercache.blocks.keys import Tokens, token_array
 from tiercache.blocks.layout import KVLayout
+from tiercache.blocks.namespaces import engine_namespace
 from tiercache.blocks.paged import PagedKV, blocks_needed
 from tiercache.bookkeeping.slots import CapacityError
 from tiercache.integrations.transformers.identity import hf_model_identity
@@ -81,13 +84,10 @@ class CachedModel:
         self.kv = PagedKV(layout, manager.gpu.tensors)
         self.lookup_timeout_s = lookup_timeout_s
         self.identity = hf_model_identity(model)
-
-    def key_extra(self, extra: bytes | str | None = None) -> bytes:
-        """What this model passes to the manager as a request's ``extra``: its identity, then ``extra``.
-
-        Use it to call ``lookup``/``store`` directly for the keys ``CachedModel`` uses.
-        """
-        return self.identity.digest + (extra.encode() if isinstance(extra, str) else extra or b"")
+        topology = manager.config.model
+        self.namespace = engine_namespace(self.identity, layout.page_format(), topology.tp_rank,
+                                          tenant=topology.tenant, lora=topology.lora)
+        """The namespace of this model's keys: pass it as ``namespace=`` to call the manager directly."""
 
     def begin(
         self, input_ids: Tokens, max_new_tokens: int, extra: bytes | str | None = None, force_latest: bool = False
@@ -101,12 +101,13 @@ class CachedModel:
         tokens = token_array(input_ids)
         if len(tokens) == 0:
             raise ValueError("CachedModel.begin: an empty prompt")
-        mgr, size, salted = self.manager, self.manager.block_size, self.key_extra(extra)
-        hit = mgr.lookup_wait(tokens, salted, timeout_s=self.lookup_timeout_s)
+        mgr, size, namespace = self.manager, self.manager.block_size, self.namespace
+        hit = mgr.lookup_wait(tokens, extra, timeout_s=self.lookup_timeout_s, namespace=namespace)
         usable = min(hit.num_blocks, (len(tokens) - 1) // size)
         on_gpu = min(len(hit.gpu_block_ids), usable)
         try:
-            fresh = mgr.allocate(blocks_needed(len(tokens) + max_new_tokens, size) - on_gpu, tokens, salted)
+            fresh = mgr.allocate(blocks_needed(len(tokens) + max_new_tokens, size) - on_gpu, tokens, extra,
+                                 namespace=namespace)
         except CapacityError:
             mgr.release(hit)
             raise
@@ -122,7 +123,8 @@ class CachedModel:
             reused=_reused_per_tier(hit, cached // size),
             cached_tokens=cached,
             prepare_s=time.perf_counter() - started,
-            extra=salted,
+            extra=extra,
+            namespace=namespace,
         )
 
     def generate(

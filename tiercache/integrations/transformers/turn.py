@@ -18,6 +18,7 @@ from tiercache.blocks.keys import token_array
 from tiercache.integrations.transformers.paged_cache import PagedCache
 
 if TYPE_CHECKING:
+    from tiercache.blocks.keys import Namespace
     from tiercache.manager import TierManager
     from tiercache.movement.transfers import Transfer
 
@@ -66,7 +67,9 @@ class Turn:
     prepare_s: float
     """Seconds for lookup, allocate and load."""
     extra: bytes | str | None = None
-    """The ``extra`` the request's keys were made with (``CachedModel``: the model's identity, then the caller's)."""
+    """The ``extra`` the request's keys were made with."""
+    namespace: Namespace | None = None
+    """The namespace of the request's keys (``CachedModel``: the model's own; None: the topology's)."""
     stored: Transfer | None = None
     """``store``'s handle once finished: ``stored.result()`` waits until the blocks are indexed and copied down."""
     output: Any = None
@@ -94,7 +97,7 @@ class Turn:
             raise RuntimeError("Turn.finish: the turn was already finished or closed")
         tokens = getattr(sequences, "sequences", sequences)
         processed = token_array(tokens)[: self.cache.get_seq_length()]
-        self.stored = self.manager.store(processed, self.block_table, self.extra)
+        self.stored = self.manager.store(processed, self.block_table, self.extra, namespace=self.namespace)
         self.close()
 
     def close(self) -> None:

@@ -4,11 +4,13 @@
   a ``KVConnectorBase_V1`` that ``vllm serve`` loads with ``"kv_connector": "TierCacheConnector",
   "kv_connector_module_path": "tiercache.integrations.vllm.connector"``; tiercache's CPU tier and
   remotes under vLLM's own prefix cache, on GPU and on vLLM's CPU build.
-- ``TierCacheTier`` (vLLM 0.33): a vLLM ``SecondaryTierManager`` over any tiercache remote
+Two folders, one per way vLLM takes tiercache: ``connector/`` and ``offloading/``.
+
+- ``TierCacheTier`` (vLLM 0.33, ``offloading``): a vLLM ``SecondaryTierManager`` over any tiercache remote
   topology (Redis, Redis Cluster, regional + central with ``force_latest``, file, simulated),
   loaded by vLLM's ``TieringOffloadingSpec`` from ``kv_connector_extra_config.secondary_tiers``
   with ``{"type": "TierCacheTier", "module_path": "tiercache.integrations.vllm", "topology": ...}``.
-- ``TierCacheLRU``, ``TierCacheARC``, ``TierCacheS3FIFO``, ``TierCache2Q`` (vLLM 0.33):
+- ``TierCacheLRU``, ``TierCacheARC``, ``TierCacheS3FIFO``, ``TierCache2Q`` (vLLM 0.33, ``offloading``):
   tiercache's policies as vLLM ``CachePolicy`` classes for its CPU tier
   (``"eviction_policy": "TierCacheS3FIFO", "cache_policy_module_path": "tiercache.integrations.vllm"``).
 
@@ -21,12 +23,12 @@ from tiercache.integrations.vllm.version import WRITTEN_FOR, UnsupportedVllmErro
 
 _EXPORTS = {
     "TierCacheConnector": "tiercache.integrations.vllm.connector",
-    "TierCacheTier": "tiercache.integrations.vllm.tier",
-    "TierCachePolicy": "tiercache.integrations.vllm.policies",
-    "TierCacheLRU": "tiercache.integrations.vllm.policies",
-    "TierCacheARC": "tiercache.integrations.vllm.policies",
-    "TierCacheS3FIFO": "tiercache.integrations.vllm.policies",
-    "TierCache2Q": "tiercache.integrations.vllm.policies",
+    "TierCacheTier": "tiercache.integrations.vllm.offloading.tier",
+    "TierCachePolicy": "tiercache.integrations.vllm.offloading.policies",
+    "TierCacheLRU": "tiercache.integrations.vllm.offloading.policies",
+    "TierCacheARC": "tiercache.integrations.vllm.offloading.policies",
+    "TierCacheS3FIFO": "tiercache.integrations.vllm.offloading.policies",
+    "TierCache2Q": "tiercache.integrations.vllm.offloading.policies",
 }
 
 __all__ = ["WRITTEN_FOR", "UnsupportedVllmError", "require_vllm", *sorted(_EXPORTS)]

@@ -3,16 +3,20 @@
 
 ``connector`` (the class vLLM loads: a role switch with every hook guarded),
 ``scheduler`` (the scheduler side: ``LowerTiers``, lookups, load and store jobs),
+``requests`` (what it keeps per request, by phase: keys, lookup, fetch, stores),
+``jobs`` (loads and stores sent to the workers, until all reported them),
 ``worker`` (the worker side: each step's copies, layer by layer),
 ``region`` (the CPU tier's memory, shared between vLLM's processes),
-``identity`` (the slot geometry and namespace both sides derive from vLLM's
-configs), ``groups`` (what a hit needs and a store keeps of each KV-cache
-group), ``options`` (``kv_connector_extra_config``), ``metadata`` (the jobs
-sent each step and the reports back) and ``stats`` (vLLM's connector stats and
-Prometheus counters); ``pages``, ``transfers`` and ``staged`` (the worker's page
-map and transfer engines) need torch only, not vLLM (``scripts/gpu_check_connector.sh``
-runs them on a GPU machine without vLLM), so the class is imported on first use,
-after the installed vLLM's version is checked.
+``geometry`` (how a slot holds a vLLM block of each KV-cache group),
+``namespace`` (who shares a slot: the model's identity and the page format),
+``groups`` (what a hit needs and a store keeps of each KV-cache group),
+``options`` (``kv_connector_extra_config``), ``metadata`` (the jobs sent each
+step and the reports back) and ``metrics`` (vLLM's connector stats and
+Prometheus counters); ``geometry``, ``pages``, ``transfers`` and ``staged`` (the
+worker's page map and transfer engines) need torch only, not vLLM or the
+namespace's hashing (``scripts/gpu_check_connector.sh`` runs them on a GPU
+machine without vLLM), so the class is imported on first use, after the
+installed vLLM's version is checked.
 """
 
 from typing import Any

@@ -5,7 +5,7 @@ vLLM builds one per role: in its engine-core process the scheduler's
 (``ConnectorScheduler``: tiercache's ``LowerTiers``, the bookkeeping, policies and
 remotes), in each worker process the worker's (``ConnectorWorker``: page copies
 between vLLM's KV tensors and the CPU tier's shared slots). Both derive the same
-slot geometry and namespace from vLLM's configs (``identity``). Every hook is
+slot geometry (``geometry``) and namespace (``namespace``) from vLLM's configs. Every hook is
 guarded: an error inside tiercache is logged and becomes a miss, a failed job or
 a load vLLM recomputes, never an exception in vLLM's loop.
 """
@@ -27,12 +27,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiercache.integrations.vllm.connector.identity import describe_groups, instance_geometry, model_id
+from tiercache.integrations.vllm.connector.geometry import describe_groups, instance_geometry
 from tiercache.integrations.vllm.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
+from tiercache.integrations.vllm.connector.metrics import (
+    SchedulerCounters,
+    TierCacheConnectorStats,
+    TierCachePromMetrics,
+)
+from tiercache.integrations.vllm.connector.namespace import model_identity, page_format
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
 from tiercache.integrations.vllm.connector.region import RegionDeclined, SharedRegion, region_path
 from tiercache.integrations.vllm.connector.scheduler import ConnectorScheduler
-from tiercache.integrations.vllm.connector.stats import SchedulerCounters, TierCacheConnectorStats, TierCachePromMetrics
 from tiercache.integrations.vllm.connector.worker import ConnectorWorker
 from tiercache.manager.lower_tiers import LowerTiers
 
@@ -82,7 +87,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                             self._declined)
             return
         geometry = instance.slots
-        config = options.config(model_id(vllm_config, kv_cache_config, geometry), geometry)
+        formats = page_format(vllm_config, kv_cache_config, geometry)
+        config = options.config(model_identity(vllm_config), geometry, formats)
         num_slots = config.tiers[0].capacity_blocks
         path = region_path(options.shared_dir, self._kv_transfer_config.engine_id,
                            vllm_config.parallel_config.data_parallel_rank)

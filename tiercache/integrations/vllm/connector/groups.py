@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from tiercache.integrations.vllm.connector.identity import GroupKind, SlotGeometry
+from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry
 
 NULL_BLOCK = 0
 """vLLM's null block: a position a sliding window has left. Never copied from or into."""

@@ -18,6 +18,7 @@ the field and what was expected, before vLLM serves a request.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import tempfile
@@ -26,10 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiercache.blocks.model_identity import ModelIdentity
+from tiercache.blocks.namespaces import PageFormat
 from tiercache.config import ConfigError, TierCacheConfig, config_from_dict
 from tiercache.config.env import apply_overrides
 from tiercache.config.topology import read_yaml
-from tiercache.integrations.vllm.connector.identity import SlotGeometry
+from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.tiers import tier_class
 
 SOURCE = "--kv-transfer-config kv_connector_extra_config"
@@ -82,20 +85,22 @@ class ConnectorOptions:
             raise ConfigError(SOURCE, "staging_mib", "a positive whole number of MiB", staging)
         return cls(topology, source, force_latest, shared_dir, staging * MIB)
 
-    def config(self, model_id: str, geometry: SlotGeometry) -> TierCacheConfig:
-        """The whole topology: the user's tiers with vLLM's model id and a layout of the slot's bytes."""
+    def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
+        """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``
+        (the namespace is then ``engine_namespace(model, page_format)``, built by the stack)."""
         data = dict(self.topology)
-        model = data.get("model") or {}
-        if not isinstance(model, Mapping):
-            raise ConfigError(self.source, "model", "a mapping (tenant, secret_env)", model)
+        model_section = data.get("model") or {}
+        if not isinstance(model_section, Mapping):
+            raise ConfigError(self.source, "model", "a mapping (tenant, secret_env)", model_section)
         for name in ENGINE_FIELDS:
-            if name in model:
-                raise ConfigError(self.source, f"model.{name}", "nothing: vLLM supplies it", model[name])
+            if name in model_section:
+                raise ConfigError(self.source, f"model.{name}", "nothing: vLLM supplies it", model_section[name])
         if "layout" in data:
             raise ConfigError(self.source, "layout", "nothing: vLLM's KV cache fixes it", data["layout"])
-        data["model"] = {**model, "id": model_id}
-        data["layout"] = _opaque_layout(geometry)
+        data["model"] = {**model_section, "id": model.model_id}
+        data["layout"] = {"block_bytes": geometry.slot_bytes, "block_size": geometry.block_size}
         config = config_from_dict(data, self.source, engine_pool=True)
+        config.layout = dataclasses.replace(config.layout, engine_format=page_format)
         if self.force_latest and not any(tier_class(t.type).capabilities.versioned for t in config.tiers[1:]):
             raise ConfigError(SOURCE, "force_latest", "false, or a topology with a versioned tier (type: regional)",
                               True)
@@ -113,18 +118,3 @@ def _raw_topology(value: Any) -> tuple[dict[str, Any], str]:
         return dict(value), f"{SOURCE} topology"
     raise ConfigError(SOURCE, "topology", "the path of a tiercache topology (YAML), or that topology as a mapping",
                       value)
-
-
-def _opaque_layout(geometry: SlotGeometry) -> dict[str, Any]:
-    """A layout whose blocks have a slot's bytes (one byte per element: the pages are vLLM's, copied whole)."""
-    pair = 2 * geometry.block_size
-    if geometry.rank_bytes % pair:
-        raise ConfigError(SOURCE, "topology", f"vLLM pages of a multiple of {pair} bytes", geometry.rank_bytes)
-    return {
-        "num_layers": geometry.copies,
-        "num_kv_heads": 1,
-        "head_dim": geometry.rank_bytes // pair,
-        "dtype": "uint8",
-        "block_size": geometry.block_size,
-        "memory": "layer_major",
-    }

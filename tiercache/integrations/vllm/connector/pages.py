@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.integrations.vllm.connector.identity import SlotGeometry, UnsupportedLayoutError
+from tiercache.integrations.vllm.connector.geometry import SlotGeometry, UnsupportedLayoutError
 
 
 def page_view(name: str, tensor: object, page_bytes: int, num_blocks: int | None = None,

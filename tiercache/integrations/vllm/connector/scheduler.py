@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.integrations.vllm.connector.events import stored_events
+from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.groups import (
     NULL_BLOCK,
     Entry,
@@ -49,9 +50,9 @@ from tiercache.integrations.vllm.connector.groups import (
     paired,
     tokens_by_tier,
 )
-from tiercache.integrations.vllm.connector.identity import GroupKind, SlotGeometry, block_extra
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.integrations.vllm.connector.stats import TIER_SEPARATOR, SchedulerCounters
+from tiercache.integrations.vllm.connector.metrics import TIER_SEPARATOR, SchedulerCounters
+from tiercache.integrations.vllm.connector.namespace import block_extra
 from tiercache.manager.lower_tiers import HostFetch, LowerTiers
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.integrations.vllm.connector.identity import SlotGeometry
+from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, Transfers
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.integrations.vllm.connector.identity import SlotGeometry, UnsupportedLayoutError
+from tiercache.integrations.vllm.connector.geometry import SlotGeometry, UnsupportedLayoutError
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.region import SharedRegion

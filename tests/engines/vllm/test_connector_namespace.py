@@ -39,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 from tiercache.config import ConfigError
-from tiercache.integrations.vllm.connector.identity import instance_geometry, model_id
+from tiercache.integrations.vllm.connector.geometry import instance_geometry
+from tiercache.integrations.vllm.connector.namespace import page_format
 
 
 def served_tokens(instances: Instances, engine_id: str, remote: dict, req_id: str, *, salt: str | None = None,
@@ -122,12 +123,12 @@ def two_groups(window: int) -> KVCacheConfig:
 
 def test_kv_cache_groups_of_another_structure_never_share_a_namespace(vllm: Instances) -> None:
     config = vllm_config(vllm.model, "groups", vllm.extra(cpu_topology()))
-    ids = {
-        model_id(config, kv, instance_geometry(config, kv).slots)
+    formats = {
+        page_format(config, kv, instance_geometry(config, kv).slots).fingerprint()
         for kv in (two_groups(64), two_groups(96), kv_cache_config())
     }
-    assert len(ids) == 3, "another window, or one group of full attention: another namespace"
-    assert model_id(config, two_groups(64), instance_geometry(config, two_groups(64)).slots) in ids
+    assert len(formats) == 3, "another window, or one group of full attention: another namespace"
+    assert page_format(config, two_groups(64), instance_geometry(config, two_groups(64)).slots).fingerprint() in formats
 
 
 def test_the_connector_imports_on_this_vllm_and_the_other_exports_stay_lazy() -> None:
@@ -137,8 +138,8 @@ def test_the_connector_imports_on_this_vllm_and_the_other_exports_stay_lazy() ->
         "assert 'vllm' not in sys.modules, 'importing the package imports vLLM'\n"
         "from tiercache.integrations.vllm.connector import TierCacheConnector\n"
         "assert adapter.TierCacheConnector is TierCacheConnector\n"
-        "assert 'tiercache.integrations.vllm.tier' not in sys.modules\n"
-        "assert 'tiercache.integrations.vllm.policies' not in sys.modules\n"
+        "assert 'tiercache.integrations.vllm.offloading.tier' not in sys.modules\n"
+        "assert 'tiercache.integrations.vllm.offloading.policies' not in sys.modules\n"
         "assert adapter.TierCacheTier.__name__ == 'TierCacheTier'\n"
         "assert {adapter.TierCacheLRU.__name__, adapter.TierCacheS3FIFO.__name__} == {'TierCacheLRU', "
         "'TierCacheS3FIFO'}\n"

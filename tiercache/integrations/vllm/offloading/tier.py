@@ -9,7 +9,7 @@ secret, lanes, breakers and deadlines. vLLM builds it as
 the config keys are the constructor's keyword arguments.
 
 - Keys: vLLM's ``OffloadKey`` (block hash + KV group) inside the namespace of
-  ``namespace.vllm_namespace`` (model, dtype, chunk bytes, parallel sizes and rank).
+  ``namespace.offloading_namespace`` (model, dtype, chunk bytes, parallel sizes and rank).
 - ``lookup`` answers from memory (the store's presence cache, ``RemoteStore.presence``):
   RETRY while the tiers' answer is in flight, never a wait; a step's new keys go out
   as one ``contains`` per tier at ``on_schedule_end``. A HIT makes vLLM reserve a primary row; ``submit_load``
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tiercache.integrations.vllm.version import TIERING_SERIES, require_vllm
 
-require_vllm(TIERING_SERIES, "TierCacheTier (tiercache.integrations.vllm.tier)")
+require_vllm(TIERING_SERIES, "TierCacheTier (tiercache.integrations.vllm.offloading.tier)")
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (
@@ -59,9 +59,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.config.remote import remote_topology
-from tiercache.integrations.vllm.jobs import Job, JobBook
-from tiercache.integrations.vllm.metrics import DEFINITIONS, StatsDelta
-from tiercache.integrations.vllm.namespace import vllm_namespace
+from tiercache.integrations.vllm.offloading.jobs import Job, JobBook
+from tiercache.integrations.vllm.offloading.metrics import DEFINITIONS, StatsDelta
+from tiercache.integrations.vllm.offloading.namespace import offloading_namespace
 from tiercache.remote.answers import resolved
 from tiercache.remote.store import RemoteStore
 from tiercache.tiers.base import Presence
@@ -129,7 +129,7 @@ class TierCacheTier(SecondaryTierManager):
                 f"{remote.source}; its tiers are {[tier.name for tier in remote.tiers]}"
             )
         self.store = RemoteStore(
-            remote, vllm_namespace(offloading_spec.config, self.block_size_bytes), self.block_size_bytes,
+            remote, offloading_namespace(offloading_spec.config, self.block_size_bytes), self.block_size_bytes,
             record_events=events,
         )
         key_id = self.store.namespace.key_id

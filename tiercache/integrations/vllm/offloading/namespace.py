@@ -17,24 +17,22 @@ restarts share entries. The topology's ``model.secret_env`` keys it (in
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from tiercache.blocks.keys import Namespace
 from tiercache.blocks.model_identity import checkpoint_identity
+from tiercache.blocks.namespaces import PageFormat, engine_namespace
 
-FINGERPRINT_HEX = 32
-"""Hex digits of the layout fingerprint (128 bits of SHA-256 over the fields)."""
+ENGINE = "vllm-offloading"
+"""The page format's engine: chunks of vLLM's own CPU tier, as its offloading spec lays them out."""
 
 
 def namespace_fields(config: OffloadingConfig, chunk_bytes: int) -> dict[str, Any]:
     """Everything of ``config`` (and the primary's bytes per chunk) that must match to share a chunk."""
     parallel = config.parallel
     return {
-        "engine": "vllm",
         "dtype": config.model.dtype,
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
@@ -52,9 +50,7 @@ def namespace_fields(config: OffloadingConfig, chunk_bytes: int) -> dict[str, An
     }
 
 
-def vllm_namespace(config: OffloadingConfig, chunk_bytes: int) -> Namespace:
-    """The namespace: the model's identity, a fingerprint of ``namespace_fields`` and the parallel rank."""
-    text = json.dumps(namespace_fields(config, chunk_bytes), sort_keys=True, separators=(",", ":"))
-    fingerprint = "vllm-" + hashlib.sha256(text.encode()).hexdigest()[:FINGERPRINT_HEX]
+def offloading_namespace(config: OffloadingConfig, chunk_bytes: int) -> Namespace:
+    """The namespace (the core's one builder): the model's identity, ``namespace_fields`` and the parallel rank."""
     identity = checkpoint_identity(config.model.name, config.model.dtype)
-    return Namespace(identity.model_id, fingerprint, tp_rank=config.parallel.rank)
+    return engine_namespace(identity, PageFormat(ENGINE, namespace_fields(config, chunk_bytes)), config.parallel.rank)
