@@ -91,7 +91,7 @@ def test_wait_for_save_returns_with_the_store_still_out(vllm: Instances) -> None
     first = instance.step()
     assert totals([first])["stored_blocks"] == 6
     assert instance.connector.has_pending_push_work(), "the store is not reported in its own step"
-    assert dict(instance.connector._scheduler._pending), "its slots are not committed yet"
+    assert dict(instance.connector._scheduler._in_flight), "its slots are not committed yet"
 
 
 def test_blocks_freed_and_rewritten_while_a_store_is_out_change_nothing_stored(vllm: Instances) -> None:

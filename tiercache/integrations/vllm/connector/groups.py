@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry
 
@@ -34,8 +35,19 @@ MAX_TRIES = ANCHOR_WINDOWS + 2
 """Lookups of one request before it only tries anchors (the ends below a prefix's reach are at most
 ``ANCHOR_WINDOWS`` windows apart when only anchors hold windows)."""
 
-Entry = tuple[int, int]
-"""(group, block position in the request)."""
+class HitEntry(NamedTuple):
+    """One block of a hit: its KV-cache group and its position in the request."""
+
+    group: int
+    position: int
+
+
+class PairedBlock(NamedTuple):
+    """A CPU slot and the vLLM block of one group it is copied into (a load) or out of (a store)."""
+
+    slot: int
+    group: int
+    block: int
 
 
 def anchor_spacing(geometry: SlotGeometry) -> int:
@@ -44,13 +56,13 @@ def anchor_spacing(geometry: SlotGeometry) -> int:
     return ANCHOR_WINDOWS * max(max(windows), 1) if windows else 0
 
 
-def hit_entries(geometry: SlotGeometry, skip: int, end: int) -> list[Entry]:
+def hit_entries(geometry: SlotGeometry, skip: int, end: int) -> list[HitEntry]:
     """What a hit of blocks ``skip..end`` (vLLM holding the first ``skip``) must load, in lookup order."""
     full = [index for index, group in enumerate(geometry.groups) if group.kind is GroupKind.FULL]
-    entries = [(index, position) for position in range(skip, end) for index in full]
+    entries = [HitEntry(index, position) for position in range(skip, end) for index in full]
     for index, group in enumerate(geometry.groups):
         if group.kind is GroupKind.SLIDING:
-            entries.extend((index, position) for position in range(max(skip, end - group.window_blocks), end))
+            entries.extend(HitEntry(index, position) for position in range(max(skip, end - group.window_blocks), end))
     return entries
 
 
@@ -83,18 +95,18 @@ def group_key(key: bytes, group: int, geometry: SlotGeometry) -> bytes:
     return hashlib.blake2b(key, digest_size=len(key), person=b"tc-vllm-group", salt=salt).digest()
 
 
-def paired(entries: Sequence[Entry], slots: Sequence[int], block_ids: Sequence[Sequence[int]],
-           end: int) -> list[tuple[int, int, int]]:
-    """(slot, group, block id) for each entry below ``end`` whose block vLLM allocated (null blocks left alone)."""
+def paired(entries: Sequence[HitEntry], slots: Sequence[int], block_ids: Sequence[Sequence[int]],
+           end: int) -> list[PairedBlock]:
+    """Each entry below ``end`` whose block vLLM allocated, with its slot (null blocks left alone)."""
     pairs = []
     for (group, position), slot in zip(entries, slots, strict=False):
         blocks = block_ids[group]
         if position < end and position < len(blocks) and blocks[position] != NULL_BLOCK:
-            pairs.append((slot, group, blocks[position]))
+            pairs.append(PairedBlock(slot, group, blocks[position]))
     return pairs
 
 
-def tokens_by_tier(entries: Sequence[Entry], tiers: Sequence[str], names: Sequence[str], end: int,
+def tokens_by_tier(entries: Sequence[HitEntry], tiers: Sequence[str], names: Sequence[str], end: int,
                    block_size: int) -> dict[int, int]:
     """Tokens of the positions below ``end`` a load brings, by tier index (``names``' order): a position counts
     under the farthest tier any of its groups' blocks came from."""

@@ -34,6 +34,7 @@ import torch
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, Transfers
+from tiercache.movement.swap.handles import contiguous_runs
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class StagedTransfers(Transfers):
         shares = self._shares(group, len(layers) * page)
         self._side_waits_compute()  # the staging memory may have been the compute stream's until just now
         with self._on_side():
-            for first, slot, count in _consecutive(slots, merge=shares.stride(0) == shares.shape[1]):
+            for first, slot, count in _runs(slots, shares):
                 staging[first : first + count].copy_(shares[slot : slot + count], non_blocking=self.pinned)
         self._compute_waits_side(staging)
         index = self._index(blocks)
@@ -163,7 +164,7 @@ class StagedTransfers(Transfers):
                 for group, (staging, _, copies) in staged.items():
                     slots = [slot for copy in copies for slot in copy.slots]
                     shares = self._shares(group, staging.shape[1])
-                    for first, slot, count in _consecutive(slots, merge=shares.stride(0) == shares.shape[1]):
+                    for first, slot, count in _runs(slots, shares):
                         shares[slot : slot + count].copy_(staging[first : first + count], non_blocking=self.pinned)
                     flight.store_bytes += staging.numel()
                     self._keep_for_side(staging)
@@ -248,14 +249,10 @@ class _NoStream:
         return None
 
 
-def _consecutive(slots: Sequence[int], *, merge: bool) -> list[tuple[int, int, int]]:
-    """(first position, first slot, count) for each run of consecutive slots in ``slots`` (``merge`` False: one per
-    slot, where a slot's share is not the whole slot and several would not be one contiguous copy)."""
-    runs: list[tuple[int, int, int]] = []
-    for position, slot in enumerate(slots):
-        if merge and runs and runs[-1][1] + runs[-1][2] == slot:
-            first, start, count = runs[-1]
-            runs[-1] = (first, start, count + 1)
-        else:
-            runs.append((position, slot, 1))
-    return runs
+
+def _runs(slots: Sequence[int], shares: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first position, first slot, count) per copy: runs of consecutive slots where a rank's share is the whole
+    slot (one contiguous piece of memory), else one per slot."""
+    if shares.stride(0) == shares.shape[1]:
+        return contiguous_runs(slots)
+    return [(position, slot, 1) for position, slot in enumerate(slots)]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiercache.common.units import MICROS_PER_SECOND
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry, UnsupportedLayoutError
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.pages import KVPages, page_views
@@ -29,7 +30,6 @@ from tiercache.integrations.vllm.connector.staged import StagedTransfers
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
 
 log = logging.getLogger(f"vllm.{__name__}")
-MICROS = 1_000_000
 
 
 @dataclass
@@ -47,9 +47,9 @@ def _group_copies(job: CopyJob, groups: set[int]) -> dict[int, GroupCopy]:
     """A job's pairs per KV-cache group, for the groups in ``groups``."""
     copies: dict[int, GroupCopy] = {}
     for group in sorted(set(job.groups) & groups):
-        pairs = [(slot, block) for slot, block, g in zip(job.slots, job.block_ids, job.groups, strict=True)
-                 if g == group]
-        copies[group] = GroupCopy(job.job_id, group, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+        ours = [index for index, g in enumerate(job.groups) if g == group]
+        copies[group] = GroupCopy(job.job_id, group, tuple(job.slots[i] for i in ours),
+                                  tuple(job.block_ids[i] for i in ours))
     return copies
 
 
@@ -198,8 +198,10 @@ class ConnectorWorker:
         """Bytes and microseconds each direction's copies took since the last call (this rank)."""
         self._poll()
         moved, self._moved = self._moved, Completed()
-        counts = {"load_copy_bytes": moved.load_bytes, "load_copy_us": round(moved.load_seconds * MICROS),
-                  "store_copy_bytes": moved.store_bytes, "store_copy_us": round(moved.store_seconds * MICROS)}
+        counts = {
+            "load_copy_bytes": moved.load_bytes, "load_copy_us": round(moved.load_seconds * MICROS_PER_SECOND),
+            "store_copy_bytes": moved.store_bytes, "store_copy_us": round(moved.store_seconds * MICROS_PER_SECOND),
+        }
         return {name: count for name, count in counts.items() if count}
 
     def take_load_errors(self) -> set[int]:
