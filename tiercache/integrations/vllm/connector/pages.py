@@ -13,6 +13,14 @@ layout loads into another byte for byte (docs/engines.md, "KV layouts, GPU copie
 A view the map cannot read (not a tensor, blocks not on its first dim, content
 not contiguous, a page of another size than vLLM's spec) is refused with the
 layer, backend, shape and strides, before anything is copied.
+
+Why not vLLM 0.33's own ``CanonicalKVCaches`` / ``CanonicalPageMapping``
+(``vllm/v1/kv_offload/base.py``): its offloading worker builds them for itself
+from the same tensors, and no connector is handed them; 0.32 (the CPU build the
+served tests run) has neither; and their canonical page is the physical page's
+bytes (runs that undo tensor parallelism, not the layout's permutation), so a
+page saved under LBNHC would not load into LBHNC. The logical order here is what
+lets instances on different backends share.
 """
 
 from __future__ import annotations
