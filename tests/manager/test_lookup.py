@@ -134,7 +134,7 @@ def test_a_remote_that_cannot_tell_serves_nothing_and_forgets_nothing() -> None:
         keys = seed(manager, tokens)
         with manager._lock:
             manager.parts.remote_writes.fetched(0, keys, [0] * BLOCKS)
-        manager.parts.remotes[0].hold("contains")  # the probe times out: UNKNOWN
+        manager.parts.remotes[0].hold("contains")  # the presence check times out: UNKNOWN
         hit = settled(manager, tokens)
         assert hit.tier_blocks["sim"] == 0 and hit.num_blocks == 0
         manager.load(hit, [])

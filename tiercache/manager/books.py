@@ -252,10 +252,10 @@ class Books:
         return self.planner
 
     # ---- the links' timings (LinkObserver) ----------------------------------------------------
-    def probed(self, tier: str, seconds: float) -> None:
+    def presence_checked(self, tier: str, seconds: float) -> None:
         if self.cost is not None:
             with self.lock:
-                self.cost.observe_probe(tier, seconds)
+                self.cost.observe_presence_check(tier, seconds)
 
     def fetched(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
         if self.cost is not None:

@@ -162,7 +162,7 @@ class Node:
         return sum(lane.replaced for lane in self.lanes)
 
     def _open(self) -> Connection:
-        """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity probe."""
+        """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity query."""
         tier, options = self._tier, self._tier.options
         try:
             sock = socket.create_connection((self.host, self.port), timeout=options.connect_timeout_s)
