@@ -68,7 +68,7 @@ class Bookkeeper(Protocol):
         """``items`` were not handed over: drop their pins."""
 
     def written_clock(self) -> int:
-        """The clock of what remotes were told to hold (``WrittenKeys.landings``)."""
+        """The clock of what remotes were told to hold (``RemoteWrites.written_clock``)."""
 
     def found_absent(self, lane: int, keys: Sequence[bytes], clock: int) -> None:
         """``lane`` answered, at ``clock``, that it does not hold ``keys``."""
