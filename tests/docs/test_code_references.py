@@ -134,38 +134,35 @@ def test_each_kind_of_broken_reference_fails(text: str, complaint: str) -> None:
     assert complaint in problem and problem.startswith(f"example.py:{line}: "), problem
 
 
+YAML, MARKDOWN = ("configs/example.yaml", yaml_prose), ("docs/example.md", markdown_prose)
+
+
 @pytest.mark.parametrize(
-    ("text", "line", "complaint"),
+    ("kind", "text", "line", "complaint"),
     [
-        ("# A topology (DESIGN.md, \"Hierarchy\").\ntiers: []\n", 1, "cites DESIGN"),
-        ("model:\n  id: x  # as DESIGN says\n", 2, "cites DESIGN"),
-        ("tiers: []\n# synced (docs/architecture.md, \"Central\n# and regional drift\").\n", 2, "names no section"),
-        ("# see `configs/no_such.yaml`\n", 1, "is not here"),
+        (YAML, "# A topology (DESIGN.md, \"Hierarchy\").\ntiers: []\n", 1, "cites DESIGN"),
+        (YAML, "model:\n  id: x  # as DESIGN says\n", 2, "cites DESIGN"),
+        (YAML, "a: 1\n# (docs/architecture.md, \"Central\n# and regional drift\").\n", 2, "names no section"),
+        (YAML, "# see `configs/no_such.yaml`\n", 1, "is not here"),
+        (MARKDOWN, "# Title\n\nAs DESIGN.md says.\n", 3, "cites DESIGN"),
+        (MARKDOWN, "# Title\n\nSee docs/architecture.md,\n\"No such section\".\n", 3, "names no section"),
+        (MARKDOWN, "Intro.\n\nSee docs/no-such-page.md.\n", 3, "is not a page"),
     ],
 )
-def test_a_topologys_broken_comment_fails(text: str, line: int, complaint: str) -> None:
-    """YAML comments are read, a reference wrapped over comment lines too, and reported with the line it starts on."""
-    (problem,) = problems_in("configs/example.yaml", yaml_prose(text))
-    assert complaint in problem and problem.startswith(f"configs/example.yaml:{line}: "), problem
+def test_a_broken_reference_in_a_topology_or_a_page_fails(
+    kind: tuple[str, Callable[[str], Prose]], text: str, line: int, complaint: str
+) -> None:
+    """YAML comments (a reference wrapped over comment lines too) and Markdown paragraphs are read, and a broken
+    reference is reported with the line its comment or paragraph starts on."""
+    where, read = kind
+    (problem,) = problems_in(where, read(text))
+    assert complaint in problem and problem.startswith(f"{where}:{line}: "), problem
 
 
 def test_a_yaml_hash_inside_quotes_or_a_value_is_no_comment() -> None:
     text = 'url: "redis://host/0#DESIGN"\nkey: a#DESIGN\nname: \'DESIGN # x\'  # docs/architecture.md, "Hierarchy"\n'
     assert list(yaml_prose(text)) == [(3, ' docs/architecture.md, "Hierarchy"')]
     assert problems_in("configs/example.yaml", yaml_prose(text)) == []
-
-
-@pytest.mark.parametrize(
-    ("text", "line", "complaint"),
-    [
-        ("# Title\n\nAs DESIGN.md says.\n", 3, "cites DESIGN"),
-        ("# Title\n\nSee docs/architecture.md,\n\"No such section\".\n", 3, "names no section"),
-        ("Intro.\n\nSee docs/no-such-page.md.\n", 3, "is not a page"),
-    ],
-)
-def test_a_pages_broken_citation_fails(text: str, line: int, complaint: str) -> None:
-    (problem,) = problems_in("docs/example.md", markdown_prose(text))
-    assert complaint in problem and problem.startswith(f"docs/example.md:{line}: "), problem
 
 
 def test_working_references_pass() -> None:
