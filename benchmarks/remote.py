@@ -52,6 +52,7 @@ from common import arguments, parse, write_result
 from redis_ceiling import rerun, socket_get_rate, socket_loop_rate, sweep
 
 from tiercache.blocks.codec import Codec, payload_checksum
+from tiercache.common.units import US_PER_SECOND
 from tiercache.testing.redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context, slot_views
 from tiercache.tiers.redis import RedisOptions, RedisTier
 
@@ -70,7 +71,6 @@ CHECK_BYTES = 256 * MIB
 """Bytes hashed per value-check timing (cold: that many distinct bytes)."""
 SECRET = b"benchmark-secret-0123456789abcdef"
 GB = 1e9
-MICROSECONDS = 1e6
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 OPS = ("SET", "SET, hashing", f"SET x{OUTSTANDING}", "GET", f"GET x{OUTSTANDING}")
 LOOPS = {"SET": ("distinct", "one_value"), "GET": ("drained", "stream")}
@@ -95,8 +95,8 @@ async def timed(run: Callable[[], Awaitable[object]], nbytes: int, values: int, 
     await run()
     elapsed = time.perf_counter() - started
     return {"gbps": nbytes / elapsed / GB,
-            "client_us": (time.process_time() - cpu) * MICROSECONDS / values,
-            "server_us": (server_cpu_s(pids) - server) * MICROSECONDS / values}
+            "client_us": (time.process_time() - cpu) * US_PER_SECOND / values,
+            "server_us": (server_cpu_s(pids) - server) * US_PER_SECOND / values}
 
 
 class TierPasses:

@@ -209,9 +209,9 @@ def old_code(rev: str) -> Iterator[dict[str, str]]:
                 (tree / "tiercache" / package).symlink_to(tree / folder, target_is_directory=True)
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
                    "PYTHONSAFEPATH": "1"}  # ``-m`` and ``-c`` put the working directory (this tree) first
-            probe = ("import tiercache.tiers, tiercache.policies, tiercache.integrations.vllm.connector as c;"
+            script = ("import tiercache.tiers, tiercache.policies, tiercache.integrations.vllm.connector as c;"
                      "print(c.__file__, tiercache.tiers.__file__, tiercache.policies.__file__)")
-            found = subprocess.run([str(PYTHON), "-c", probe], env={**os.environ, **env}, check=True,
+            found = subprocess.run([str(PYTHON), "-c", script], env={**os.environ, **env}, check=True,
                                    capture_output=True, text=True).stdout.split()
             if not found or not all(Path(path).resolve().is_relative_to(tree.resolve()) for path in found):
                 raise RuntimeError(f"the server would not import {rev}'s tiercache from {tree}: {found}")

@@ -9,8 +9,8 @@ tokens: 64 and 2048 chunks of 16 tokens) each repetition times, on the
 scheduler's thread:
 
 - ``first``: the lookups of a new request (every key unseen: RETRY, queued for
-  the background probe) and the step's ``on_schedule_end`` that sends the batch;
-- ``answered``: the lookups once the probe has answered (every key HIT).
+  the background presence check) and the step's ``on_schedule_end`` that sends the batch;
+- ``answered``: the lookups once the presence check has answered (every key HIT).
 
 The figure is µs per lookup (``first`` includes the flush, per key); tiers run
 interleaved in one process, and the ratio tiercache / fs is of medians taken in
@@ -39,9 +39,9 @@ REPETITIONS = {"1k": 40, "32k": 8}
 FS_THREADS = 4
 """Read and write threads of vLLM's fs tier (its default is 16 each; this machine has few cores)."""
 ANSWER_TIMEOUT_S = 30.0
-PROBE_DEADLINE_MS = 5000.0
+PRESENCE_CHECK_DEADLINE_MS = 5000.0
 """Generous: this measures the scheduler's side; a loaded 2-core box can take past the 200 ms default
-to answer a 2048-key probe, which would turn the answered step into misses."""
+to answer a 2048-key presence check, which would turn the answered step into misses."""
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 US_PER_NS = 1e-3
 QUICK = {"PROMPTS": {"1k": 1024}, "REPETITIONS": {"1k": 2}}
@@ -51,7 +51,7 @@ QUICK = {"PROMPTS": {"1k": 1024}, "REPETITIONS": {"1k": 2}}
 def build(kind: str, server: RedisServer, root: str, chunks: int) -> Engine:
     if kind == "tiercache":
         options = {"url": server.url, "allow_unbounded": True}
-        queues = {"remote_lookup_timeout_ms": PROBE_DEADLINE_MS}
+        queues = {"remote_lookup_timeout_ms": PRESENCE_CHECK_DEADLINE_MS}
         topology = {"tiers": [{"name": "redis", "type": "redis", "options": options}], "queues": queues}
         tier = tier_config(topology)
     else:

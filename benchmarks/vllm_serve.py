@@ -14,7 +14,7 @@ HTTP with streamed greedy completions:
   (a prefix-cache hit of nearly the whole prompt), or, for ``restart`` rows, in
   a fresh process over the same store (what survives a restart);
 - a cold set of unrelated prompts measures what a miss costs (the connector's
-  probe, its extra scheduler steps, its stores) against no connector.
+  presence check, its extra scheduler steps, its stores) against no connector.
 
 Rows: vLLM with no cache at all (every token computed), vLLM's own local prefix
 cache (the ceiling: no copy, no I/O), tiercache's CPU tier alone (vLLM's cache

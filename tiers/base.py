@@ -137,7 +137,7 @@ class BreakerSettings:
     failures: int
     """Consecutive failed calls after which the lane answers misses at once."""
     backoff_s: float
-    """First back-off; it doubles per failed probe up to ``backoff_max_s``."""
+    """First back-off; it doubles per failed trial call up to ``backoff_max_s``."""
     backoff_max_s: float
 
 

@@ -171,12 +171,12 @@ def test_importing_the_config_imports_neither_torch_nor_the_tier_and_policy_regi
     import subprocess
     import sys
 
-    probe = (
+    script = (
         "import sys, tiercache.config, tiercache.common.fields\n"
         "heavy = [m for m in ('torch', 'tiercache.tiers', 'tiercache.policies') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "", f"import tiercache.config imported {result.stdout.strip()}"
 
 

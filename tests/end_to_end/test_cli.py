@@ -185,9 +185,9 @@ def test_simulate_serves_stats_from_its_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``simulate --stats-port P &`` then ``stats --url``: the server is up before the (slow) prefill measurement."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]
     seen: list[dict[str, Any]] = []
 
     def measure_while_serving(layout: Any) -> float:

@@ -33,14 +33,16 @@ def plan(model: CostModel, blocks: int, tokens: int, tier: str = TIER) -> Verdic
     return model.count(tier, model.verdict(tier, blocks, tokens))
 
 
-def run_loads(model: CostModel, profile: tuple[float, float], loads: int, *, probes: bool = False) -> list[bool]:
-    """What a manager does per request: (probe the tier,) ask, count. The request fetches on ``FETCH``;
+def run_loads(
+    model: CostModel, profile: tuple[float, float], loads: int, *, presence_checks: bool = False
+) -> list[bool]:
+    """What a manager does per request: (check the tier's presence,) ask, count. The request fetches on ``FETCH``;
     on ``EXPLORE`` it recomputes while the same fetch runs in the background and is reported when it ends.
     Returns, per request, whether it fetched."""
     fetched = []
     for _ in range(loads):
-        if probes:
-            model.observe_probe(TIER, profile[0])  # a probe is one round trip
+        if presence_checks:
+            model.observe_presence_check(TIER, profile[0])  # a presence check is one round trip
         counted = plan(model, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
         seconds = fetch_seconds(profile, LOAD_BLOCKS)
         if counted is Verdict.FETCH:
@@ -78,25 +80,25 @@ def test_bypass_starts_when_slower_than_recompute_and_stops_when_the_tier_recove
     assert model.stats()["tiers"][TIER]["explored"] - explored == 1
 
 
-def requests_recomputed_after_recovery(probes: bool) -> int:
+def requests_recomputed_after_recovery(presence_checks: bool) -> int:
     """A tier fast, then slow for 200 requests, then fast again: the requests that recomputed after it recovered."""
     model = enabled_model()
-    run_loads(model, FAST, 10, probes=probes)
-    run_loads(model, SLOW, 200, probes=probes)
-    recovered = run_loads(model, FAST, 500, probes=probes)
+    run_loads(model, FAST, 10, presence_checks=presence_checks)
+    run_loads(model, SLOW, 200, presence_checks=presence_checks)
+    recovered = run_loads(model, FAST, 500, presence_checks=presence_checks)
     last_bypass = len(recovered) - 1 - recovered[::-1].index(False) if False in recovered else -1
     assert all(recovered[last_bypass + 1 :])
     return recovered.count(False)
 
 
 def test_a_recovered_tier_is_used_again_at_the_next_lookups_without_an_experiment() -> None:
-    """The lookups' probes carry the round trip: a tier fast again is fetched from within two requests.
+    """The lookups' presence checks carry the round trip: a tier fast again is fetched from within two requests.
 
-    Without probes only the explorations (in the background) show the recovery; the past they are weighed
+    Without presence checks only the explorations (in the background) show the recovery; the past they are weighed
     against went stale while the tier was bypassed, so the next one is enough.
     """
-    assert requests_recomputed_after_recovery(probes=True) <= 2
-    assert requests_recomputed_after_recovery(probes=False) <= EXPLORE_EVERY
+    assert requests_recomputed_after_recovery(presence_checks=True) <= 2
+    assert requests_recomputed_after_recovery(presence_checks=False) <= EXPLORE_EVERY
 
 
 def test_one_exploration_in_flight_per_tier() -> None:
@@ -135,15 +137,15 @@ def test_staleness_stops_at_its_floor() -> None:
     assert model.expected_fetch_seconds(TIER, LOAD_BLOCKS) == pytest.approx(min(fitted, fast))
 
 
-def test_a_tier_slow_in_its_round_trip_is_bypassed_from_the_second_slow_probe() -> None:
-    """Two slow probes say a fetch would take 300 ms, before any slow fetch; one out of line is ignored."""
+def test_a_tier_slow_in_its_round_trip_is_bypassed_from_the_second_slow_presence_check() -> None:
+    """Two slow presence checks say a fetch would take 300 ms, before any slow fetch; one out of line is ignored."""
     model = enabled_model()
-    run_loads(model, FAST, 10, probes=True)
-    assert run_loads(model, SLOW, 5, probes=True) == [True, False, False, False, False]
+    run_loads(model, FAST, 10, presence_checks=True)
+    assert run_loads(model, SLOW, 5, presence_checks=True) == [True, False, False, False, False]
     hiccup = enabled_model()
-    run_loads(hiccup, FAST, 10, probes=True)
-    hiccup.observe_probe(TIER, SLOW[0])
-    assert run_loads(hiccup, FAST, 3, probes=True) == [True] * 3, "one slow probe among fast ones changes nothing"
+    run_loads(hiccup, FAST, 10, presence_checks=True)
+    hiccup.observe_presence_check(TIER, SLOW[0])
+    assert run_loads(hiccup, FAST, 3, presence_checks=True) == [True] * 3, "one slow check changes nothing"
 
 
 def test_one_fetch_size_seen_is_not_all_per_byte() -> None:

@@ -1,8 +1,9 @@
-"""One pause does not fool the cost model: a stalled fetch or probe among fast ones changes no verdict.
+"""One pause does not fool the cost model: a stalled fetch or presence check among fast ones changes no
+verdict.
 
 Step by step against brute-force references (the forgetting mean of one fetch size, and
 ``statistics.median_low`` of the last three), then end to end through a ``TierManager`` over the
-simulated remote, whose ``stall`` makes a real read or probe take longer (as a garbage collection in a
+simulated remote, whose ``stall`` makes a real read or presence check take longer (as a garbage collection in a
 timed call does): one stall leaves the remote serving, a lasting one is bypassed within two requests,
 and a recovery is fetched from again within two explorations.
 """
@@ -145,20 +146,20 @@ def test_a_recovered_tier_is_fetched_from_again_within_two_explorations(slowness
         assert explorations == 2, "the fit alone cannot forget this in one exploration: the window does in two"
 
 
-def test_a_stalled_probe_sets_no_round_trip() -> None:
-    """The round trip is the median (the lower of two) of the last three probes: a stalled first probe is
+def test_a_stalled_presence_check_sets_no_round_trip() -> None:
+    """The round trip is the median (the lower of two) of the last three presence checks: a stalled first one is
     outvoted by the second, one among fast ones changes nothing, two slow ones in a row are a slow round trip."""
-    cost, probes, verdicts = model(), [], []
+    cost, checks, verdicts = model(), [], []
     fetch(cost, FAST_S[0])
     for seconds in [STALL_S, *FAST_S, STALL_S, *FAST_S, STALL_S, STALL_S]:
-        cost.observe_probe(TIER, seconds)
-        probes.append(seconds)
-        round_trip = statistics.median_low(probes[-3:])
+        cost.observe_presence_check(TIER, seconds)
+        checks.append(seconds)
+        round_trip = statistics.median_low(checks[-3:])
         assert cost.stats()["tiers"][TIER]["round_trip_s"] == round_trip
         verdict = cost.verdict(TIER, LOAD_BLOCKS, LOAD_BLOCKS * BLOCK_TOKENS)
-        assert (verdict is Verdict.FETCH) == (round_trip + FAST_S[0] <= RECOMPUTE_S), probes
+        assert (verdict is Verdict.FETCH) == (round_trip + FAST_S[0] <= RECOMPUTE_S), checks
         verdicts.append(verdict is Verdict.FETCH)
-    assert verdicts == [False] + [True] * 8 + [False], "only a lone first probe, or two stalls in a row, bypass"
+    assert verdicts == [False] + [True] * 8 + [False], "only a lone first check, or two stalls in a row, bypass"
 
 
 def test_recent_fetches_move_each_fetch_to_the_asked_size_along_the_slope() -> None:
@@ -197,7 +198,7 @@ def engine() -> TierManager:
     remote = {"type": "simulated", "name": TIER, "write_policy": "write_through_selective",
               "admit_after_hits": 1_000_000, "options": {"latency_ms": 0}}
     cost = {"enabled": True, "prefill_tokens_per_s": RECOMPUTE_TOKENS_PER_S, "explore_fraction": 1 / EXPLORE_EVERY}
-    queues = {"remote_lookup_timeout_ms": 4 * PAUSE_MS}  # a stalled probe is answered, not timed out
+    queues = {"remote_lookup_timeout_ms": 4 * PAUSE_MS}  # a stalled presence check is answered, not timed out
     return TierManager(topology(16, 16, layout=LAYOUT, remotes=[remote], cost=cost, queues=queues))
 
 
@@ -224,8 +225,8 @@ def request(manager: TierManager, tokens: np.ndarray) -> int:
 
 
 @pytest.mark.parametrize("kind", ["get", "contains"])
-def test_one_stalled_read_or_probe_leaves_the_remote_serving(kind: str) -> None:
-    """A 500 ms pause in one read (after three fast ones) or in the very first probe: every request is served
+def test_one_stalled_read_or_presence_check_leaves_the_remote_serving(kind: str) -> None:
+    """A 500 ms pause in one read (after three fast ones) or in the very first presence check: every request is served
     by the remote, none bypasses it."""
     with engine() as manager:
         sim, prompts = manager.parts.remotes[0], iter(seed(manager, 10))

@@ -1,7 +1,7 @@
 """The lookup has one owner, and looking up has no side effect but its pins.
 
 A scheduler retries lookups while a remote answers, drops some unloaded and
-loads others: the counters, the cost model's schedule and what the hierarchy
+loads others: the counters, the cost model's schedule and what the bookkeeping
 forgets must come out the same as if it had looked up once per request and
 loaded. "Could not tell" (a timeout) is neither a hit nor a removal.
 """
@@ -114,16 +114,16 @@ def test_a_remote_answer_of_not_held_is_forgotten_once_at_load() -> None:
     with engine() as manager:
         tokens = np.arange(BLOCKS * BLOCK) + 9
         keys = seed(manager, tokens)
-        hierarchy = manager.parts.hierarchy
+        remotes = manager.parts.remote_writes
         with manager._lock:
-            hierarchy.fetched(0, keys, [0] * BLOCKS)  # remembered as written to the remote
+            remotes.fetched(0, keys, [0] * BLOCKS)  # remembered as written to the remote
         del manager.parts.remotes[0].store.data[keys[2]]  # the remote lost block 2
         for _ in range(3):
             hit = settled(manager, tokens)
             assert hit.tier_blocks["sim"] == 2
-            assert all(hierarchy.written(0, key) for key in keys), "a lookup changed what the hierarchy knows"
+            assert all(remotes.written(0, key) for key in keys), "a lookup changed what the bookkeeping knows"
         manager.load(hit, [])
-        assert [hierarchy.written(0, key) for key in keys] == [True, True, False, True]
+        assert [remotes.written(0, key) for key in keys] == [True, True, False, True]
 
 
 def test_a_remote_that_cannot_tell_serves_nothing_and_forgets_nothing() -> None:
@@ -133,12 +133,12 @@ def test_a_remote_that_cannot_tell_serves_nothing_and_forgets_nothing() -> None:
         tokens = np.arange(BLOCKS * BLOCK) + 21
         keys = seed(manager, tokens)
         with manager._lock:
-            manager.parts.hierarchy.fetched(0, keys, [0] * BLOCKS)
-        manager.parts.remotes[0].hold("contains")  # the probe times out: UNKNOWN
+            manager.parts.remote_writes.fetched(0, keys, [0] * BLOCKS)
+        manager.parts.remotes[0].hold("contains")  # the presence check times out: UNKNOWN
         hit = settled(manager, tokens)
         assert hit.tier_blocks["sim"] == 0 and hit.num_blocks == 0
         manager.load(hit, [])
-        assert all(manager.parts.hierarchy.written(0, key) for key in keys)
+        assert all(manager.parts.remote_writes.written(0, key) for key in keys)
         manager.parts.remotes[0].unhold("contains")
         deadline = time.monotonic() + WAIT_S
         while (hit := settled(manager, tokens)).tier_blocks["sim"] != BLOCKS:  # the lane's breaker may be open

@@ -110,7 +110,7 @@ def test_fetch_from_a_remote_arrives_in_the_background_with_the_bytes_another_in
     reader.release(warm)
 
 
-def test_lookup_is_none_while_a_remote_probe_is_in_flight_then_answers(opened: list[LowerTiers]) -> None:
+def test_lookup_is_none_while_a_remote_presence_check_is_in_flight_then_answers(opened: list[LowerTiers]) -> None:
     name = store_name()
     writer = started(lower_config(remotes=[simulated(name)]), opened)
     keys = chain(writer, 2, salt=1)
@@ -309,7 +309,7 @@ def test_close_is_bounded_with_a_sigstopped_redis(opened: list[LowerTiers], redi
     redis_server.stop()
     try:
         write(tiers, keys[2:])  # write-through puts to a server that answers nothing
-        assert tiers.lookup(chain(tiers, 2, salt=2)) is None, "a probe to the stopped server is in flight"
+        assert tiers.lookup(chain(tiers, 2, salt=2)) is None, "a presence check of the stopped server is in flight"
         closed = threading.Event()
         closer = threading.Thread(target=lambda: (tiers.close(), closed.set()), daemon=True)
         closer.start()

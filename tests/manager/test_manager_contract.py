@@ -192,19 +192,21 @@ def test_a_write_through_store_crosses_at_most_three_threads() -> None:
     config = topology(4, 8, remotes=[{**sim(), "write_policy": "write_through"}])
     with TierManager(config) as manager:
         seen: list[str] = []
-        hierarchy = manager.parts.hierarchy
-        for name in ("store", "copy_done", "put", "put_done"):
-            method = getattr(hierarchy, name)
+        parts = manager.parts
+        steps = [(parts.hierarchy, "store"), (parts.hierarchy, "copy_done"), (parts.remote_writes, "write_through"),
+                 (parts.remote_writes, "put_done")]
+        for part, name in steps:
+            method = getattr(part, name)
 
             def record(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
                 seen.append(threading.current_thread().name)
                 return _method(*args, **kwargs)
 
-            setattr(hierarchy, name, record)
+            setattr(part, name, record)
         compute_and_store(manager, prompt(2, 10))
         until(lambda: manager.stats()["queues"]["pending_stores"] == 0)
         assert len(set(seen)) <= 3 and seen[0] == threading.current_thread().name
-        assert len(seen) == 4, "each step runs once: store, copy landed, put queued, put landed"
+        assert len(seen) == 4, "each step runs once: store, copy landed, put queued (written through), put landed"
 
 
 @pytest.mark.parametrize("cpu_write", ["write_through", "write_back"])

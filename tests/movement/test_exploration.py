@@ -26,7 +26,7 @@ PROMPT_BLOCKS = 4
 RECOMPUTE_TOKENS_PER_S = 40.0
 """A prompt (8 tokens) recomputes in 200 ms."""
 SLOW_LINK_MB_S = 0.01
-"""A prompt then takes about 0.8 s on the link (four times its recompute); a probe (64 bytes a key) 26 ms."""
+"""A prompt then takes about 0.8 s on the link (four times its recompute); a presence check (64 bytes a key) 26 ms."""
 EXPLORE_EVERY = 4
 """``explore_fraction`` 1/4: every fourth would-be bypass explores."""
 RECOVERY_BOUND = 2 * EXPLORE_EVERY + 1

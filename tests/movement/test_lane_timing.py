@@ -44,7 +44,7 @@ class Explorations:
     def __init__(self) -> None:
         self.ended: list[tuple[str, int, float | None]] = []
 
-    def probed(self, tier: str, seconds: float) -> None:
+    def presence_checked(self, tier: str, seconds: float) -> None:
         pass
 
     def fetched(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
@@ -76,7 +76,7 @@ def test_loads_from_a_tier_whose_reads_raise_teach_the_cost_model_nothing() -> N
         tokens = np.arange(4 * TINY_LAYOUT["block_size"]) + 300
         tier = manager.parts.remotes[0]
         for key in manager.hasher.keys(tokens):
-            tier.data[key] = b"held"  # what a probe sees; the read raises before looking
+            tier.data[key] = b"held"  # what a presence check sees; the read raises before looking
         for _ in range(3):
             hit = manager.lookup_wait(tokens, timeout_s=WAIT_S)
             assert hit.tier_blocks["raising"] == 4

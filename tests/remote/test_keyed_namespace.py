@@ -79,7 +79,7 @@ def serve_all(manager: TierManager) -> list[int]:
 def test_a_reader_without_the_secret_misses_without_reading_a_value(
     redis_server: RedisServer, redis_client: redis.Redis, secret_env: str | None
 ) -> None:
-    """Old code: the reader's probes answered HELD and every load sent a GET that failed validation."""
+    """Old code: the reader's presence checks answered HELD and every load sent a GET that failed validation."""
     write_fleet_a(redis_server, redis_client)
     redis_client.config_resetstat()
     with TierManager(config(secret_env, redis_tier(redis_server))) as reader:
@@ -89,7 +89,7 @@ def test_a_reader_without_the_secret_misses_without_reading_a_value(
             found.append(hit.num_tokens)
             reader.release(hit)
         reused = serve_all(reader)
-    assert reads(redis_client) == NOTHING_READ, "the reader probed, read or deleted fleet A's values"
+    assert reads(redis_client) == NOTHING_READ, "the reader checked, read or deleted fleet A's values"
     assert found == [0] * len(PROMPTS) and reused == [0] * len(PROMPTS)
 
     with TierManager(config("TC_SECRET_A", redis_tier(redis_server))) as owner:
@@ -128,7 +128,7 @@ def store_of(server: RedisServer, secret_env: str | None) -> RemoteStore:
 def test_remote_stores_with_different_secrets_never_touch_each_others_values(
     redis_server: RedisServer, redis_client: redis.Redis, secret_env: str | None
 ) -> None:
-    """Old code: the other store's probes said HELD for the writer's blocks, and its writes replaced them."""
+    """Old code: the other store's presence checks said HELD for the writer's blocks, and its writes replaced them."""
     count = len(ENGINE_KEYS)
     _, payloads = random_blocks(count, BLOCK_BYTES, seed=20)
     _, others = random_blocks(count, BLOCK_BYTES, seed=21)
@@ -144,7 +144,7 @@ def test_remote_stores_with_different_secrets_never_touch_each_others_values(
     try:
         keys = other.keys(ENGINE_KEYS)
         assert [found.presence for found in other.contains(keys).result(WAIT_S)] == [Presence.ABSENT] * count
-        assert reads(redis_client) == NOTHING_READ, "the other store's probes found the writer's values"
+        assert reads(redis_client) == NOTHING_READ, "the other store's presence checks found the writer's values"
         assert other.read(keys, empty_dests(count, BLOCK_BYTES)).result(WAIT_S) == [False] * count
         assert reads(redis_client)["keyspace_hits"] == 0, "a read the engine would not send touched nothing either"
         assert other.write(keys, others).result(WAIT_S) == [True] * count

@@ -1,7 +1,7 @@
 """RemoteStore, the public remote-only core API: real redis-servers, engine-owned keys and buffers.
 
 What it must hold: a write from one store is read byte-exact by another store of
-the same namespace and never by another namespace; probes are three-valued (a
+the same namespace and never by another namespace; presence checks are three-valued (a
 server that is down or stopped is UNKNOWN, never ABSENT); a slower tier's hit is
 written back into the faster one; garbage is a miss that leaves nothing wrong in
 the caller's buffer; writes past the bound fail at once; close is bounded; a bad
@@ -97,7 +97,7 @@ def test_a_server_down_or_stopped_is_unknown_and_a_miss_never_an_exception(
         assert all(f.tier is None for f in found)
         assert store.read(keys, empty_dests(COUNT, BLOCK_BYTES)).result(WAIT_S) == [False] * COUNT
         assert store.write(keys, payloads).result(WAIT_S) == [False] * COUNT
-        assert store.counters()["probe_unknown"] == COUNT
+        assert store.counters()["presence_unknown"] == COUNT
     finally:
         if fault == "stop":
             redis_server.cont()

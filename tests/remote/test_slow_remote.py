@@ -62,12 +62,12 @@ SLOW_MS, FAST_MS = 300.0, 1.0
 """The simulated remote's round trip while slow (fetching is slower than recomputing) and once fast again:
 a hundred times apart, so the machine's load cannot blur them."""
 LOOKUP_TIMEOUT_MS = 2000.0
-"""Long enough that a slow remote's probes are answered (the cost model, not the deadline, decides)."""
+"""Long enough that a slow remote's presence checks are answered (the cost model, not the deadline, decides)."""
 PROMPT_BLOCKS = 4
 
 
 def test_the_cost_model_uses_a_remote_again_within_two_lookups_after_it_is_fast_again() -> None:
-    """Through the manager: the lookups' probes carry the remote's round trip into the cost model.
+    """Through the manager: the lookups' presence checks carry the remote's round trip into the cost model.
 
     Each request asks for a prompt only the remote holds. While the remote is slow its part is
     recomputed (after one fetch that teaches the model); once it is fast again the second request

@@ -32,9 +32,9 @@ class LoopbackProxy:
         self.target_port = target_port
         self.connections = 0
         self.loop = asyncio.new_event_loop()
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        with socket.socket() as spare:
+            spare.bind(("127.0.0.1", 0))
+            self.port = spare.getsockname()[1]
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     @property

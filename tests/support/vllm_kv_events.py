@@ -20,7 +20,7 @@ TOPIC = "kv-events"
 DELIVERY_TIMEOUT_MS = 10_000
 """Generous bound for a message that was sent to arrive (never a speed threshold)."""
 JOIN_ATTEMPTS = 100
-"""Probe batches sent at most while a new SUB socket's subscription reaches the PUB (slow joiner)."""
+"""Marker batches sent at most while a new SUB socket's subscription reaches the PUB (slow joiner)."""
 JOIN_POLL_MS = 100
 
 
@@ -122,16 +122,16 @@ def keys(n: int, salt: int = 0) -> list[bytes]:
 
 
 def joined_subscriber(sink: EventSink, context: zmq.Context) -> tuple[zmq.Socket, int]:
-    """A SUB socket that has provably joined: probe batches until one arrives; returns its last seq."""
+    """A SUB socket that has provably joined: marker batches until one arrives; returns its last seq."""
     sub = context.socket(zmq.SUB)
     sub.connect(sink._publisher.endpoint)
     sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
     for _ in range(JOIN_ATTEMPTS):
-        sink.removed("probe", keys(1, salt=255))
+        sink.removed("join-marker", keys(1, salt=255))
         assert sink.flush()
         if sub.poll(JOIN_POLL_MS):
             last_sent = sink.stats()["published"] - 1
-            while receive(sub)[1] != last_sent:  # drain the probes still on their way
+            while receive(sub)[1] != last_sent:  # drain the markers still on their way
                 pass
             return sub, last_sent
     raise AssertionError("the subscriber never joined")

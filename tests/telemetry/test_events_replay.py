@@ -81,7 +81,7 @@ def subscriber(sink: EventSink, context: zmq.Context) -> tuple[zmq.Socket, int]:
     sub.connect(sink._publisher.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     for attempt in range(JOIN_ATTEMPTS):
-        sink.removed("probe", [key(attempt)])
+        sink.removed("join-marker", [key(attempt)])
         assert sink.flush()
         if sub.poll(JOIN_POLL_MS):
             newest = sink.stats()["published"] - 1

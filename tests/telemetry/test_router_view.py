@@ -3,8 +3,8 @@
 The subscriber (``router_subscriber.py``) knows only the wire: vLLM's structs,
 sequence numbers and the replay socket. After each scenario settles, its view
 per medium is compared with the real contents of every tier: the GPU and CPU
-slot tables, and each remote asked directly what it holds. Scenarios: probes
-and reads that time out (and a lane's open breaker), a bounded remote that
+slot tables, and each remote asked directly what it holds. Scenarios: presence
+checks and reads that time out (and a lane's open breaker), a bounded remote that
 drops its oldest blocks, a file tier's clean-up, a Redis server evicting under
 ``maxmemory`` and expiring by TTL.
 """
@@ -185,7 +185,7 @@ def sim(**options: Any) -> dict[str, Any]:
     return {"type": "simulated", "name": "sim", "options": {"latency_ms": 0, **options}}
 
 
-def test_probes_and_reads_that_time_out_remove_nothing_from_the_view(router_of: Any) -> None:
+def test_presence_checks_and_reads_that_time_out_remove_nothing_from_the_view(router_of: Any) -> None:
     config = topology(4, 4, remotes=[sim()], events=EVENTS, queues={"remote_lookup_timeout_ms": 50})
     with TierManager(config) as manager:
         router = router_of(manager)
@@ -193,7 +193,7 @@ def test_probes_and_reads_that_time_out_remove_nothing_from_the_view(router_of: 
         assert_view_is_true(router, manager, keys)
         tier = manager.parts.remotes[0]
 
-        tier.hold("contains")  # probes time out, then the lane's breaker opens: UNKNOWN, not "not held"
+        tier.hold("contains")  # presence checks time out, then the lane's breaker opens: UNKNOWN, not "not held"
         for _ in range(4):
             hit = manager.lookup_wait(prompts[0], timeout_s=WAIT_S)
             assert hit.tier_blocks["sim"] == 0
@@ -204,7 +204,7 @@ def test_probes_and_reads_that_time_out_remove_nothing_from_the_view(router_of: 
 
         deadline = time.monotonic() + WAIT_S
         while (hit := manager.lookup_wait(prompts[0], timeout_s=WAIT_S)).tier_blocks["sim"] != 4:
-            manager.release(hit)  # the breaker lets one probe through after its back-off
+            manager.release(hit)  # the breaker lets one trial call through after its back-off
             assert time.monotonic() < deadline, "the remote never came back"
             time.sleep(0.05)
         tier.hold("get")  # the read passes its deadline: the blocks are still there

@@ -285,7 +285,7 @@ def test_breaker_opens_backs_off_and_recovers() -> None:
     breaker.failure()
     assert breaker.state is BreakerState.OPEN and not breaker.allow()
     now[0] = 1.2
-    assert breaker.allow() and not breaker.allow()  # one probe at a time
+    assert breaker.allow() and not breaker.allow()  # one trial call at a time
     breaker.failure()
     assert breaker.state is BreakerState.OPEN and breaker.backoff_s == 2.0
     now[0] = 3.5

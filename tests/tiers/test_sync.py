@@ -31,7 +31,7 @@ from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.regional import RegionalOptions, RegionalTier, value_version
 
 INSPECT_TIMEOUT_S = 10.0
-"""Generous: a failure detector for a hung probe, not a speed requirement."""
+"""Generous: a failure detector for a hung check, not a speed requirement."""
 
 
 async def test_read_your_writes_before_and_after_replication(sites: Topology) -> None:

@@ -1,26 +1,33 @@
-"""The hierarchy: the one place that reads write policies, admission and ``exclusive``.
+"""The local tiers' hierarchy: how the GPU pool and the CPU tier fill each other, by write policy, admission and
+``exclusive``.
 
 Pure: it changes slot tables and counters under the manager's lock and turns
-"stored / evicted / committed / loaded" into moves (``tiercache.bookkeeping.moves``) in its
-``outbox``; the manager runs them and reports back through ``copy_done`` and
-``put_done``. Rules:
+"allocated", "stored", "landed" and "loaded" into moves
+(``tiercache.bookkeeping.moves``) in the outbox; what the remotes below the CPU
+tier are written is ``RemoteWrites``'s, which it tells of every block that
+lands in, or is evicted from, the CPU tier. Rules:
 
-* A tier's write policy says how it is filled from the tier above:
+* The CPU tier's write policy says how it is filled from the GPU pool:
   ``write_through`` on store, ``write_back`` on eviction only,
   ``write_through_selective`` once a block was hit ``admit_after_hits`` times,
   on store and on demotion alike (a demoted block below the threshold is
-  dropped and counted as ``not_admitted``); a block read from a slower remote
-  is written into the faster remotes above it (docs/architecture.md, "Hierarchy").
+  dropped and counted as ``not_admitted``) (docs/architecture.md, "Hierarchy").
 * A hit counts once per request, when the engine loads it (``count_hits``), never per lookup (``admission``;
   docs/architecture.md, "Eviction order and prefixes").
-* A CPU victim that a remote still needs keeps its slot, pinned, until its put
-  lands; when the store queue is full it is dropped (counted), never copied aside (docs/architecture.md, "Entry state").
-* Keys are remembered as written per remote lane (``written_keys``), and forgotten when a read of
-  them fails, so the next store rewrites a value that was lost or corrupted (a damaged one:
-  docs/architecture.md, "Failure, bad input and security").
-  Routers hear of a remote's blocks as they land or are served, and of their
-  removal only when the remote says so (an answer of "not held", its own
-  eviction report), never because a read or a probe failed.
+* A block a load promoted into the GPU pool leaves the CPU tier under ``exclusive`` (``promoted``).
+* A CPU victim that a remote still needs keeps its slot, pinned, until its put lands
+  (``RemoteWrites.write_back``; docs/architecture.md, "Entry state").
+
+Each kind of caller comes in by a door of its own:
+
+* the GPU pool tiercache manages (``TierManager``): ``allocate`` and ``store``,
+  and the mover's report of their copies, ``copy_done``;
+* an engine that keeps its own pool (``LowerTiers``): ``begin_engine_writes``
+  and ``end_engine_writes`` for the blocks it copies into CPU slots itself;
+* a read from a remote into the CPU tier (a load's, an exploration's):
+  ``begin_remote_read`` and ``end_remote_reads``; a load then tells
+  ``served_from_cpu`` and ``promoted``;
+* an operator: ``reset_cpu_tier``.
 """
 
 from __future__ import annotations
@@ -29,57 +36,56 @@ from collections.abc import Sequence
 
 from tiercache.bookkeeping.admission import FillRule, HitCounts, WritePolicy
 from tiercache.bookkeeping.memory_tiers import MemoryTiers
-from tiercache.bookkeeping.moves import HostCopy, Move, Reason, RemotePut
-from tiercache.bookkeeping.slots import CapacityError
-from tiercache.bookkeeping.written_keys import WrittenKeys
+from tiercache.bookkeeping.moves import HostCopy, Outbox, Reason
+from tiercache.bookkeeping.remote_writes import RemoteWrites
+from tiercache.bookkeeping.slots import CapacityError, SlotTable
 from tiercache.telemetry.counters import Metrics
-from tiercache.telemetry.observer import NullObserver, TierObserver, report_stored_runs
+from tiercache.telemetry.observer import TierObserver, report_stored_runs
 
 
 class Hierarchy:
-    """Write policies, admission, write-backs and promotions between the tiers."""
+    """Write policy, admission, demotions and promotions between the GPU pool and the CPU tier."""
 
     def __init__(
         self,
         local: MemoryTiers,
         cpu_rule: FillRule | None,
-        lanes: Sequence[FillRule],
+        remote_writes: RemoteWrites,
+        hits: HitCounts,
+        outbox: Outbox,
         metrics: Metrics,
+        observer: TierObserver,
         *,
         gpu_name: str,
         block_size: int,
-        bytes_per_block: int,
-        max_pending_stores: int,
-        remember_keys: int,
-        observer: TierObserver | None = None,
+        exclusive: bool,
     ) -> None:
-        self.local = local
-        self.cpu_rule = cpu_rule
-        self.lanes = list(lanes)
-        self.metrics = metrics
-        self.gpu_name = gpu_name
-        self.block_size = block_size
-        self.bytes_per_block = bytes_per_block
-        self.max_pending_stores = max_pending_stores
-        self.pending_stores = 0
-        self.observer: TierObserver = observer or NullObserver()
-        self.outbox: list[Move] = []
-        self._hits = HitCounts(remember_keys)
-        self.written_keys = WrittenKeys(len(self.lanes), remember_keys)
-        """Per lane, the keys known written there (``written_keys.landings`` is its clock)."""
-        self._putting: list[dict[bytes, bool]] = [{} for _ in self.lanes]
-        """Per lane, the keys with a put in flight, and whether the remote reported dropping them meanwhile."""
+        """``cpu_rule``: the CPU tier's write policy (None: no CPU tier); ``hits``: the hit counts, shared with
+        ``remote_writes``; ``gpu_name``: the GPU pool's name in counters and events (the engine's own, under
+        ``LowerTiers``)."""
+        self._local = local
+        self._cpu_rule = cpu_rule
+        self._remote_writes = remote_writes
+        self._hits = hits
+        self._outbox = outbox
+        self._metrics = metrics
+        self._observer = observer
+        self._gpu_name = gpu_name
+        self._block_size = block_size
+        self._exclusive = exclusive
 
     @property
     def cpu_name(self) -> str:
         """The CPU tier's name (counters and events are kept under it)."""
-        return self.cpu_rule.name if self.cpu_rule is not None else "cpu"
+        return self._cpu_rule.name if self._cpu_rule is not None else "cpu"
 
-    # ---- admission ------------------------------------------------------------------
-    def _admits(self, rule: FillRule, key: bytes, *, evicted: bool) -> bool:
-        """Whether ``rule``'s tier takes ``key`` now (``evicted``: from an eviction above)."""
-        return rule.admits(self._hits[key], evicted=evicted)
+    @property
+    def _cpu(self) -> SlotTable:
+        if self._local.cpu is None or self._cpu_rule is None:
+            raise RuntimeError("the topology has no CPU tier")
+        return self._local.cpu
 
+    # ---- hits ----------------------------------------------------------------------------
     def count_hits(
         self, keys: Sequence[bytes], tier_blocks: dict[str, int] | None = None, asked_blocks: int = 0
     ) -> None:
@@ -89,38 +95,38 @@ class Hierarchy:
         full blocks) feed the hit counters.
         """
         for name, count in (tier_blocks or {}).items():
-            self.metrics.add(name, "hit_blocks", count)
-        self.metrics.add("all", "hit_blocks", len(keys))
-        self.metrics.add("all", "lookup_blocks", asked_blocks)
+            self._metrics.add(name, "hit_blocks", count)
+        self._metrics.add("all", "hit_blocks", len(keys))
+        self._metrics.add("all", "lookup_blocks", asked_blocks)
         for key in keys:
             self._admit_on_hit(key, self._hits.hit(key))
 
     def _admit_on_hit(self, key: bytes, count: int) -> None:
-        rule, gpu, cpu = self.cpu_rule, self.local.gpu, self.local.cpu
+        rule, gpu, cpu = self._cpu_rule, self._local.gpu, self._local.cpu
         if rule is not None and cpu is not None and key not in cpu and count == rule.admit_after_hits:
             block = gpu.readable(key) if gpu is not None else None
             if rule.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and block is not None:
                 self._copy_down([(key, block)], Reason.ADMITTED)
         slot = cpu.readable(key) if cpu is not None else None
-        if slot is None:
-            return
-        for lane, lane_rule in enumerate(self.lanes):
-            selective = lane_rule.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
-            if selective and count == lane_rule.admit_after_hits and not self.written(lane, key):
-                self.put(lane, [key], [slot], Reason.ADMITTED)
+        if slot is not None:
+            self._remote_writes.admit_on_hit(key, slot, count)
 
-    # ---- the GPU pool -----------------------------------------------------------------
+    def _admits(self, key: bytes, *, evicted: bool) -> bool:
+        """Whether the CPU tier takes ``key`` now (``evicted``: from an eviction above)."""
+        return self._cpu_rule is not None and self._cpu_rule.admits(self._hits[key], evicted=evicted)
+
+    # ---- the GPU pool tiercache manages (TierManager) -----------------------------------------
     def allocate(self, count: int, chain: Sequence[bytes] | None = None) -> list[int]:
         """``count`` held GPU blocks; victims are demoted to the CPU tier when it admits them.
 
         With the request's ``chain`` (its keys, prompt order) the pool's policy sees
         the request's incoming keys before it picks victims (``SlotTable.allocate_for``).
         """
-        gpu = self.local.pool
+        gpu = self._local.pool
         ids, victims = gpu.allocate(count) if chain is None else gpu.allocate_for(count, chain)
         if victims:
-            self.metrics.add(self.gpu_name, "evictions", len(victims))
-            self.observer.removed(self.gpu_name, [victim.key for victim in victims])
+            self._metrics.add(self._gpu_name, "evictions", len(victims))
+            self._observer.removed(self._gpu_name, [victim.key for victim in victims])
             self._demote([(victim.key, victim.slot) for victim in victims])
         return ids
 
@@ -131,8 +137,8 @@ class Hierarchy:
         write-back's victim is inserted: the write policy decides when bytes move,
         not what the CPU tier's policy learns about use.
         """
-        rule, cpu = self.cpu_rule, self.local.cpu
-        if rule is None or cpu is None:
+        cpu = self._local.cpu
+        if cpu is None:
             return
         admitted, kept = [], []
         for key, block in victims:
@@ -141,12 +147,12 @@ class Hierarchy:
                     cpu.touch(key)
                     kept.append(key)
                 continue
-            if self._admits(rule, key, evicted=True):
+            if self._admits(key, evicted=True):
                 admitted.append((key, block))
             else:
-                self.metrics.add(rule.name, "not_admitted")
+                self._metrics.add(self.cpu_name, "not_admitted")
         if kept:
-            self.observer.accessed(rule.name, kept)
+            self._observer.accessed(self.cpu_name, kept)
         self._copy_down(admitted, Reason.DEMOTION)
 
     def store(self, keys: Sequence[bytes], ids: Sequence[int], tokens: Sequence[int] | None = None) -> int:
@@ -159,7 +165,7 @@ class Hierarchy:
         another prefix's KV (nothing is changed then). ``tokens`` (the prompt)
         only feeds the observer's events.
         """
-        gpu = self.local.pool
+        gpu = self._local.pool
         for key, block in zip(keys, ids, strict=True):
             bound = gpu.key_of(block)
             if bound is not None and bound != key:
@@ -171,35 +177,32 @@ class Hierarchy:
                 gpu.bind(block, key)
                 fresh.append((key, block))
             elif bound is None:
-                self.metrics.add(self.gpu_name, "duplicate_blocks")
+                self._metrics.add(self._gpu_name, "duplicate_blocks")
                 if gpu.readable(key) is not None:
                     gpu.touch(key)
             else:
                 gpu.request(key)
-        self.metrics.add(self.gpu_name, "stored_blocks", len(fresh))
-        self.observer.accessed(self.gpu_name, keys)
-        report_stored_runs(self.observer, self.gpu_name, keys, {key for key, _ in fresh}, tokens, self.block_size)
-        rule = self.cpu_rule
-        if rule is not None and fresh:
-            admitted = [(key, block) for key, block in fresh if self._admits(rule, key, evicted=False)]
-            self._copy_down(admitted, Reason.WRITE_THROUGH)
+        self._metrics.add(self._gpu_name, "stored_blocks", len(fresh))
+        self._observer.accessed(self._gpu_name, keys)
+        report_stored_runs(self._observer, self._gpu_name, keys, {key for key, _ in fresh}, tokens, self._block_size)
+        if self._cpu_rule is not None and fresh:
+            self._copy_down([(key, block) for key, block in fresh if self._admits(key, evicted=False)],
+                            Reason.WRITE_THROUGH)
         return len(fresh)
 
-    # ---- the CPU tier -----------------------------------------------------------------
     def _copy_down(self, pairs: list[tuple[bytes, int]], reason: Reason) -> None:
         """Begin CPU writes for (key, GPU block) pairs and queue their copy; no room is counted.
 
         The CPU tier's policy sees the writes in the order of ``pairs``: a chain's tail first.
         """
-        cpu = self.local.cpu
-        assert cpu is not None and self.cpu_rule is not None
+        cpu = self._cpu
         keys, blocks, slots = [], [], []
         for key, block in pairs:
             if key in cpu:
                 continue
-            slot = self.begin_cpu_write(key)
+            slot = self._begin_cpu_write(key)
             if slot is None:
-                self.metrics.add(self.cpu_rule.name, f"{reason.value}_dropped")
+                self._metrics.add(self.cpu_name, f"{reason.value}_dropped")
                 continue
             keys.append(key)
             blocks.append(block)
@@ -209,19 +212,109 @@ class Hierarchy:
         before_reuse = reason is Reason.DEMOTION
         if not before_reuse:
             for block in blocks:
-                self.local.pool.pin(block)
-        self.metrics.add(self.cpu_rule.name, f"{reason.value}_blocks", len(keys))
-        self._count_move(self.gpu_name, self.cpu_rule.name, len(keys))
-        self.outbox.append(HostCopy(tuple(keys), tuple(blocks), tuple(slots), reason, before_reuse))
+                self._local.pool.pin(block)
+        self._metrics.add(self.cpu_name, f"{reason.value}_blocks", len(keys))
+        self._metrics.add(self._gpu_name, "blocks_out", len(keys))
+        self._metrics.add(self.cpu_name, "blocks_in", len(keys))
+        self._outbox.add(HostCopy(tuple(keys), tuple(blocks), tuple(slots), reason, before_reuse))
 
-    def begin_cpu_write(self, key: bytes) -> int | None:
-        """A CPU slot being written for ``key`` (None when the tier has no room)."""
-        cpu = self.local.cpu
-        assert cpu is not None and self.cpu_rule is not None
+    def copy_done(self, move: HostCopy, ok: bool) -> None:
+        """A GPU->CPU copy landed (or failed): commit its slots and write them down to the remotes."""
+        if not move.before_reuse:
+            for block in move.gpu_ids:
+                self._local.pool.unpin(block)
+        self._landed(move.keys, move.cpu_slots, [ok] * len(move.keys))
+
+    # ---- an engine that keeps its own pool (LowerTiers) --------------------------------------
+    def begin_engine_writes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """CPU slots for blocks the engine copies in from its own pool: None where the CPU tier holds the block
+        already, does not admit it yet, or has no room (counted)."""
+        cpu = self._cpu
+        return [None if key in cpu else self._begin_engine_write(key) for key in keys]
+
+    def _begin_engine_write(self, key: bytes) -> int | None:
+        if not self._admits(key, evicted=False):
+            self._metrics.add(self.cpu_name, "not_admitted")
+            return None
+        slot = self._begin_cpu_write(key)
+        if slot is None:
+            self._metrics.add(self.cpu_name, f"{Reason.WRITE_THROUGH.value}_dropped")
+        return slot
+
+    def end_engine_writes(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
+        """The engine's copies into the slots ``begin_engine_writes`` gave landed (``oks``): commit them and write
+        them down to the remotes."""
+        self._landed(keys, slots, oks)
+        self._metrics.add(self.cpu_name, "blocks_in", sum(oks))
+
+    # ---- reads from a remote into the CPU tier (loads, explorations) -----------------------------
+    def begin_remote_read(self, key: bytes) -> int | None:
+        """A CPU slot being written for ``key``, which a read from a remote fills (None when the tier has no
+        room); ``end_remote_reads`` ends it, and ``RemoteWrites.fetched`` says where it came from."""
+        return self._begin_cpu_write(key)
+
+    def end_remote_reads(self, slots: Sequence[int], oks: Sequence[bool]) -> None:
+        """Reads into ``slots`` ended: the filled ones become cached, the others are forgotten."""
+        self._end_cpu_writes(slots, oks)
+
+    def served_from_cpu(self, keys: Sequence[bytes]) -> None:
+        """A load takes ``keys`` from the CPU tier: one access each for its policy, tail first."""
+        self._local.touch_tail_first(self._cpu, keys)
+        self._observer.accessed(self.cpu_name, keys)
+
+    def promoted(self, blocks: Sequence[tuple[bytes, int | None]], copied_on_gpu: int) -> None:
+        """A load handed its blocks over: ``blocks`` (key, GPU block; None where the engine copies out of the CPU
+        slot itself) came up from the CPU tier and are indexed in the pool (untracked: the request reports its
+        chain at ``store``), and leave the CPU tier under ``exclusive``; ``copied_on_gpu`` more were copied on
+        the device."""
+        promoted, freed = [], []
+        for key, block in blocks:
+            if block is None:
+                continue
+            gpu = self._local.pool
+            if key not in gpu:
+                gpu.bind(block, key, track=False)
+                promoted.append(key)
+            if self._exclusive and self._cpu.discard(key):
+                freed.append(key)
+        self._metrics.add(self.cpu_name, "blocks_out", len(blocks))
+        self._metrics.add(self._gpu_name, "blocks_in", len(blocks) + copied_on_gpu)
+        self._observer.stored(self._gpu_name, promoted, None, None)
+        self._observer.removed(self.cpu_name, freed)
+
+    # ---- an operator ---------------------------------------------------------------------------
+    def reset_cpu_tier(self) -> list[bytes]:
+        """Drop the CPU tier's entries nothing holds, freeing their slots; the keys dropped, in slot order.
+
+        An entry stays, readable in its slot, while anything holds it: a pin (a
+        lookup's, a fetch's, a put in flight), a write into it, or a remote that
+        still needs it written (``RemoteWrites.owes``: dropping it would need a
+        write-back that a full store queue drops). Each entry dropped is counted and
+        reported as an eviction is; the remotes, the hit counts and what each remote
+        was told to hold are left as they are.
+        """
+        cpu = self._cpu
+        dropped = []
+        for slot in range(cpu.num_slots):
+            key = cpu.key_of(slot)
+            if key is None or cpu.ref(slot) != 0 or self._remote_writes.owes(key):
+                continue
+            cpu.discard(key)
+            dropped.append(key)
+        self._metrics.add(self.cpu_name, "evictions", len(dropped))
+        if dropped:
+            self._observer.removed(self.cpu_name, dropped)
+        return dropped
+
+    # ---- CPU writes ------------------------------------------------------------------------------
+    def _begin_cpu_write(self, key: bytes) -> int | None:
+        """A CPU slot being written for ``key`` (None when the tier has no room); victims a remote still needs
+        are kept for their write-backs."""
+        cpu = self._cpu
         lanes_for: dict[bytes, list[int]] = {}
 
         def retain(victim: bytes) -> bool:
-            lanes = self._write_back_lanes(victim)
+            lanes = self._remote_writes.write_back_lanes(victim)
             if lanes:
                 lanes_for[victim] = lanes
             return bool(lanes)
@@ -231,41 +324,18 @@ class Hierarchy:
             slot, victims = cpu.begin_write(key, retain)
         except CapacityError as full:
             victims = full.victims
-        self.observer.accessed(self.cpu_rule.name, [key])
-        self.metrics.add(self.cpu_rule.name, "evictions", len(victims))
+        self._observer.accessed(self.cpu_name, [key])
+        self._metrics.add(self.cpu_name, "evictions", len(victims))
         if victims:
-            self.observer.removed(self.cpu_rule.name, [victim.key for victim in victims])
+            self._observer.removed(self.cpu_name, [victim.key for victim in victims])
         for victim in victims:
-            if not victim.retained:
-                continue
-            lanes = lanes_for[victim.key]
-            for _ in lanes[1:]:
-                cpu.pin(victim.slot)
-            for lane in lanes:
-                self.pending_stores += 1
-                self._queue_put(RemotePut(lane, (victim.key,), (victim.slot,), Reason.DEMOTION))
+            if victim.retained:
+                self._remote_writes.write_back(victim.key, victim.slot, lanes_for[victim.key])
         return slot
 
-    def _write_back_lanes(self, key: bytes) -> list[int]:
-        """The remote lanes a CPU victim must still be written to (drops counted when the queue is full)."""
-        lanes = []
-        for lane, rule in enumerate(self.lanes):
-            if not self.owes(lane, key):
-                continue
-            if self.pending_stores + len(lanes) >= self.max_pending_stores:
-                self.metrics.add(rule.name, "stores_dropped")
-                continue
-            lanes.append(lane)
-        return lanes
-
-    def owes(self, lane: int, key: bytes) -> bool:
-        """Whether ``lane`` still needs ``key`` from the CPU tier: not known written there, admitted on eviction."""
-        return not self.written(lane, key) and self._admits(self.lanes[lane], key, evicted=True)
-
-    def end_cpu_writes(self, slots: Sequence[int], oks: Sequence[bool]) -> None:
+    def _end_cpu_writes(self, slots: Sequence[int], oks: Sequence[bool]) -> None:
         """CPU writes finished: committed slots become cached, failed ones are forgotten."""
-        cpu = self.local.cpu
-        assert cpu is not None
+        cpu = self._cpu
         committed = []
         for slot, ok in zip(slots, oks, strict=True):
             if ok:
@@ -273,132 +343,12 @@ class Hierarchy:
                 committed.append(cpu.key_of(slot))
             else:
                 cpu.abort_write(slot)
-        if committed and self.cpu_rule is not None:
-            self.observer.stored(self.cpu_rule.name, committed, None, None)
+        if committed:
+            self._observer.stored(self.cpu_name, committed, None, None)
 
-    def copy_done(self, move: HostCopy, ok: bool) -> None:
-        """A GPU->CPU copy landed (or failed): commit its slots and write through to remotes."""
-        if not move.before_reuse:
-            for block in move.gpu_ids:
-                self.local.pool.unpin(block)
-        self.written_down(move.keys, move.cpu_slots, [ok] * len(move.keys))
-
-    def begin_engine_write(self, key: bytes) -> int | None:
-        """A CPU slot for a block the engine copies in from its own pool (``LowerTiers``): None when the CPU
-        tier holds it already, does not admit it yet, or has no room (counted)."""
-        cpu, rule = self.local.cpu, self.cpu_rule
-        assert cpu is not None and rule is not None
-        if key in cpu:
-            return None
-        if not self._admits(rule, key, evicted=False):
-            self.metrics.add(rule.name, "not_admitted")
-            return None
-        slot = self.begin_cpu_write(key)
-        if slot is None:
-            self.metrics.add(rule.name, f"{Reason.WRITE_THROUGH.value}_dropped")
-        return slot
-
-    def written_down(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
-        """Blocks copied into the CPU slots begun for them landed (or failed): commit them, write through."""
-        self.end_cpu_writes(slots, oks)
+    def _landed(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
+        """Blocks copied into the CPU slots begun for them landed (or failed): commit them, write them through."""
+        self._end_cpu_writes(slots, oks)
         landed = [(key, slot) for key, slot, ok in zip(keys, slots, oks, strict=True) if ok]
-        if not landed:
-            return
-        for lane in range(len(self.lanes)):
-            self._write_through(lane, [key for key, _ in landed], [slot for _, slot in landed], Reason.WRITE_THROUGH)
-
-    # ---- remote lanes -----------------------------------------------------------------
-    def written(self, lane: int, key: bytes) -> bool:
-        """Whether ``key`` is remembered as stored in ``lane``."""
-        return self.written_keys.holds(lane, key)
-
-    def put(self, lane: int, keys: list[bytes], slots: list[int], reason: Reason) -> None:
-        """Queue a put of readable CPU slots (pinned until it lands), or drop it when the queue is full."""
-        cpu = self.local.cpu
-        assert cpu is not None
-        if self.pending_stores + len(keys) > self.max_pending_stores:
-            self.metrics.add(self.lanes[lane].name, "stores_dropped", len(keys))
-            return
-        for slot in slots:
-            cpu.pin(slot)
-        self.pending_stores += len(keys)
-        self._queue_put(RemotePut(lane, tuple(keys), tuple(slots), reason))
-
-    def _queue_put(self, move: RemotePut) -> None:
-        """A put for the outbox; its keys are in flight to the lane until ``put_done``."""
-        putting = self._putting[move.lane]
-        for key in move.keys:
-            putting[key] = False
-        self.outbox.append(move)
-
-    def put_done(self, move: RemotePut, oks: Sequence[bool]) -> None:
-        """A put landed: unpin its slots (a write-back victim's slot frees), remember what was written; a key the
-        remote reported dropping while its put was in flight is forgotten now."""
-        cpu = self.local.cpu
-        assert cpu is not None
-        putting = self._putting[move.lane]
-        dropped = [key for key in move.keys if putting.pop(key, False)]
-        for slot in move.cpu_slots:
-            cpu.unpin(slot)
-        self.pending_stores -= len(move.keys)
-        landed = [key for key, ok in zip(move.keys, oks, strict=True) if ok]
-        self.written_keys.landed(move.lane, landed)
-        name = self.lanes[move.lane].name
-        self.observer.accessed(name, move.keys)
-        self.observer.stored(name, landed, None, None)
-        stored = len(landed)
-        self._count_move(self.cpu_name, name, stored)
-        self.metrics.add(name, "store_failures", len(move.keys) - stored)
-        self.metrics.add(name, "bytes_written", stored * self.bytes_per_block)
-        if dropped:
-            self.forget(move.lane, dropped)
-
-    def evicted(self, lane: int, keys: Sequence[bytes]) -> None:
-        """The remote at ``lane`` dropped ``keys`` by itself: forget them (those with a put in flight once it
-        has landed, or the put's landing would remember them again)."""
-        putting = self._putting[lane]
-        settled = []
-        for key in keys:
-            if key in putting:
-                putting[key] = True
-            else:
-                settled.append(key)
-        self.forget(lane, settled)
-
-    def fetched(self, lane: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        """Blocks read from ``lane`` into CPU slots: known there; written into the faster remotes above it."""
-        self.written_keys.landed(lane, keys)
-        self.observer.stored(self.lanes[lane].name, keys, None, None)  # served: held, whatever was said before
-        for faster in range(lane):
-            self._write_through(faster, keys, slots, Reason.PROMOTION)
-
-    def _write_through(self, lane: int, keys: Sequence[bytes], slots: Sequence[int], reason: Reason) -> None:
-        """Put the CPU slots of the keys ``lane`` does not hold yet and admits now (not from an eviction)."""
-        rule = self.lanes[lane]
-        todo = [
-            (key, slot)
-            for key, slot in zip(keys, slots, strict=True)
-            if not self.written(lane, key) and self._admits(rule, key, evicted=False)
-        ]
-        if todo:
-            self.put(lane, [key for key, _ in todo], [slot for _, slot in todo], reason)
-
-    def forget(self, lane: int, keys: Sequence[bytes], *, proven: bool = True) -> None:
-        """The remote may have lost these keys: the next store writes them again.
-
-        ``proven``: the remote said so (it answered "not held", or reported dropping
-        them), and they are reported removed; else (a read failed) nothing is reported.
-        """
-        self.written_keys.forget(lane, keys)
-        if proven:
-            self.observer.removed(self.lanes[lane].name, keys)
-
-    def forget_absent(self, lane: int, keys: Sequence[bytes], clock: int) -> None:
-        """``lane`` answered, when ``written_keys.landings`` read ``clock``, that it does not hold ``keys``:
-        forget them and report them removed, but for those seen there since (stored again meanwhile)."""
-        self.forget(lane, [key for key in keys if not self.written_keys.landed_since(lane, key, clock)])
-
-    def _count_move(self, source: str, destination: str, blocks: int) -> None:
-        """Blocks copied from one tier to another (``blocks_out`` / ``blocks_in``)."""
-        self.metrics.add(source, "blocks_out", blocks)
-        self.metrics.add(destination, "blocks_in", blocks)
+        if landed:
+            self._remote_writes.write_through([key for key, _ in landed], [slot for _, slot in landed])

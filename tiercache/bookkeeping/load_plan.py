@@ -2,8 +2,10 @@
 
 Pure: no threads, no I/O, no bytes. A load (``tiercache.movement.loads``) asks
 this for its plan, tells it what arrived, and hands its items back when they are
-in the engine's blocks or unused; every slot-table change a load makes is made
-here. A plan has one item per block, each one of:
+in the engine's blocks or unused. The load's pins and staging slots are kept
+here; what the load does to the tiers (the CPU tier's accesses, the blocks it
+promotes, what it read from a remote) is told to the ``Hierarchy`` and
+``RemoteWrites``. A plan has one item per block, each one of:
 
 * a GPU-resident block later in the prefix (copied on the device, never reloaded
   from below), pinned by the lookup;
@@ -15,7 +17,7 @@ here. A plan has one item per block, each one of:
 The plan stops at the first block that cannot be had any more (no staging room,
 a write that failed); the pins of the places it does not use are dropped. An
 item's ``gpu_id`` is None when the engine copies out of the CPU slot itself
-(``LowerTiers``), so it is never indexed in the GPU pool here.
+(``LowerTiers``), so it is never indexed in the GPU pool.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.memory_tiers import MemoryTiers, Place, Source
+from tiercache.bookkeeping.remote_writes import RemoteWrites
 from tiercache.bookkeeping.slots import SlotTable
 from tiercache.telemetry.counters import Metrics
 
@@ -62,20 +65,20 @@ class LoadPlanner:
     """Plans loads and keeps their pins (see the module docstring); call it under the manager's lock."""
 
     def __init__(
-        self, local: MemoryTiers, hierarchy: Hierarchy, metrics: Metrics, *, exclusive: bool, has_remotes: bool,
-        versioned_remotes: bool,
+        self, local: MemoryTiers, hierarchy: Hierarchy, remote_writes: RemoteWrites, metrics: Metrics, *,
+        has_remotes: bool, versioned_remotes: bool,
     ) -> None:
-        self.local = local
-        self.hierarchy = hierarchy
-        self.metrics = metrics
-        self.exclusive = exclusive
-        self.has_remotes = has_remotes
-        self.versioned_remotes = versioned_remotes
+        self._local = local
+        self._hierarchy = hierarchy
+        self._remote_writes = remote_writes
+        self._metrics = metrics
+        self._has_remotes = has_remotes
+        self._versioned_remotes = versioned_remotes
 
     @property
     def _cpu(self) -> SlotTable:
         """The CPU tier's table: a load plan exists only where there is one."""
-        cpu = self.local.cpu
+        cpu = self._local.cpu
         if cpu is None:
             raise RuntimeError("a load needs a CPU tier")
         return cpu
@@ -93,12 +96,10 @@ class LoadPlanner:
             if position < len(ids) and len(plan) == position:
                 item = self._item(keys[position], ids[position], place, force_latest)
             if item is None:
-                self.local.unpin(place)
+                self._local.unpin(place)
             else:
                 plan.append(item)
-        served = [item.key for item in plan if item.place.source is Source.CPU]
-        self.local.touch_tail_first(self._cpu, served)
-        self.hierarchy.observer.accessed(self.hierarchy.cpu_name, served)
+        self._hierarchy.served_from_cpu([item.key for item in plan if item.place.source is Source.CPU])
         return plan
 
     def _item(self, key: bytes, gpu_id: int | None, place: Place, force_latest: bool) -> LoadItem | None:
@@ -106,11 +107,11 @@ class LoadPlanner:
         if place.source is Source.GPU:
             return LoadItem(key, gpu_id, place, pinned=True)
         if place.source is Source.CPU:
-            if not (force_latest and self.versioned_remotes):
+            if not (force_latest and self._versioned_remotes):
                 return LoadItem(key, gpu_id, place, slot=place.index, pinned=True)
-            self.local.unpin(place)
+            self._local.unpin(place)
             if not cpu.discard(key):
-                self.local.pin(place)
+                self._local.pin(place)
                 return None
             return self._staged(key, gpu_id)
         slot = cpu.readable(key)
@@ -120,13 +121,13 @@ class LoadPlanner:
         writing = cpu.slot_of(key)
         if writing is not None:
             return LoadItem(key, gpu_id, Place(Source.CPU_WRITING, writing))
-        return self._staged(key, gpu_id) if self.has_remotes else None
+        return self._staged(key, gpu_id) if self._has_remotes else None
 
     def _staged(self, key: bytes, gpu_id: int | None) -> LoadItem | None:
         """A remote read into a fresh CPU slot (None when the CPU tier has no room)."""
-        slot = self.hierarchy.begin_cpu_write(key)
+        slot = self._hierarchy.begin_remote_read(key)
         if slot is None:
-            self.metrics.add(self.hierarchy.cpu_name, "load_staging_full")
+            self._metrics.add(self._hierarchy.cpu_name, "load_staging_full")
             return None
         return LoadItem(key, gpu_id, Place(Source.REMOTE, 0), slot=slot)
 
@@ -138,7 +139,7 @@ class LoadPlanner:
         cpu = self._cpu
         held = set(unsettled)
         ending = [i for i in range(len(items)) if i not in held]
-        self.hierarchy.end_cpu_writes([items[i].cpu_slot for i in ending], [sources[i] is not None for i in ending])
+        self._hierarchy.end_remote_reads([items[i].cpu_slot for i in ending], [sources[i] is not None for i in ending])
         for i in held:
             cpu.abandon_write(items[i].cpu_slot)
         by_lane: dict[int, list[LoadItem]] = {}
@@ -148,7 +149,7 @@ class LoadPlanner:
                 item.pinned = True
                 by_lane.setdefault(source, []).append(item)
         for lane, group in sorted(by_lane.items()):
-            self.hierarchy.fetched(lane, [item.key for item in group], [item.cpu_slot for item in group])
+            self._remote_writes.fetched(lane, [item.key for item in group], [item.cpu_slot for item in group])
 
     def late_read_ended(self, slots: Sequence[int]) -> None:
         """A read past its deadline has ended: the slots it could write into are free again."""
@@ -166,24 +167,10 @@ class LoadPlanner:
         return True
 
     def handed_over(self, items: Sequence[LoadItem]) -> None:
-        """``items`` are in their GPU blocks: their sources' pins go; promoted blocks are indexed in the pool
-        (and, with ``exclusive``, leave the CPU tier)."""
-        gpu, cpu = self.local.pool, self._cpu
-        promoted, freed = [], []
-        for item in items:
-            self.release([item])
-            if item.on_gpu or item.gpu_id is None:
-                continue
-            if item.key not in gpu:
-                gpu.bind(item.gpu_id, item.key, track=False)
-                promoted.append(item.key)
-            if self.exclusive and cpu.discard(item.key):
-                freed.append(item.key)
-        from_cpu = sum(not item.on_gpu for item in items)
-        self.metrics.add(self.hierarchy.cpu_name, "blocks_out", from_cpu)
-        self.metrics.add(self.hierarchy.gpu_name, "blocks_in", len(items))
-        self.hierarchy.observer.stored(self.hierarchy.gpu_name, promoted, None, None)
-        self.hierarchy.observer.removed(self.hierarchy.cpu_name, freed)
+        """``items`` are in their GPU blocks: their sources' pins go, and the hierarchy hears of the promotion."""
+        self.release(items)
+        below = [(item.key, item.gpu_id) for item in items if not item.on_gpu]
+        self._hierarchy.promoted(below, len(items) - len(below))
 
     def release(self, items: Sequence[LoadItem]) -> None:
         """Give back the pins ``items`` hold on their sources (which stay cached)."""
@@ -192,6 +179,6 @@ class LoadPlanner:
                 continue
             item.pinned = False
             if item.on_gpu:
-                self.local.pool.unpin(item.place.index)
+                self._local.pool.unpin(item.place.index)
             else:
                 self._cpu.unpin(item.cpu_slot)

@@ -1,16 +1,17 @@
-"""The moves the hierarchy asks for, as values: copies between the local tiers and remote puts.
+"""The moves the bookkeeping asks for, as values: copies between the local tiers and remote puts, and their outbox.
 
-The pure bookkeeping (``MemoryTiers``, ``Hierarchy``) never moves a byte: it
-decides, under the manager's lock, and appends a move to its outbox. The
-manager hands each move to the queue that runs it (the swap queue for copies,
-the transfer queue for puts) and reports the outcome back to the hierarchy,
-which may answer with further moves (a block that reached the CPU tier is
-written through to a remote).
+The pure bookkeeping (``Hierarchy``, ``RemoteWrites``) never moves a byte: it
+decides, under the manager's lock, and adds a move to the ``Outbox`` it shares
+with the mover. The mover hands each move to the queue that runs it (the swap
+queue for copies, the transfer queue for puts) and the outcome is reported
+back, which may add further moves (a block that reached the CPU tier is written
+through to a remote).
 """
 
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -51,6 +52,22 @@ class RemotePut:
     keys: tuple[bytes, ...]
     cpu_slots: tuple[int, ...]
     reason: Reason
+    checksums: tuple[int | None, ...]
+    """Each slot's checksum as the slot table noted it when its bytes landed (None: not taken)."""
 
 
 Move = HostCopy | RemotePut
+
+
+class Outbox:
+    """The moves asked for and not yet taken, oldest first: the bookkeeping adds them, the mover takes them."""
+
+    def __init__(self) -> None:
+        self._moves: deque[Move] = deque()
+
+    def add(self, move: Move) -> None:
+        self._moves.append(move)
+
+    def take(self) -> Move | None:
+        """The oldest move not taken yet (None: none)."""
+        return self._moves.popleft() if self._moves else None

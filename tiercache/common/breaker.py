@@ -2,8 +2,8 @@
 
 After ``failure_threshold`` consecutive failures the breaker opens: callers are
 told not to try (their blocks are misses at once instead of each waiting for a
-timeout against a dead server). After a back-off it lets exactly one probe
-through (half-open); a success closes it, a failure re-opens it with the
+timeout against a dead server). After a back-off it lets exactly one trial
+call through (half-open); a success closes it, a failure re-opens it with the
 back-off multiplied, up to a ceiling, so a server that stays down is tried
 less and less often and one that comes back is used again without a restart.
 """
@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 
 BACKOFF_MULTIPLIER = 2.0
-"""Each failed probe multiplies the back-off by this."""
+"""Each failed trial call multiplies the back-off by this."""
 JITTER_FRACTION = 0.1
-"""Back-offs are spread by up to +-10% so clients of one server do not probe in lockstep."""
+"""Back-offs are spread by up to +-10% so clients of one server do not retry in lockstep."""
 
 
 class BreakerState(enum.IntEnum):
@@ -30,7 +30,7 @@ class BreakerState(enum.IntEnum):
 
 
 class CircuitBreaker:
-    """Closed -> open after N consecutive failures -> one probe after a back-off -> closed.
+    """Closed -> open after N consecutive failures -> one trial call after a back-off -> closed.
 
     Not thread-safe: use it from one event loop. ``allow()`` before an attempt,
     then exactly one of ``success()`` / ``failure()`` / ``abandon()`` for every
@@ -61,16 +61,16 @@ class CircuitBreaker:
         """How many times it has opened (a counter for stats)."""
         self.rejected = 0
         """How many attempts it refused."""
-        self._probe_in_flight = False
+        self._trial_in_flight = False
 
     def allow(self) -> bool:
-        """Whether to attempt now; in half-open state only one probe at a time."""
+        """Whether to attempt now; in half-open state only one trial call at a time."""
         if self.state is BreakerState.CLOSED:
             return True
         if self.state is BreakerState.OPEN and self._clock() >= self.retry_at:
             self.state = BreakerState.HALF_OPEN
-        if self.state is BreakerState.HALF_OPEN and not self._probe_in_flight:
-            self._probe_in_flight = True
+        if self.state is BreakerState.HALF_OPEN and not self._trial_in_flight:
+            self._trial_in_flight = True
             return True
         self.rejected += 1
         return False
@@ -80,7 +80,7 @@ class CircuitBreaker:
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
         self.backoff_s = self.base_backoff_s
-        self._probe_in_flight = False
+        self._trial_in_flight = False
 
     def failure(self) -> None:
         """The attempt could not reach the server (refused, reset, timed out)."""
@@ -90,11 +90,11 @@ class CircuitBreaker:
             self._open()
         elif self.state is BreakerState.CLOSED and self.consecutive_failures >= self.failure_threshold:
             self._open()
-        self._probe_in_flight = False
+        self._trial_in_flight = False
 
     def abandon(self) -> None:
         """The allowed attempt was cancelled before it said anything about the server."""
-        self._probe_in_flight = False
+        self._trial_in_flight = False
 
     def _open(self) -> None:
         self.state = BreakerState.OPEN

@@ -2,5 +2,5 @@
 
 MS_PER_SECOND = 1000.0
 """Milliseconds in a second: options and stats speak milliseconds, clocks and asyncio seconds."""
-MICROS_PER_SECOND = 1_000_000
-"""Microseconds in a second: counters that sum durations keep whole microseconds."""
+US_PER_SECOND = 1_000_000.0
+"""Microseconds in a second: socket timeouts (``timeval``) and copy-time stats (``*_us``) speak microseconds."""

@@ -3,9 +3,9 @@
 The bookkeeping (``tiercache.bookkeeping``) is pure and not thread-safe; the
 engine's thread calls the facade while the background loop and the copy thread
 report what landed. ``Books`` is the one owner of the lock: each method is one
-short critical section over the slot tables, the hierarchy, the lookup's pins,
-a load's plan and the cost model, ending with the moves it caused handed to the
-mover. The queues see it as their ``Bookkeeper`` and the lanes as their
+short critical section over the slot tables, the hierarchy, the remote writes,
+the lookup's pins, a load's plan and the cost model, ending with the moves it
+caused handed to the mover. The queues see it as their ``Bookkeeper`` and the lanes as their
 ``LinkObserver``; neither holds the lock.
 """
 
@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from tiercache.bookkeeping.cpu_reset import reset_cpu_tier
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.load_plan import LoadItem, LoadPlanner
 from tiercache.bookkeeping.memory_tiers import LookupPins, MemoryTiers, PinState
 from tiercache.bookkeeping.moves import HostCopy, RemotePut
+from tiercache.bookkeeping.remote_writes import RemoteWrites
 from tiercache.manager.cost import CostModel
 from tiercache.manager.lookup import Found, PrefixLookup
 from tiercache.movement.loads import FillWaiters
@@ -34,11 +34,12 @@ class Books:
     """The thread-safe front of one topology's bookkeeping (see the module docstring)."""
 
     def __init__(
-        self, local: MemoryTiers, hierarchy: Hierarchy, planner: LoadPlanner | None, lookup: PrefixLookup,
-        cost: CostModel | None, mover: Mover, metrics: Metrics,
+        self, local: MemoryTiers, hierarchy: Hierarchy, remote_writes: RemoteWrites, planner: LoadPlanner | None,
+        lookup: PrefixLookup, cost: CostModel | None, mover: Mover, metrics: Metrics,
     ) -> None:
         self.local = local
         self.hierarchy = hierarchy
+        self.remote_writes = remote_writes
         self.planner = planner
         self.lookup = lookup
         self.cost = cost
@@ -112,15 +113,14 @@ class Books:
         """CPU slots for blocks the engine copies in from its own pool (None: held already, not admitted, or no
         room)."""
         with self.lock:
-            slots = [self.hierarchy.begin_engine_write(key) for key in keys]
+            slots = self.hierarchy.begin_engine_writes(keys)
             self.mover.dispatch()  # write-backs of the victims that made room
             return slots
 
-    def engine_wrote(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
+    def end_engine_writes(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
         """The engine's copies into ``slots`` landed (or failed): commit them and write them down."""
         with self.lock:
-            self.hierarchy.written_down(keys, slots, oks)
-            self.metrics.add(self.hierarchy.cpu_name, "blocks_in", sum(oks))
+            self.hierarchy.end_engine_writes(keys, slots, oks)
             self.waiters.ended(keys, oks)
             self.mover.dispatch()
 
@@ -131,10 +131,10 @@ class Books:
             self.local.drop(found.pins, with_run=True)
 
     def reset_cpu(self) -> int:
-        """Drop the CPU tier's entries nothing holds (``tiercache.bookkeeping.cpu_reset``); how many."""
+        """Drop the CPU tier's entries nothing holds (``Hierarchy.reset_cpu_tier``); how many."""
         with self.lock:
             self._reap()
-            return len(reset_cpu_tier(self.hierarchy))
+            return len(self.hierarchy.reset_cpu_tier())
 
     def release_blocks(self, ids: Sequence[int]) -> None:
         """The engine hands GPU blocks back (checked first)."""
@@ -165,12 +165,12 @@ class Books:
 
     def put_done(self, move: RemotePut, oks: Sequence[bool]) -> None:
         with self.lock:
-            self.hierarchy.put_done(move, oks)
+            self.remote_writes.put_done(move, oks)
             self.mover.dispatch()
 
     def evicted(self, lane: int, keys: Sequence[bytes]) -> None:
         with self.lock:
-            self.hierarchy.evicted(lane, keys)
+            self.remote_writes.evicted(lane, keys)
 
     def wait_for_write(self, key: bytes) -> concurrent.futures.Future[bool]:
         with self.lock:
@@ -185,9 +185,9 @@ class Books:
         keys = [item.key for item in items]
         with self.lock:
             for tried in read.tried:
-                if read.late is None or tried is not read.tried[-1]:  # a late lane did not say what it holds
-                    self.hierarchy.forget(tried.lane.index, [keys[i] for i in tried.missed], proven=False)
-                self.hierarchy.observer.accessed(tried.lane.name, [keys[i] for i in tried.positions])
+                told = read.late is None or tried is not read.tried[-1]  # a late lane did not say what it holds
+                missed = [keys[i] for i in tried.missed] if told else []
+                self.remote_writes.read_tried(tried.lane.index, [keys[i] for i in tried.positions], missed)
             self._planner.arrived(items, read.sources, read.unsettled)
             self.metrics.add(self.hierarchy.cpu_name, "blocks_in", sum(read.filled))
             self.waiters.ended(keys, read.filled)
@@ -211,24 +211,24 @@ class Books:
 
     def written_clock(self) -> int:
         with self.lock:
-            return self.hierarchy.written_keys.landings
+            return self.remote_writes.written_clock()
 
     def found_absent(self, lane: int, keys: Sequence[bytes], clock: int) -> None:
         with self.lock:
-            self.hierarchy.forget_absent(lane, keys, clock)
+            self.remote_writes.forget_absent(lane, keys, clock)
 
     def begin_explored(self, lane: int, keys: Sequence[bytes], oks: Sequence[bool]) -> list[tuple[int, int]]:
-        name = self.hierarchy.lanes[lane].name
+        name = self.remote_writes.lane_name(lane)
         with self.lock:
-            cpu = self._planner.local.cpu
+            cpu = self.local.cpu
             missed = [key for key, ok in zip(keys, oks, strict=True) if not ok]
-            self.hierarchy.forget(lane, missed, proven=False)  # rewritten by the next store; routers are not told
+            self.remote_writes.forget(lane, missed, proven=False)  # rewritten by the next store; routers are not told
             self.metrics.add(name, "explore_misses", len(missed))
             writes, dropped = [], 0
             for position, (key, ok) in enumerate(zip(keys, oks, strict=True)):
                 if not ok or (cpu is not None and key in cpu):
                     continue
-                slot = self.hierarchy.begin_cpu_write(key)
+                slot = self.hierarchy.begin_remote_read(key)
                 if slot is None:  # every slot pinned or being written: back-pressure
                     dropped += 1
                 else:
@@ -238,11 +238,11 @@ class Books:
 
     def end_explored(self, lane: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         with self.lock:
-            self.hierarchy.end_cpu_writes(slots, [True] * len(slots))
+            self.hierarchy.end_remote_reads(slots, [True] * len(slots))
             self.waiters.ended(keys, [True] * len(keys))
             if keys:
-                self.hierarchy.fetched(lane, keys, slots)
-            self.metrics.add(self.hierarchy.lanes[lane].name, "explored_blocks", len(keys))
+                self.remote_writes.fetched(lane, keys, slots)
+            self.metrics.add(self.remote_writes.lane_name(lane), "explored_blocks", len(keys))
             self.mover.dispatch()
 
     @property
@@ -252,10 +252,10 @@ class Books:
         return self.planner
 
     # ---- the links' timings (LinkObserver) ----------------------------------------------------
-    def probed(self, tier: str, seconds: float) -> None:
+    def presence_checked(self, tier: str, seconds: float) -> None:
         if self.cost is not None:
             with self.lock:
-                self.cost.observe_probe(tier, seconds)
+                self.cost.observe_presence_check(tier, seconds)
 
     def fetched(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
         if self.cost is not None:

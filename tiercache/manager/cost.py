@@ -4,8 +4,8 @@ A remote tier is worth reading only while fetching a block is cheaper than the
 engine's prefill of the same tokens. Per remote tier this model predicts a
 fetch's duration as ``round trip + fixed + bytes * per_byte``:
 
-* the round trip is live: the median time of the tier's last probes (the
-  lookups' "which of these keys do you hold" calls, made whether or not a
+* the round trip is live: the median time of the tier's last presence checks
+  (the lookups' "which of these keys do you hold" calls, made whether or not a
   fetch follows), so a tier that gets slow or fast again shows at the second
   lookup after, with no request waiting on an experiment;
 * ``fixed + bytes * per_byte`` is an exponentially forgetting least-squares line
@@ -37,8 +37,8 @@ them as often as the engine retries), ``count`` records a verdict the request
 went ahead with (once per request, at load), which moves the counters, the
 staleness and the exploration schedule.
 
-Pure: no threads, no I/O, no clock; the caller times its fetches, probes and
-prefills. Not thread-safe: call it under one lock (the manager's).
+Pure: no threads, no I/O, no clock; the caller times its fetches, presence
+checks and prefills. Not thread-safe: call it under one lock (the manager's).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 
 from tiercache.config.cost_options import CostConfig
 
-PROBE_WINDOW = 3
-"""Probes whose median is the live round trip: a change shows at the second probe after it, and one
-probe out of line (a scheduling hiccup) changes nothing. Of two probes the lower one counts
-(``median_low``): a stall only ever adds time, so a stalled first probe does not set the round trip."""
+PRESENCE_CHECK_WINDOW = 3
+"""Presence checks whose median is the live round trip: a change shows at the second check after it, and
+one check out of line (a scheduling hiccup) changes nothing. Of two checks the lower one counts
+(``median_low``): a stall only ever adds time, so a stalled first check does not set the round trip."""
 FETCH_WINDOW = 3
 """Recent fetches whose median (the lower one of two) caps the fit's estimate (``RecentFetches``).
 By construction: one stall among any three fetches (or two) never raises the estimate above a fast
@@ -194,7 +194,7 @@ class TierCost:
 
     fit: FetchFit
     recent_fetches: RecentFetches = field(default_factory=RecentFetches)
-    recent_probes: deque[float] = field(default_factory=lambda: deque(maxlen=PROBE_WINDOW))
+    recent_presence_checks: deque[float] = field(default_factory=lambda: deque(maxlen=PRESENCE_CHECK_WINDOW))
     fetches_planned: int = 0
     bypassed_slower_than_recompute: int = 0
     """Requests that recomputed this tier's part (explorations included)."""
@@ -205,12 +205,12 @@ class TierCost:
     exploring: bool = False
     """An exploration is in flight (reported back by ``exploration_ended``)."""
     observations: int = 0
-    probes: int = 0
+    presence_checks: int = 0
 
     @property
     def round_trip_s(self) -> float | None:
-        """The median of the recent probes, the lower of two (None before any)."""
-        return statistics.median_low(self.recent_probes) if self.recent_probes else None
+        """The median of the recent presence checks, the lower of two (None before any)."""
+        return statistics.median_low(self.recent_presence_checks) if self.recent_presence_checks else None
 
     def fetch_seconds(self, blocks: int, nbytes: int | None = None) -> float:
         """Expected time of a fetch beyond the round trip: the fit's, or the recent fetches' median if lower."""
@@ -247,13 +247,14 @@ class CostModel:
         state.recent_fetches.add(nbytes, beyond)
         state.observations += 1
 
-    def observe_probe(self, tier: str, seconds: float) -> None:
-        """A probe of ``tier`` (asking which keys it holds) took ``seconds``: the tier's live round trip."""
+    def observe_presence_check(self, tier: str, seconds: float) -> None:
+        """A presence check of ``tier`` (asking which keys it holds) took ``seconds``: the tier's live round
+        trip."""
         if seconds < 0:
             return
         state = self._tier(tier)
-        state.recent_probes.append(seconds)
-        state.probes += 1
+        state.recent_presence_checks.append(seconds)
+        state.presence_checks += 1
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine prefilled ``tokens`` tokens in ``seconds``; replaces the configured rate from now on."""

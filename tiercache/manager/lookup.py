@@ -10,7 +10,7 @@ from than recomputing (the cost cut), and pins every local block it counts.
 The pins are its only side effect, so a scheduler may look up as often as it
 likes. What a lookup finds out rides on its answer (``Learned``) and is told
 once per request, by ``commit`` at load: the remote tiers' "not held" answers
-(the hierarchy forgets those keys, so a store rewrites them) and the cost
+(``RemoteWrites`` forgets those keys, so a store rewrites them) and the cost
 model's verdicts (its counters and exploration schedule); an exploration the
 cost model then starts is handed, with the remote blocks it cut, to the
 background (``explore``), never to the request's load. A remote that could
@@ -26,6 +26,7 @@ from typing import Any
 
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.memory_tiers import LookupPins, MemoryTiers, Place, Source
+from tiercache.bookkeeping.remote_writes import RemoteWrites
 from tiercache.manager.cost import CostModel, Verdict
 from tiercache.movement.presence import PresenceCache, first_holder
 from tiercache.tiers.base import Presence
@@ -62,7 +63,7 @@ class Learned:
     absent: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
     """Per remote lane, the keys it answered it does not hold."""
     clock: int = 0
-    """``WrittenKeys.landings`` when the lookup was answered: a key seen in a remote since is not forgotten."""
+    """``RemoteWrites.written_clock`` when the lookup was answered: a key seen in a remote since is not forgotten."""
     verdicts: tuple[tuple[str, Verdict | None], ...] = ()
     """The cost model's verdict on each remote tier it weighed."""
     cut_blocks: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
@@ -91,6 +92,7 @@ class PrefixLookup:
         local: MemoryTiers,
         presence_cache: PresenceCache | None,
         hierarchy: Hierarchy,
+        remote_writes: RemoteWrites,
         cost: CostModel | None,
         names: TierNames,
         block_size: int,
@@ -98,6 +100,7 @@ class PrefixLookup:
         self.local = local
         self.presence_cache = presence_cache
         self.hierarchy = hierarchy
+        self.remote_writes = remote_writes
         self.cost = cost
         self.names = names
         self.block_size = block_size
@@ -130,7 +133,7 @@ class PrefixLookup:
         for name in tiers:
             tier_blocks[name] += 1
         absent = tuple((lane, keys) for lane, keys in absent if keys)
-        learned = Learned(absent, self.hierarchy.written_keys.landings, tuple(verdicts), cut_blocks)
+        learned = Learned(absent, self.remote_writes.written_clock(), tuple(verdicts), cut_blocks)
         return Found(tiers, pins, tier_blocks, learned)
 
     def commit(self, found: Found, keys: Sequence[bytes]) -> None:
@@ -138,7 +141,7 @@ class PrefixLookup:
         self.hierarchy.count_hits(keys[: len(found.tiers)], found.tier_blocks, len(keys))
         learned = found.learned
         for lane, absent in learned.absent:
-            self.hierarchy.forget_absent(lane, absent, learned.clock)
+            self.remote_writes.forget_absent(lane, absent, learned.clock)
         if self.cost is None:
             return
         cut_blocks = dict(learned.cut_blocks)

@@ -151,11 +151,11 @@ class LowerTiers:
 
     def end_writes(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
         """The engine copied ``keys`` into ``slots`` (``oks``: which copies landed): commit and write them down."""
-        self._books.engine_wrote(keys, slots, oks)
+        self._books.end_engine_writes(keys, slots, oks)
 
     def reset_cpu_tier(self) -> int:
         """Drop every CPU-tier entry nothing holds (pins, writes in flight, a remote still owed it: see
-        ``tiercache.bookkeeping.cpu_reset``), each reported as an eviction; how many. Remotes are untouched."""
+        ``Hierarchy.reset_cpu_tier``), each reported as an eviction; how many. Remotes are untouched."""
         return self._books.reset_cpu()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:

@@ -2,9 +2,10 @@
 
 The facade (``TierManager``) holds one and runs the API calls against it. The
 parts: the GPU pool and CPU tier (``tiers/``), the remote tiers and their
-transfer lanes and the presence cache, the pure bookkeeping (``MemoryTiers``, ``Hierarchy``),
-the lookup (``PrefixLookup``), the swap queue, the load runner, the mover, the
-cost model's explorer, and the background runtime.
+transfer lanes and the presence cache, the pure bookkeeping (``MemoryTiers``,
+``Hierarchy``, ``RemoteWrites``, the ``Outbox`` of their moves), the lookup
+(``PrefixLookup``), the swap queue, the load runner, the mover, the cost
+model's explorer, and the background runtime.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from tiercache.blocks.keys import BlockHasher, Namespace
-from tiercache.bookkeeping.admission import FillRule
+from tiercache.bookkeeping.admission import FillRule, HitCounts
 from tiercache.bookkeeping.hierarchy import Hierarchy
 from tiercache.bookkeeping.load_plan import LoadItem, LoadPlanner
 from tiercache.bookkeeping.memory_tiers import MemoryTiers
+from tiercache.bookkeeping.moves import Outbox
+from tiercache.bookkeeping.remote_writes import RemoteWrites
 from tiercache.config import TierCacheConfig, TierConfig
 from tiercache.manager.books import Books
 from tiercache.manager.cost import CostModel
@@ -38,7 +41,7 @@ from tiercache.policies import make_policy
 from tiercache.remote.build import build_remotes, close_remotes, lane_stats, model_namespace, topology_namespace
 from tiercache.telemetry.counters import Metrics
 from tiercache.telemetry.mrc import MissRatioCurve
-from tiercache.telemetry.observer import FleetObserver
+from tiercache.telemetry.observer import FleetObserver, NullObserver, TierObserver
 from tiercache.tiers.cpu import CpuTier
 from tiercache.tiers.gpu import GpuTier
 
@@ -99,16 +102,20 @@ class Stack:
         remember = REMEMBER_FACTOR * (
             (self.gpu.num_blocks if self.gpu else 0) + (self.cpu.num_slots if self.cpu else 0)
         )
-        gpu_name = self.gpu.name if self.gpu else ENGINE_POOL
-        self.hierarchy = Hierarchy(
-            self.local, _rule(cpu_config) if cpu_config else None, [_rule(t) for t in lower], self.metrics,
-            gpu_name=gpu_name, block_size=self.block_size, bytes_per_block=self.layout.bytes_per_block,
+        observer: TierObserver = FleetObserver(
+            self.events, self.curves, self.block_size, lora_id, [t.name for t in self.remotes]
+        ) if self.events is not None or self.curves else NullObserver()
+        cpu_rule = _rule(cpu_config) if cpu_config else None
+        hits, outbox = HitCounts(remember), Outbox()
+        self.remote_writes = RemoteWrites(
+            self.local.cpu, [_rule(t) for t in lower], hits, outbox, self.metrics, observer,
+            cpu_name=cpu_rule.name if cpu_rule else "cpu", bytes_per_block=self.layout.bytes_per_block,
             max_pending_stores=queues.max_pending_stores, remember_keys=remember,
-            observer=FleetObserver(
-                self.events, self.curves, self.block_size, lora_id, [t.name for t in self.remotes]
-            )
-            if self.events is not None or self.curves
-            else None,
+        )
+        self.hierarchy = Hierarchy(
+            self.local, cpu_rule, self.remote_writes, hits, outbox, self.metrics, observer,
+            gpu_name=self.gpu.name if self.gpu else ENGINE_POOL, block_size=self.block_size,
+            exclusive=config.exclusive,
         )
         self.tier_names = TierNames(
             self.gpu.name if self.gpu else None, self.cpu.name if self.cpu else None,
@@ -118,14 +125,15 @@ class Stack:
         self.swap = None if self.cpu is None or self.gpu is None else SwapQueue(
             make_swapper(self.layout, self.gpu.tensors, self.cpu.buffer), self.gpu.tensors, self.runtime
         )
-        self.mover = Mover(self.hierarchy, self.swap, self.lanes, self.runtime, views)
+        self.mover = Mover(outbox, self.swap, self.lanes, self.runtime, views)
         planner = None if self.cpu is None else LoadPlanner(
-            self.local, self.hierarchy, self.metrics, exclusive=config.exclusive, has_remotes=bool(self.lanes),
+            self.local, self.hierarchy, self.remote_writes, self.metrics, has_remotes=bool(self.lanes),
             versioned_remotes=any(lane.tier.capabilities.versioned for lane in self.lanes),
         )
-        self.lookup = PrefixLookup(self.local, self.presence_cache, self.hierarchy, self.cost, self.tier_names,
-                                   self.block_size)
-        self.books = Books(self.local, self.hierarchy, planner, self.lookup, self.cost, self.mover, self.metrics)
+        self.lookup = PrefixLookup(self.local, self.presence_cache, self.hierarchy, self.remote_writes, self.cost,
+                                   self.tier_names, self.block_size)
+        self.books = Books(self.local, self.hierarchy, self.remote_writes, planner, self.lookup, self.cost,
+                           self.mover, self.metrics)
         self.reader = RemoteReader(self.lanes, self.layout.bytes_per_block, self.books)
         self.loads = None if self.cpu is None else LoadRunner(
             self.books, self.swap, self.reader, views, self.metrics, batch_blocks=queues.batch_blocks
@@ -205,7 +213,7 @@ class Stack:
             **extra,
             "tiers": tiers,
             "queues": {
-                "pending_stores": self.hierarchy.pending_stores,
+                "pending_stores": self.remote_writes.pending_stores,
                 "waiting": {lane.name: lane.limiter.waiting for lane in self.lanes},
                 "active": {lane.name: lane.limiter.active for lane in self.lanes},
                 "in_flight_cpu_writes": len(self.books.waiters),

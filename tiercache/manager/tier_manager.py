@@ -1,7 +1,7 @@
 """TierManager: the engine-facing API (docs/architecture.md, "The contract with the engine") over a ``Stack``.
 
 The facade runs the API calls; the parts live in the stack (``tiercache.manager.stack``):
-``MemoryTiers`` and ``Hierarchy`` (pure bookkeeping, under one lock), the lookup
+``MemoryTiers``, ``Hierarchy`` and ``RemoteWrites`` (pure bookkeeping, under one lock), the lookup
 (``PrefixLookup``: which tier serves each block), the swap queue, the transfer
 lanes and the presence cache, the load runner, the mover (the one completion path) and the
 background runtime. Bookkeeping changes in short critical sections; the moves it

@@ -4,7 +4,7 @@
 landed, a load's blocks arrived or were handed over, an exploration landed) is
 one call, made atomically by the bookkeeping's owner, who holds its lock and
 starts the moves it causes; no queue holds the lock. ``LinkObserver``: a lane's
-probes and reads time the link to a remote tier for the cost model's owner, so
+presence checks and reads time the link to a remote tier for the cost model's owner, so
 no load or exploration holds the cost model itself.
 """
 
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 class LinkObserver(Protocol):
     """Told how long a remote tier took: the cost model's evidence (see ``tiercache.manager.cost``)."""
 
-    def probed(self, tier: str, seconds: float) -> None:
-        """A probe (``contains``) of ``tier`` answered in ``seconds``: its live round trip."""
+    def presence_checked(self, tier: str, seconds: float) -> None:
+        """A presence check (``contains``) of ``tier`` answered in ``seconds``: its live round trip."""
 
     def fetched(self, tier: str, blocks: int, nbytes: int, seconds: float) -> None:
         """A load's read of ``blocks`` from ``tier`` took ``seconds`` (the queue wait included: the request felt it)."""
@@ -68,7 +68,7 @@ class Bookkeeper(Protocol):
         """``items`` were not handed over: drop their pins."""
 
     def written_clock(self) -> int:
-        """The clock of what remotes were told to hold (``WrittenKeys.landings``)."""
+        """The clock of what remotes were told to hold (``RemoteWrites.written_clock``)."""
 
     def found_absent(self, lane: int, keys: Sequence[bytes], clock: int) -> None:
         """``lane`` answered, at ``clock``, that it does not hold ``keys``."""

@@ -13,7 +13,7 @@ read's buffers reserved until it is done. The tier sets the breaker
 (``RemoteTier.breaker_settings``; by default ``LANE_BREAKER_FAILURES`` failures
 in a row open it, for ``LANE_BACKOFF_SECONDS`` doubling to
 ``LANE_BACKOFF_MAX_SECONDS``); while open the lane answers misses at once, and
-after the back-off one call probes the tier again.
+after the back-off one trial call asks the tier again.
 
 A lane reads one tier; ``reads`` walks the lanes of a read fastest first, and
 ``presence`` remembers the lookups in flight.
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 LANE_BREAKER_FAILURES = 3
 """Consecutive failed or late operations after which a lane stops asking its tier for a while."""
 LANE_BACKOFF_SECONDS = 0.5
-"""First back-off of an open lane; it doubles per failed probe up to ``LANE_BACKOFF_MAX_SECONDS``."""
+"""First back-off of an open lane; it doubles per failed trial call up to ``LANE_BACKOFF_MAX_SECONDS``."""
 LANE_BACKOFF_MAX_SECONDS = 30.0
 LANE_BREAKER = BreakerSettings(LANE_BREAKER_FAILURES, LANE_BACKOFF_SECONDS, LANE_BACKOFF_MAX_SECONDS)
 """A lane's breaker where its tier names no settings of its own."""
@@ -180,7 +180,7 @@ class Lane:
         if found is None:
             return [Presence.UNKNOWN] * len(keys)
         if self.link is not None:
-            self.link.probed(self.name, time.perf_counter() - started)
+            self.link.presence_checked(self.name, time.perf_counter() - started)
         return [answer if isinstance(answer, Presence) else Presence.UNKNOWN for answer in found]
 
     async def read(

@@ -1,10 +1,10 @@
-"""The mover: runs the hierarchy's moves on the queues and reports each outcome to the bookkeeper.
+"""The mover: runs the moves in the bookkeeping's outbox on the queues and reports each outcome to the bookkeeper.
 
 The one completion path for the moves the bookkeeping asks for. After every
 change the bookkeeper calls ``dispatch`` (under its lock): a ``HostCopy`` goes to
 the swap queue, a ``RemotePut`` to its transfer lane. A copy's completion (on the
 copy thread or the loop) and a put's (on the loop) are one call each to the
-bookkeeper, which tells the hierarchy, wakes loads waiting for those CPU writes
+bookkeeper, which tells the bookkeeping, wakes loads waiting for those CPU writes
 and dispatches whatever comes next: no hop back and forth between threads.
 
 Checksums are taken once, where the bytes are warm. When remotes that take
@@ -12,7 +12,7 @@ checksums lie below, a landed copy's slots are hashed (``codec.payload_checksum`
 ~20 GB/s on bytes already out of the CPU's caches) on the thread that saw the copy
 end, before the bookkeeper hears of it; the slot table keeps each slot's checksum,
 and every put of the slot (write-through to each remote, a write-back later)
-carries it, so a remote's write path sends bytes without reading them first.
+carries it in its move, so a remote's write path sends bytes without reading them first.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import concurrent.futures
 from collections.abc import Callable
 
 from tiercache.blocks.codec import payload_checksum
-from tiercache.bookkeeping.hierarchy import Hierarchy
-from tiercache.bookkeeping.moves import HostCopy, RemotePut
+from tiercache.bookkeeping.moves import HostCopy, Outbox, RemotePut
 from tiercache.movement.base import Bookkeeper
 from tiercache.movement.lanes import Lane
 from tiercache.movement.runtime import Runtime
@@ -33,10 +32,10 @@ class Mover:
     """Hands moves to the swap queue and the transfer lanes; reports completions to the bookkeeper."""
 
     def __init__(
-        self, hierarchy: Hierarchy, swap: SwapQueue | None, lanes: list[Lane], runtime: Runtime,
+        self, outbox: Outbox, swap: SwapQueue | None, lanes: list[Lane], runtime: Runtime,
         views: Callable[[int], memoryview],
     ) -> None:
-        self.hierarchy = hierarchy
+        self.outbox = outbox
         self.swap = swap
         self.lanes = lanes
         self.runtime = runtime
@@ -47,12 +46,9 @@ class Mover:
         """Whether landed copies' slots are hashed (only when a remote below takes checksums)."""
 
     def dispatch(self) -> list[concurrent.futures.Future[bool]]:
-        """Start every move in the hierarchy's outbox (call under the bookkeeping's lock); returns the copies
-        started."""
+        """Start every move in the outbox (call under the bookkeeping's lock); returns the copies started."""
         copies = []
-        outbox = self.hierarchy.outbox
-        while outbox:
-            move = outbox.pop(0)
+        while (move := self.outbox.take()) is not None:
             if isinstance(move, HostCopy):
                 if self.swap is None:
                     raise RuntimeError("a GPU->CPU copy without a swap queue")
@@ -60,9 +56,7 @@ class Mover:
                 copy.add_done_callback(lambda done, move=move: self._copied(move, done.result()))
                 copies.append(copy)
             else:
-                cpu = self.hierarchy.local.cpu
-                checksums = None if cpu is None else [cpu.checksum(slot) for slot in move.cpu_slots]
-                self.runtime.submit(self._put(move, checksums))
+                self.runtime.submit(self._put(move))
         return copies
 
     @property
@@ -79,6 +73,7 @@ class Mover:
             checksums = [payload_checksum(self.views(slot)) for slot in move.cpu_slots]
         self._books.copy_done(move, ok, checksums)
 
-    async def _put(self, move: RemotePut, checksums: list[int | None] | None) -> None:
-        oks = await self.lanes[move.lane].put(move.keys, [self.views(slot) for slot in move.cpu_slots], checksums)
+    async def _put(self, move: RemotePut) -> None:
+        views = [self.views(slot) for slot in move.cpu_slots]
+        oks = await self.lanes[move.lane].put(move.keys, views, move.checksums)
         self._books.put_done(move, oks)

@@ -2,8 +2,8 @@
 
 With ``model.secret_env`` a namespace is keyed: its values carry a keyed MAC,
 and its block keys depend on the secret too, so engines with different secrets
-(or none) address disjoint keys and never probe, read, overwrite or delete each
-other's values, while engines sharing the secret share entries. This module is
+(or none) address disjoint keys and never find (by a presence check), read, overwrite
+or delete each other's values, while engines sharing the secret share entries. This module is
 the one place that turns a secret into what that needs:
 
 - the *stretched key*: scrypt (memory-hard; ``SCRYPT_*``) of the secret, salted

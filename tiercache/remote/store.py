@@ -280,7 +280,7 @@ class RemoteStore:
         answers = await asyncio.gather(*(lane.contains(stored) for lane in self.lanes))
         found = [presence_answer(answers, position) for position in range(len(keys))]
         for presence, count in Counter(answer.presence for answer in found).items():
-            self._count(f"probe_{presence.value}", count)
+            self._count(f"presence_{presence.value}", count)
         return found
 
     async def _read(
@@ -346,12 +346,12 @@ class RemoteStore:
         return events
 
     def counters(self) -> dict[str, int]:
-        """This store's own counts (keys asked, ``probe_<presence>``; read hits per tier, misses, writes); cheap,
+        """This store's own counts (keys asked, ``presence_<answer>``; read hits per tier, misses, writes); cheap,
         any thread."""
         with self._lock:
             counts = Counter(self._counts)
         for presence, count in list(self.presence_cache.counts.items()):
-            counts[f"probe_{presence.value}"] += count
+            counts[f"presence_{presence.value}"] += count
         return dict(counts)
 
     def stats(self) -> dict[str, Any]:

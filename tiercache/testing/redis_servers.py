@@ -64,9 +64,9 @@ MAX_CLUSTER_PORT = 55535
 def free_port() -> int:
     """A free loopback port low enough for a cluster node (port + 10000 must exist too)."""
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as spare:
+            spare.bind(("127.0.0.1", 0))
+            port = spare.getsockname()[1]
         if port <= MAX_CLUSTER_PORT:
             return port
 

@@ -205,7 +205,7 @@ class Engine:
         ctx = self.context()
         with self.manager.lock:
             self.manager.on_new_request(ctx)
-            out = self.manager.prepare_store(chunk_keys(self.primary._num_chunks, f"probe-{uuid.uuid4()}"), ctx)
+            out = self.manager.prepare_store(chunk_keys(self.primary._num_chunks, f"leak-check-{uuid.uuid4()}"), ctx)
             if out is not None:
                 self.manager.complete_store(out.keys_to_store, ctx, success=False)
             self.manager.on_request_finished(ctx)

@@ -37,7 +37,7 @@ PROGRESS_LOG_LINES = 5
 """Off a terminal (a log), it prints about this many lines per run."""
 TIME_BINS = 20
 """Windows of the hit-ratio-over-time series."""
-PREFILL_PROBE_TOKENS = 256
+PREFILL_MEASURED_TOKENS = 256
 """Prompt length at which the reference model's prefill cost per token is measured."""
 
 
@@ -210,7 +210,7 @@ def _quantile(ordered: Sequence[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
 
 
-def measure_prefill_cost(layout: KVLayout, tokens: int = PREFILL_PROBE_TOKENS) -> float:
+def measure_prefill_cost(layout: KVLayout, tokens: int = PREFILL_MEASURED_TOKENS) -> float:
     """Seconds per token of a prefill by the reference model shaped like ``layout`` (this machine's CPU)."""
     model = ReferenceModel(ModelSpec.for_layout(layout))
     blocks = math.ceil(tokens / layout.block_size)

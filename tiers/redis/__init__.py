@@ -64,10 +64,10 @@ tier's: ``breaker_settings`` sets it from the ``breaker_*`` options, and a call
 whose server failed (refused, reset, timed out: ``server_failed``) counts
 against it like a call past its deadline. After ``breaker_failures`` such calls
 the lane answers misses at once; after ``breaker_backoff_s`` (doubling per
-failed probe up to ``breaker_backoff_max_s``) one call probes the server, and a
+failed trial call up to ``breaker_backoff_max_s``) one trial call asks the server, and a
 server that answers is used again without a restart. A single server has no
 breaker of its own: a second one on the same calls would count their failures
-again on its own back-off, and could refuse the one probe the lane lets through
+again on its own back-off, and could refuse the one trial call the lane lets through
 (the lane then closing on an answer the server never gave). Only a cluster's
 nodes keep one each (set by the same options), because the tier must skip a
 dead node's slots while it still serves the others; the lane counts a cluster

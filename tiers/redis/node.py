@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlparse
 
 from tiercache.blocks.codec import HEADER_SIZE
 from tiercache.common.breaker import CircuitBreaker
+from tiercache.common.units import US_PER_SECOND
 from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions, RedisServerOptions
 from tiercache.tiers.redis.pipelined import PipelinedConnection, RedisJob
 from tiercache.tiers.redis.resp import Connection, ConnectionFailed, ServerError
@@ -31,7 +32,6 @@ BREAKER_OPEN = "breaker_open"
 """The failure (and outcome) of a job the node's open breaker kept from being sent."""
 SOCKET_BUFFER_BYTES = 4 << 20
 """SO_RCVBUF/SO_SNDBUF: room for a couple of MiB-sized values in flight."""
-MICROSECONDS = 1_000_000
 WRITE_LANE = 0
 """The lane every SET of a node goes down, whatever else is in flight: a server stores MiB-sized values
 faster from one connection's query buffer than from two at once (two put calls of 2 MiB values kept
@@ -162,7 +162,7 @@ class Node:
         return sum(lane.replaced for lane in self.lanes)
 
     def _open(self) -> Connection:
-        """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity probe."""
+        """Runs in a worker thread: connect, TLS, AUTH, SELECT, capacity query."""
         tier, options = self._tier, self._tier.options
         try:
             sock = socket.create_connection((self.host, self.port), timeout=options.connect_timeout_s)
@@ -178,7 +178,7 @@ class Node:
             else:
                 sock.settimeout(None)
                 seconds = int(options.timeout_s)
-                timeval = struct.pack("ll", seconds, int((options.timeout_s - seconds) * MICROSECONDS))
+                timeval = struct.pack("ll", seconds, int((options.timeout_s - seconds) * US_PER_SECOND))
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
             conn = Connection(sock, HEADER_SIZE + tier.block_bytes, HEADER_SIZE, tier.tls_context is not None)

@@ -28,7 +28,7 @@ class GuardedClient:
     """A Redis client behind a circuit breaker.
 
     Once a server is found dead, calls fail at once (misses upstream) instead of
-    each waiting for its socket timeout; after a back-off one probe goes through,
+    each waiting for its socket timeout; after a back-off one trial call goes through,
     and a server that answers again is used again without a restart.
     """
 

@@ -27,14 +27,14 @@ MAX_VERSION = 2**64 - 1
 """The largest version a header can carry."""
 CLOCK_TICKS_PER_MS = 1024
 """Versions per millisecond of the central clock's starting point."""
-_PROBE_VERSION = 0x0123456789ABCDEF
+_DISTINCT_BYTES_VERSION = 0x0123456789ABCDEF
 """A version whose bytes are all distinct, to check the offset against a real header."""
 
 
 def _check_offsets() -> None:
     """Fail at import if the offsets do not match what the codec writes."""
-    header, _ = Codec(bytes(16)).encode(bytes(16), b"", version=_PROBE_VERSION)
-    if len(header) != HEADER_SIZE or U64.unpack_from(header, VERSION_OFFSET)[0] != _PROBE_VERSION:
+    header, _ = Codec(bytes(16)).encode(bytes(16), b"", version=_DISTINCT_BYTES_VERSION)
+    if len(header) != HEADER_SIZE or U64.unpack_from(header, VERSION_OFFSET)[0] != _DISTINCT_BYTES_VERSION:
         raise RuntimeError(f"version offset {VERSION_OFFSET} does not match the codec header {HEADER.format!r}")
     if CHECKSUM_OFFSET + U64.size != HEADER_SIZE:
         raise RuntimeError(f"checksum offset {CHECKSUM_OFFSET} does not match the codec header {HEADER.format!r}")

@@ -146,7 +146,7 @@ def test_batch_exists_is_the_prefix_up_to_the_first_page_missing_a_piece_and_rea
         assert backend.batch_exists(keys[:3]) == 3
         assert backend.batch_exists([keys[0], "f" * 64, keys[1]]) == 1
         assert not backend.exists(keys[3]) and backend.exists(keys[4])
-        assert command_calls(redis_server, "get") == gets, "a probe read a value"
+        assert command_calls(redis_server, "get") == gets, "a presence check read a value"
         assert backend.batch_get_v1(keys, alloc(pool, PAGES)) == [True] * 3 + [False] + [True] * 2
     finally:
         backend.close()

@@ -54,9 +54,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def lookup_tiers(cached: CachedModel, prompt: torch.Tensor) -> list[str]:
     """Per block the request may reuse, the tier a lookup says serves it (the lookup's pins given back)."""
-    probe = cached.manager.lookup(prompt, local_only=True, namespace=cached.namespace)
-    cached.manager.release(probe)
-    return probe.tiers[: (prompt.shape[1] - 1) // BLOCK_SIZE]
+    hit = cached.manager.lookup(prompt, local_only=True, namespace=cached.namespace)
+    cached.manager.release(hit)
+    return hit.tiers[: (prompt.shape[1] - 1) // BLOCK_SIZE]
 
 
 def test_reused_counts_gpu_blocks_after_a_lower_tier_block() -> None:

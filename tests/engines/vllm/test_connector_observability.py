@@ -196,7 +196,7 @@ def test_a_stopped_redis_delays_a_request_briefly_and_shutdown_stays_bounded(
     redis_server.stop()
     try:
         second = vllm.new("second", cpu_topology(remotes=[remote]))
-        records = second.serve(request("b", PROMPT))  # the probe times out: a miss, within the serve's bound
+        records = second.serve(request("b", PROMPT))  # the presence check times out: a miss, within the serve's bound
         assert second.new_request(records, "b").num_computed_tokens == 0
         assert totals(records).get("lookups_pending", 0) >= 1
         vllm.built.remove(second)

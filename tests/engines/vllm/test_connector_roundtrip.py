@@ -117,12 +117,12 @@ def test_the_answer_leaves_a_token_to_compute_and_adds_whole_blocks_to_the_local
     assert not [wrong for record in records for wrong in record.wrong_pages]
 
 
-def test_none_while_a_remote_probe_is_pending_then_a_number(vllm: Instances) -> None:
+def test_none_while_a_remote_presence_check_is_pending_then_a_number(vllm: Instances) -> None:
     remote = simulated_remote()
     first = vllm.new("first", cpu_topology(remotes=[remote]))
     first.serve(request("a", PROMPT))
     remote_written(first, "sim", 6)
-    for held in ("contains", "get"):  # the probe, then the read of a wait_complete fetch
+    for held in ("contains", "get"):  # the presence check, then the read of a wait_complete fetch
         second = vllm.new(f"second-{held}", cpu_topology(remotes=[remote]))
         tier = tiers_of(second).parts.remotes[0]
         tier.hold(held)

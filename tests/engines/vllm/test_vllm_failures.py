@@ -92,7 +92,7 @@ def until_promoting(engine: Engine, keys: list[OffloadKey], ctx: ReqContext) -> 
         if results == [LookupResult.HIT_PENDING] * len(keys):
             return
         assert results == [LookupResult.RETRY] * len(keys) and time.monotonic() < deadline, results
-        engine.step()  # sends the probe; the one step that would also submit the loads is the test's
+        engine.step()  # sends the presence check; the one step that would also submit the loads is the test's
         time.sleep(0.005)
 
 
@@ -104,7 +104,7 @@ def test_a_server_down_or_stopped_before_the_lookup_is_a_miss(
     reader = fresh(redis_server, engines)
     with faulted(redis_server, fault):
         assert reader.read(keys) == [None] * COUNT
-        assert counters(reader)["probe_unknown"] >= 1
+        assert counters(reader)["presence_unknown"] >= 1
         consistent(reader)
 
 

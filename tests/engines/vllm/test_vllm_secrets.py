@@ -2,7 +2,7 @@
 
 Fleet A's vLLM stores chunks with ``model.secret_env``'s secret A. A vLLM with
 secret B, and one with none, then look the same chunks up: they miss at the
-probe (no promotion that fails validation, no GET, no key found on the server)
+presence check (no promotion that fails validation, no GET, no key found on the server)
 and store their own chunks, which leave A's values byte-for-byte as they were,
 so A's next vLLM promotes every chunk byte-identical (issue 20, item 6).
 """
@@ -32,7 +32,7 @@ def keyed(server: RedisServer, secret_env: str | None) -> dict:
 def test_a_vllm_without_the_secret_never_reads_or_overwrites_the_keyed_chunks(
     redis_server: RedisServer, redis_client: redis.Redis, engines: list[Engine], secret_env: str | None
 ) -> None:
-    """Old code: its probes said held, each promotion failed validation, and its stores replaced A's values."""
+    """Old code: its presence checks said held, each promotion failed validation, and its stores replaced A's values."""
     keys = chunk_keys(COUNT, "keyed-system-prompt")
     writer = engine_over(engines, keyed(redis_server, "TC_SECRET_A"))
     data = payloads(COUNT, writer.row_bytes, seed=11)
@@ -47,8 +47,8 @@ def test_a_vllm_without_the_secret_never_reads_or_overwrites_the_keyed_chunks(
     other.settle()
     assert reads(redis_client) == NOTHING_READ, "the other vLLM found, read or deleted fleet A's values"
     counters = tier_of(other).store.counters()
-    assert counters.get("probe_held", 0) == 0 and counters.get("read_misses", 0) == 0, counters
-    assert counters.get("probe_absent", 0) > 0, "its probes answered: absent"
+    assert counters.get("presence_held", 0) == 0 and counters.get("read_misses", 0) == 0, counters
+    assert counters.get("presence_absent", 0) > 0, "its presence checks answered: absent"
 
     own = payloads(COUNT, other.row_bytes, seed=12)
     other.store(keys, own)

@@ -18,7 +18,7 @@ import pytest
 from support.vllm_tiers import engine_over, tier_of
 from vllm.v1.kv_offload.base import LookupResult, Medium
 
-from tiercache.integrations.vllm.offloading.metrics import PROBES, READ_HITS, WRITES
+from tiercache.integrations.vllm.offloading.metrics import PRESENCE_CHECKS, READ_HITS, WRITES
 from tiercache.integrations.vllm.version import UnsupportedVllmError, require_vllm
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.vllm_offloading import (
@@ -67,7 +67,7 @@ def test_a_store_cascades_into_redis_and_another_process_promotes_it_byte_identi
     stats = tier_of(reader).get_stats()
     assert stats is not None
     reduced = stats.reduce()
-    assert reduced[f"{PROBES}:('held',)"] == COUNT
+    assert reduced[f"{PRESENCE_CHECKS}:('held',)"] == COUNT
     assert reduced[f"{READ_HITS}:('redis',)"] == COUNT
     writer_stats = tier_of(writer).get_stats().reduce()
     assert writer_stats[f"{WRITES}:('stored',)"] == COUNT
@@ -101,7 +101,7 @@ def test_another_model_or_rank_misses(redis_server: RedisServer, engines: list[E
     assert None not in same.read(keys), "the same namespace does hit (the miss above is the namespace's doing)"
 
 
-def test_lookups_answer_retry_while_the_probe_is_in_flight_and_never_wait(
+def test_lookups_answer_retry_while_the_presence_check_is_in_flight_and_never_wait(
     redis_server: RedisServer, engines: list[Engine]
 ) -> None:
     topology = redis_topology(redis_server)
@@ -116,7 +116,7 @@ def test_lookups_answer_retry_while_the_probe_is_in_flight_and_never_wait(
         reader.manager.on_new_request(ctx)
         assert [tier.lookup(key, ctx) for key in keys] == [LookupResult.RETRY] * COUNT
         assert reader.manager.lookup(keys[0], ctx) is LookupResult.RETRY
-    redis_server.stop()  # the probe sent at the end of this step cannot be answered ...
+    redis_server.stop()  # the presence check sent at the end of this step cannot be answered ...
     try:
         reader.step()
         with reader.manager.lock:  # ... and the next lookups still answer at once
@@ -142,7 +142,7 @@ def test_events_name_the_tiercache_tier_and_stats_reach_vllm(redis_server: Redis
     ]
     assert set(events[0].keys) == set(keys)
     definitions = type(writer.spec).build_metric_definitions(dict(writer.spec.extra_config))
-    assert {PROBES, READ_HITS, WRITES} <= set(definitions)
+    assert {PRESENCE_CHECKS, READ_HITS, WRITES} <= set(definitions)
     info = writer.manager.config_info()
     assert info[1]["tiercache_tiers"] == "redis"
 

@@ -6,7 +6,7 @@ What SGLang calls and what it gets:
   bad config stops SGLang's start-up with a message naming the field.
 - ``register_mem_pool_host(pool)``: the pool's pages become pieces (``pages.py``), the namespace is fixed
   (``namespace.py``) and a ``RemoteStore`` over the topology is started for blocks of one piece.
-- ``batch_exists(keys)``: the matching prefix length, from one probe of every piece and no value read; a
+- ``batch_exists(keys)``: the matching prefix length, from one presence check of every piece and no value read; a
   page counts only when every piece is ``HELD`` (an ``UNKNOWN`` piece ends the prefix like an absent one).
 - ``batch_get_v1``/``batch_set_v1(keys, host_indices)`` (``"interface_v1": 1``): pieces are read straight
   into the host pool's memory and written straight from it; a page is True only when all its pieces are.
@@ -80,7 +80,7 @@ class TierCacheStorage(HiCacheStorage):
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch), when metrics are on."""
         return self._metrics.take()
 
-    # -- probes ------------------------------------------------------------------
+    # -- presence checks --------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many pages from the start are held, every piece of them (no value is read)."""
@@ -90,7 +90,7 @@ class TierCacheStorage(HiCacheStorage):
         try:
             found = store.contains(self._block_keys(pages, keys), engine_keys=True).result()
         except Exception:
-            log.exception("tiercache: probe failed; reporting no pages held")
+            log.exception("tiercache: presence check failed; reporting no pages held")
             return 0
         held = [answer.presence is Presence.HELD for answer in found]
         return _leading_pages(held, pages.pieces, len(keys))

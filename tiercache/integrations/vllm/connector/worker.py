@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiercache.common.units import MICROS_PER_SECOND
+from tiercache.common.units import US_PER_SECOND
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry, UnsupportedLayoutError
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.pages import KVPages, page_views
@@ -199,8 +199,8 @@ class ConnectorWorker:
         self._poll()
         moved, self._moved = self._moved, Completed()
         counts = {
-            "load_copy_bytes": moved.load_bytes, "load_copy_us": round(moved.load_seconds * MICROS_PER_SECOND),
-            "store_copy_bytes": moved.store_bytes, "store_copy_us": round(moved.store_seconds * MICROS_PER_SECOND),
+            "load_copy_bytes": moved.load_bytes, "load_copy_us": round(moved.load_seconds * US_PER_SECOND),
+            "store_copy_bytes": moved.store_bytes, "store_copy_us": round(moved.store_seconds * US_PER_SECOND),
         }
         return {name: count for name, count in counts.items() if count}
 

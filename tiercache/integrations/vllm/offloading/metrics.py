@@ -3,7 +3,7 @@
 ``TieringOffloadingSpec`` collects each tier's ``build_metric_definitions`` and
 aggregates what ``get_stats`` returns every step; the values are the
 ``RemoteStore``'s counters since the previous call, labelled by tiercache tier
-(its topology name), probe presence or write outcome.
+(its topology name), presence check answer or write outcome.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingMetricMetadata
 
-PROBES = "vllm:kv_offload_tiercache_probes"
+PRESENCE_CHECKS = "vllm:kv_offload_tiercache_presence_checks"
 READ_HITS = "vllm:kv_offload_tiercache_read_hits"
 READ_MISSES = "vllm:kv_offload_tiercache_read_misses"
 WRITES = "vllm:kv_offload_tiercache_writes"
@@ -20,9 +20,9 @@ PRESENCE_LABEL = "presence"
 OUTCOME_LABEL = "outcome"
 
 DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
-    PROBES: OffloadingCounterMetadata(
-        "Chunks probed in tiercache's remote tiers, by answer: held, absent, or unknown (a tier could not "
-        "tell: down, slow, breaker open; looked up as a miss).",
+    PRESENCE_CHECKS: OffloadingCounterMetadata(
+        "Chunks whose presence was checked in tiercache's remote tiers, by answer: held, absent, or unknown (a "
+        "tier could not tell: down, slow, breaker open; looked up as a miss).",
         (PRESENCE_LABEL,),
     ),
     READ_HITS: OffloadingCounterMetadata(
@@ -39,9 +39,9 @@ DEFINITIONS: dict[str, OffloadingMetricMetadata] = {
 }
 
 _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "probe_held": (PROBES, ("held",)),
-    "probe_absent": (PROBES, ("absent",)),
-    "probe_unknown": (PROBES, ("unknown",)),
+    "presence_held": (PRESENCE_CHECKS, ("held",)),
+    "presence_absent": (PRESENCE_CHECKS, ("absent",)),
+    "presence_unknown": (PRESENCE_CHECKS, ("unknown",)),
     "read_misses": (READ_MISSES, ()),
     "writes_ok": (WRITES, ("stored",)),
     "writes_failed": (WRITES, ("failed",)),
