@@ -388,11 +388,12 @@ class Instances:
     def new(self, engine_id: str, topology: dict[str, Any], *, model: Path | None = None,
             kv_config: Callable[[VllmConfig], KVCacheConfig] | None = None,
             kv: Callable[[KVCacheConfig], dict[str, torch.Tensor]] | None = None, runner: str = "v1",
-            **kwargs: Any) -> Instance:
+            options: dict[str, Any] | None = None, **kwargs: Any) -> Instance:
         """An instance called ``engine_id``; ``kv_config`` builds its KV cache config from its ``VllmConfig``
         (default: one full-attention group), ``kv`` its KV tensors from that (default: the CPU backend's);
-        ``kwargs`` go to ``vllm_config`` (``kv_role``, ``events``)."""
-        config = vllm_config(model or self.model, engine_id, self.extra(topology), **kwargs)
+        ``options``: the connector's other options (``idle_wait_ms``, ...); ``kwargs`` go to ``vllm_config``
+        (``kv_role``, ``events``)."""
+        config = vllm_config(model or self.model, engine_id, self.extra(topology, **(options or {})), **kwargs)
         kv_cache = kv_config(config) if kv_config is not None else kv_cache_config()
         instance = Instance(config, kv_cache, kv(kv_cache) if kv is not None else None, runner=runner)
         self.built.append(instance)

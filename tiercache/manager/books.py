@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from tiercache.bookkeeping.hierarchy import Hierarchy
@@ -52,12 +52,29 @@ class Books:
         mover.books = self
 
     # ---- the engine's calls ----------------------------------------------------------------
-    def find(self, keys: Sequence[bytes], *, local_only: bool) -> Found | None:
+    def find(self, keys: Sequence[bytes], *, local_only: bool, asker: Hashable | None = None) -> Found | None:
         """The lookup's answer (pinned), or None while a remote's answer is in flight."""
         with self.lock:
             self._reap()
             self.metrics.add("all", "lookups")
-            return self.lookup.find(keys, local_only=local_only)
+            return self.lookup.find(keys, local_only=local_only, asker=asker)
+
+    def ask(self, keys: Sequence[bytes], asker: Hashable) -> None:
+        """Send the presence checks a later ``find`` by ``asker`` of any of ``keys`` will need."""
+        with self.lock:
+            self.lookup.ask(keys, asker)
+
+    def forget(self, asker: Hashable) -> None:
+        """``asker`` is done: the remote answers kept only for it go."""
+        with self.lock:
+            if self.lookup.presence_cache is not None:
+                self.lookup.presence_cache.forget(asker)
+
+    def answers_in_flight(self) -> list[concurrent.futures.Future[Any]]:
+        """The presence checks in flight (to wait on without the lock)."""
+        with self.lock:
+            cache = self.lookup.presence_cache
+            return cache.answers_in_flight() if cache is not None else []
 
     def abandon(self, pins: LookupPins) -> None:
         """A Lookup was dropped unused (from its finalizer, any thread): its lower pins go at the next call."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,11 @@ class HostFetch:
             count = next((i for i, ok in enumerate(oks) if not ok), len(oks))
         return [item.cpu_slot for item in self.items[:count]]
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until every block has arrived or failed, at most ``timeout_s``; whether it has."""
+        concurrent.futures.wait([self.arrived], timeout=timeout_s)
+        return self.arrived.done()
+
     def release(self) -> None:
         """The engine is done with the slots (or will not use them): their pins go, once the fetch has ended."""
         if self.arrived.done():
@@ -124,11 +129,32 @@ class LowerTiers:
             self.parts.close()
 
     # ---- the engine's calls --------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes], *, local_only: bool = False) -> HostHit | None:
+    def lookup(self, keys: Sequence[bytes], *, local_only: bool = False, asker: Hashable | None = None
+               ) -> HostHit | None:
         """The longest prefix of ``keys`` the CPU tier and the remotes hold; None while a remote's answer is in
-        flight (ask again). Pins its CPU slots until ``fetch`` or ``release``."""
-        found = self._books.find(list(keys), local_only=local_only or self._closed)
+        flight (ask again, or ``wait_for_answers``). Pins its CPU slots until ``fetch`` or ``release``. ``asker``
+        (a request): the remotes' answers are kept for its later lookups until ``forget``."""
+        found = self._books.find(list(keys), local_only=local_only or self._closed, asker=asker)
         return None if found is None else HostHit(list(keys), found)
+
+    def ask(self, keys: Sequence[bytes], asker: Hashable) -> None:
+        """Start the remotes' presence checks of ``keys`` that ``asker``'s later lookups will need, in one batch
+        (a request that looks up several ends of a hit asks once)."""
+        if not self._closed:
+            self._books.ask(list(keys), asker)
+
+    def forget(self, asker: Hashable) -> None:
+        """``asker`` is done: the remote answers kept only for it go."""
+        self._books.forget(asker)
+
+    def wait_for_answers(self, timeout_s: float) -> bool:
+        """Block until a presence check in flight has answered, at most ``timeout_s``; whether one had (for an
+        engine with nothing else to do than wait for it, instead of asking again in a busy loop)."""
+        waiting = self._books.answers_in_flight()
+        if not waiting:
+            return False
+        done, _ = concurrent.futures.wait(waiting, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        return bool(done)
 
     def release(self, hit: HostHit) -> None:
         """Drop a hit the engine will not fetch."""

@@ -191,6 +191,11 @@ class PresenceCache:
         for key in [key for key, entry in self._entries.items() if not entry.askers][: max(excess, 0)]:
             self._drop(key)
 
+    def answers_in_flight(self) -> list[concurrent.futures.Future[Answers]]:
+        """The futures of the batches sent and not yet applied: a caller may wait on them (outside its lock), then
+        ask again."""
+        return [batch.future for batch in self._in_flight if batch.future is not None]
+
     @property
     def busy(self) -> bool:
         """Keys waiting to be sent or in flight."""

@@ -104,7 +104,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             tiers.start()
             self._region = region
             events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
-            self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events))
+            self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events),
+                                                 idle_wait_s=options.idle_wait_s)
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
                                            staging_bytes=options.staging_bytes,

@@ -21,6 +21,10 @@ TIER_SEPARATOR = ":"
 DOCUMENTATION = {
     "lookups": "Requests whose prompt tiercache looked up beyond vLLM's own prefix cache",
     "lookups_pending": "Scheduler steps a request waited for a remote's answer",
+    "fetches_pending": "Scheduler steps a request waited for its blocks to arrive from a remote",
+    "lookup_us": "Microseconds from a request's first lookup to its hit found (remote presence checks included)",
+    "fetch_us": "Microseconds from a hit's fetch starting to its blocks offered to vLLM (remote reads)",
+    "idle_wait_us": "Microseconds the scheduler waited for a remote while vLLM had nothing else to run",
     "offered_blocks": "Blocks tiercache offered to vLLM as external prefix-cache hits",
     "loaded_blocks": "Blocks copied from tiercache's CPU tier into vLLM's KV cache (one per KV-cache group)",
     "stored_blocks": "Blocks copied from vLLM's KV cache into tiercache's CPU tier (one per KV-cache group)",

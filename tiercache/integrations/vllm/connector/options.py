@@ -9,6 +9,8 @@
 - ``force_latest``: loads ask a regional topology's central store for the newest version
   (refused for a topology without a versioned tier);
 - ``shared_dir``: where the CPU tier's shared memory lives (default ``/dev/shm``);
+- ``idle_wait_ms``: while vLLM's last step ran nothing, how long per step the scheduler side waits for a
+  remote's answer or fetch instead of asking vLLM to ask again (default 20; 0: never waits);
 - ``staging_mib``: on CUDA, the most device memory one step's stores stage before their copy to the
   CPU tier (default 512; a store past it is skipped: a later miss, never an error).
 
@@ -29,6 +31,7 @@ from typing import Any
 
 from tiercache.blocks.model_identity import ModelIdentity
 from tiercache.blocks.namespaces import PageFormat
+from tiercache.common.units import MS_PER_SECOND
 from tiercache.config import ConfigError, TierCacheConfig, config_from_dict
 from tiercache.config.env import apply_overrides
 from tiercache.config.topology import read_yaml
@@ -37,12 +40,18 @@ from tiercache.tiers import tier_class
 
 SOURCE = "--kv-transfer-config kv_connector_extra_config"
 """Where the options come from, as errors name it."""
-OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib")
+OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms")
 ENGINE_FIELDS = ("id", "tp_rank")
 """``model`` fields vLLM supplies: a topology may not set them."""
 DEFAULT_STAGING_MIB = 512
 """Device memory a step's stores may stage on CUDA (a 2048-token prefill chunk of an 8B model's KV is 256 MiB)."""
 MIB = 1 << 20
+MAX_IDLE_MS = 1000
+"""Longest idle wait accepted (longer would hold a request that arrives meanwhile for too long)."""
+DEFAULT_IDLE_WAIT_MS = 20
+"""How long the scheduler side may wait for a remote per step while vLLM has nothing else to run (a request
+arriving meanwhile waits at most this); vLLM would otherwise spin through empty steps, taking the CPU the fetch
+needs."""
 DEFAULT_SHARED_DIR = "/dev/shm"
 """Shared memory on Linux: the CPU tier's region lives in RAM, not on a disk."""
 
@@ -56,6 +65,7 @@ class ConnectorOptions:
     force_latest: bool
     shared_dir: Path
     staging_bytes: int = DEFAULT_STAGING_MIB * MIB
+    idle_wait_s: float = DEFAULT_IDLE_WAIT_MS / MS_PER_SECOND
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -83,7 +93,10 @@ class ConnectorOptions:
         staging = extra.get("staging_mib", DEFAULT_STAGING_MIB)
         if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
             raise ConfigError(SOURCE, "staging_mib", "a positive whole number of MiB", staging)
-        return cls(topology, source, force_latest, shared_dir, staging * MIB)
+        idle_wait = extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)
+        if isinstance(idle_wait, bool) or not isinstance(idle_wait, int | float) or not 0 <= idle_wait <= MAX_IDLE_MS:
+            raise ConfigError(SOURCE, "idle_wait_ms", f"a number of milliseconds from 0 to {MAX_IDLE_MS}", idle_wait)
+        return cls(topology, source, force_latest, shared_dir, staging * MIB, idle_wait / MS_PER_SECOND)
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``

@@ -19,6 +19,7 @@ steps hand them out, and how far each group's stores are planned. Its keys
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,10 @@ class Looking:
     """The end being looked up, in blocks (0: not chosen yet: the request's own end)."""
     tries: int = 0
     """Ends looked up and found not whole (``groups.next_end``)."""
+    asked: bool = False
+    """The presence checks of every end it may try have been sent (a hybrid model's lookup)."""
+    started: float = field(default_factory=time.monotonic)
+    """When the lookup began (``time.monotonic``)."""
 
 
 @dataclass(eq=False)

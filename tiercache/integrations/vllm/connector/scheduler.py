@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from tiercache.common.units import US_PER_SECOND
 from tiercache.integrations.vllm.connector.events import stored_events
 from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.groups import (
@@ -70,7 +71,8 @@ class _StoreBlock(NamedTuple):
 class ConnectorScheduler:
     """The scheduler's half of the connector (see the module docstring)."""
 
-    def __init__(self, tiers: LowerTiers, geometry: SlotGeometry, force_latest: bool, *, events: bool = False) -> None:
+    def __init__(self, tiers: LowerTiers, geometry: SlotGeometry, force_latest: bool, *, events: bool = False,
+                 idle_wait_s: float = 0.0) -> None:
         self.tiers = tiers
         self.geometry = geometry
         self.events: list[Any] | None = [] if events else None
@@ -88,49 +90,92 @@ class ConnectorScheduler:
         """The group whose stores are reported as KV events (the first full-attention one; none: no events)."""
         self._derive = None if len(geometry.groups) == 1 else self._group_key
         """A chained key -> a group's key (None: one group, whose keys are the chained ones)."""
+        self.idle_wait_s = idle_wait_s
+        self._idle = True
+        """vLLM's last step scheduled nothing (a request's admission may wait instead of answering "ask again")."""
         self.counters = SchedulerCounters()
 
     # ---- admission -----------------------------------------------------------------------
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond vLLM's own hit that tiercache can load now (None: ask again); never a wait."""
+        """Tokens beyond vLLM's own hit that tiercache can load now (None: ask again). While vLLM has nothing else
+        to run (its last step scheduled nothing), it waits for the remote's answer or the fetch up to
+        ``idle_wait_s`` instead of answering "ask again" to a busy loop that takes the CPU the fetch needs."""
         state = self._state(request)
         usable = (request.num_tokens - 1) // self.block_size  # a sync load leaves a token to compute
         skip = num_computed_tokens // self.block_size
-        admission = state.admission_for(skip)  # vLLM's own hit moved: a lookup or fetch no longer lines up
+        state.admission_for(skip)  # vLLM's own hit moved: a lookup or fetch no longer lines up
         if usable <= skip:
             return 0, False
+        deadline = time.monotonic() + (self.idle_wait_s if self._may_block() else 0.0)
+        while True:
+            tokens = self._advance(state, usable)
+            if tokens is not None or not self._wait(state, deadline):
+                break
+        if tokens is None:
+            pending = "lookups_pending" if isinstance(state.admission, Looking) else "fetches_pending"
+            self.counters.add(pending)
+        return tokens, False
+
+    def _advance(self, state: RequestState, usable: int) -> int | None:
+        """One step of the request's admission, never waiting: the tokens to offer, or None (not yet)."""
+        admission = state.admission
         if isinstance(admission, Looking):
             found = self._find(state, admission, min(admission.end or usable, usable))
             if found is None:
-                self.counters.add("lookups_pending")
-                return None, False
+                return None
             self.counters.add("lookups")
             if not found:
-                return 0, False
+                return 0
         fetching = state.admission
         assert isinstance(fetching, Fetching)
         if not fetching.fetch.ready() and self._may_wait(fetching):
-            return None, False
+            return None
         slots = fetching.fetch.slots()
         groups = len(self.geometry.groups)
-        whole = fetching.end - skip
+        whole = fetching.end - fetching.skip
         if len(slots) == len(fetching.entries):
             fetching.offered = whole
         else:  # a prefix of whole positions, where no window is needed (else no block of this hit is any use)
             fetching.offered = 0 if self.geometry.hybrid else len(slots) // groups
         fetching.offer = slots if fetching.offered == whole else slots[: fetching.offered * groups]
         self.counters.add("offered_blocks", fetching.offered)
-        return fetching.offered * self.block_size, False
+        self.counters.add("fetch_us", _micros(time.monotonic() - fetching.asked_at))
+        return fetching.offered * self.block_size
+
+    def _may_block(self) -> bool:
+        """Whether vLLM would only spin if asked to ask again: its last step ran nothing, and no load of this
+        connector is in flight (its report would wait for the next step)."""
+        return self._idle and self.idle_wait_s > 0 and not any(
+            isinstance(job, InFlightLoad) for job in self._in_flight.values())
+
+    def _wait(self, state: RequestState, deadline: float) -> bool:
+        """Wait until ``deadline`` at most for what the request's admission waits on; whether to try again."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        started = time.monotonic()
+        admission = state.admission
+        if isinstance(admission, Fetching):
+            admission.fetch.wait(left)
+        elif not self.tiers.wait_for_answers(left):
+            return False  # nothing in flight to wait for: a local answer is final
+        self.counters.add("idle_wait_us", _micros(time.monotonic() - started))
+        return True
 
     def _find(self, state: RequestState, looking: Looking, end: int) -> bool | None:
         """Look up ends from ``end`` down until one is held whole (the request then fetches it) or none is left
         (False); None while a remote's answer is in flight (``looking.end`` says where to go on)."""
         geometry = self.geometry
+        asker = state.request.request_id
+        if geometry.hybrid and not looking.asked:  # every end it may try, in one batch of presence checks
+            self.tiers.ask(self._candidate_keys(state, looking.skip, end), asker)
+            looking.asked = True
         while True:
             looking.end = end
             entries = hit_entries(geometry, looking.skip, end)
             keys = {group: self._group_keys(state, group, end) for group in range(len(geometry.groups))}
-            hit = self.tiers.lookup([keys[entry.group][entry.position] for entry in entries], local_only=not entries)
+            hit = self.tiers.lookup([keys[entry.group][entry.position] for entry in entries], local_only=not entries,
+                                    asker=asker)
             if hit is None:
                 return None
             if hit.num_blocks == len(entries) or (hit.num_blocks and not geometry.hybrid):
@@ -150,8 +195,14 @@ class ConnectorScheduler:
                 return False
             end, entries = looking.skip + positions, entries[: positions * len(geometry.groups)]
         fetch = self.tiers.fetch(hit, len(entries), force_latest=self.force_latest)
-        state.fetching(Fetching(looking.skip, end, entries, fetch, list(hit.tiers[: len(entries)]), time.monotonic()))
+        now = time.monotonic()
+        self.counters.add("lookup_us", _micros(now - looking.started))
+        state.fetching(Fetching(looking.skip, end, entries, fetch, list(hit.tiers[: len(entries)]), now))
         return True
+
+    def _candidate_keys(self, state: RequestState, skip: int, end: int) -> list[bytes]:
+        """The keys of every group's blocks from ``skip`` to ``end``: whatever end a hybrid lookup tries."""
+        return [key for group in range(len(self.geometry.groups)) for key in self._group_keys(state, group, end)[skip:]]
 
     def track(self, request: Any) -> None:
         """Keep a request tiercache does not load for (a kv_producer's): its blocks are still stored."""
@@ -215,6 +266,7 @@ class ConnectorScheduler:
         fills."""
         metadata = TierCacheConnectorMetadata(loads=self._loads)
         self._loads = []
+        self._idle = not output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
@@ -306,6 +358,7 @@ class ConnectorScheduler:
         state = self.requests.pop(request.request_id, None)
         if state is not None:
             state.drop_admission()
+            self.tiers.forget(request.request_id)
 
     def preempted(self, req_ids: Iterable[str]) -> None:
         """Preempted requests lose their blocks; when resumed, vLLM asks again (what was stored stays)."""
@@ -339,3 +392,7 @@ class ConnectorScheduler:
 
     def _group_key(self, key: bytes, group: int) -> bytes:
         return group_key(key, group, self.geometry)
+
+
+def _micros(seconds: float) -> int:
+    return round(seconds * US_PER_SECOND)
