@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,10 @@ import pytest
 from tiercache.common.packaged import MissingPackage
 from tiercache.testing import real_model
 from tiercache.testing.real_model import CheckpointDtype, build_smollm2, gguf_path, model_cache
+
+BUILDERS = 4
+SLOW_WRITE_S = 0.2
+"""How long each stand-in conversion takes, so that every builder is writing at once."""
 
 
 def test_the_checkpoint_is_keyed_by_the_gguf_s_digest_and_is_a_plain_llama() -> None:
@@ -43,3 +50,22 @@ def test_missing_packages_are_named_with_how_to_install_them(monkeypatch: pytest
     with pytest.raises(MissingPackage, match=r"needs a_converter_that_is_not_there: pip install -e '\.\[real\]'"):
         build_smollm2(CheckpointDtype.BFLOAT16, cache=tmp_path)
     assert not any(tmp_path.iterdir()), "a failed build left files"
+
+
+def test_concurrent_builders_leave_one_complete_checkpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Builders racing on an empty cache each write a staging directory; one is renamed into place, none is left
+    half-written or behind (the conversion is a stand-in here: the real one takes 25 s of CPU)."""
+    started = threading.Barrier(BUILDERS)
+
+    def convert(source: Path, staging: Path, dtype: CheckpointDtype) -> None:
+        started.wait()
+        (staging / "model.safetensors").write_text(f"{threading.get_ident()} {dtype.value}")
+        time.sleep(SLOW_WRITE_S)
+        (staging / "config.json").write_text("{}")
+
+    monkeypatch.setattr(real_model, "_convert", convert)
+    with ThreadPoolExecutor(BUILDERS) as pool:
+        built = list(pool.map(lambda _: build_smollm2(cache=tmp_path), range(BUILDERS)))
+    assert len(set(built)) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == [built[0].name]
+    assert sorted(path.name for path in built[0].iterdir()) == ["config.json", "model.safetensors", real_model.MARKER]

