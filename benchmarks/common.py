@@ -79,8 +79,10 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def write_result(script: str, result: dict[str, Any], out: Path | None = None, quick: bool = False) -> Path:
-    """Write the result with the machine attached, and whether it was a ``--quick`` run (``result_path``)."""
-    path = result_path(script, out)
+def write_result(script: str, result: dict[str, Any], out: Path | None = None, quick: bool = False,
+                 name: str | None = None) -> Path:
+    """Write the result with the machine attached, and whether it was a ``--quick`` run (``result_path``; ``name``:
+    another file name than the script's)."""
+    path = result_path(script, out, name)
     path.write_text(json.dumps({"machine": machine(), "quick": quick, **result}, indent=2) + "\n")
     return path

@@ -3,6 +3,10 @@
 The workload: many users in sessions of several rounds that share a few system
 prompts, think between rounds (simulated time), and one-off long documents that
 arrive now and then (a scan that a policy should not let flush the hot set). Each
+user's turns take their lengths from a ShareGPT conversation (its questions and
+recorded answers, counted with SmolLM2's tokenizer, each clipped to
+``MAX_MESSAGE_TOKENS``; ``tiercache.tools.conversations.sharegpt_turn_tokens``);
+the token ids themselves are synthetic, so every block can be checked. Each
 configuration gets a fresh manager and the same requests; every reused block is
 checked against recomputation.
 
@@ -33,6 +37,7 @@ more configuration.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import platform
@@ -52,6 +57,9 @@ from tiercache.config import config_from_dict
 from tiercache.manager.tier_manager import TierManager
 from tiercache.policies import POLICIES, make_policy
 from tiercache.testing.policy_traces import write_oracle_general
+from tiercache.testing.real_model import build_smollm2
+from tiercache.tools.conversations import sharegpt_turn_tokens
+from tiercache.tools.sharegpt import read_conversations
 from tiercache.tools.simulate import (
     Progress,
     SessionWorkload,
@@ -83,8 +91,6 @@ WORKLOAD = SessionWorkload(
         rounds=5,
         system_prompts=4,
         system_tokens=512,
-        user_tokens=64,
-        reply_tokens=128,
         document_every=12,
         document_tokens=2048,
         seed=0,
@@ -97,9 +103,22 @@ QUICK_WORKLOAD = SessionWorkload(
     think_time_s=5.0,
     arrival_spread_s=10.0,
 )
-QUICK = {"GPU_BLOCKS": 24, "CPU_BLOCKS": 48}
+MAX_MESSAGE_TOKENS = 1024
+"""A turn's message or reply is clipped to this many tokens (a few ShareGPT messages are whole files)."""
+QUICK = {"GPU_BLOCKS": 24, "CPU_BLOCKS": 48, "MAX_MESSAGE_TOKENS": 96}
 """``--quick``: every configuration and the oracle on a handful of requests, in tiers small enough that the
 lower ones serve some of them."""
+
+
+def with_sharegpt_turns(workload: SessionWorkload) -> SessionWorkload:
+    """``workload`` with each user's turn lengths taken from a ShareGPT conversation (SmolLM2's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_smollm2())
+    chat = workload.chat
+    turns = sharegpt_turn_tokens(read_conversations(), lambda text: len(tokenizer(text)["input_ids"]),
+                                 users=chat.users, rounds=chat.rounds, max_message_tokens=MAX_MESSAGE_TOKENS)
+    return dataclasses.replace(workload, chat=dataclasses.replace(chat, turn_tokens=turns))
 
 
 def topology(name: str, policy: str, lower: bool, remote: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -262,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         workload = QUICK_WORKLOAD
         globals().update(QUICK)
+    workload = with_sharegpt_turns(workload)
     results = run(workload, args.redis_url, result_path(__file__, args.out), not args.no_plots, args.quick)
     return 0 if all(result.mismatched_blocks == 0 for result in results) else 1
 

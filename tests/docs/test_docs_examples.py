@@ -445,8 +445,11 @@ def test_cli_example(redis_server: Any, tmp_path: Path) -> None:
         env = {**environ, **deployed} if "configs/redis.yaml" in line else environ
         done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert done.returncode == 0, f"{line}\n{done.stdout}\n{done.stderr}"
-        outputs[shlex.split(line)[1]] = done.stdout
-    assert "KV verified against recompute: OK" in outputs["demo"]
+        words = shlex.split(line.split("#")[0])
+        outputs[" ".join(words[1:2] + [word for word in words if word == "--synthetic"])] = done.stdout
+    assert re.search(r"same first token as a recompute in (\d+) of \1 turns", outputs["demo"]), outputs["demo"]
+    assert re.search(r"reused \d+ \(gpu \d+, cpu \d+\)", outputs["demo"]), "no turn reused the CPU tier's blocks"
+    assert "KV verified against recompute: OK" in outputs["demo --synthetic"]
     assert outputs["inspect"].count("reachable") == 2 and "UNREACHABLE" not in outputs["inspect"]
     assert (tmp_path / "out" / "tiny.json").exists() and "cached_blocks" in outputs["stats"]
 

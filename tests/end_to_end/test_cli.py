@@ -44,7 +44,7 @@ def write_yaml(path: Path, data: dict[str, Any]) -> str:
 
 
 def test_demo_still_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--users", "2", "--rounds", "2"]) == 0
+    assert main(["demo", "--synthetic", "--users", "2", "--rounds", "2"]) == 0
     assert "KV verified against recompute: OK" in capsys.readouterr().out
 
 

@@ -2,7 +2,8 @@
 
 ``units`` (named conversions), ``fields`` (the checks every option dataclass
 uses: ``FieldError`` and sizes, timeouts, counts), ``plugins`` (a class named by
-module path, ``package.module:Class``) and ``breaker`` (the circuit breaker that
+module path, ``package.module:Class``), ``packaged`` (a data file an installed
+distribution ships) and ``breaker`` (the circuit breaker that
 transfer lanes and the remote tiers' connections keep).
 
 Imports from: nothing in tiercache.

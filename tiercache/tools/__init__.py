@@ -1,8 +1,10 @@
 """Tools built on the library, not part of it.
 
-The demo's toy engine, the simulator and its workload, and a reference
-transformer; the command line (``tiercache.cli``) runs them. No core module
-imports this package.
+The demo's toy engine and its chat on a trained model (``chat_demo``: the
+model is handed in, this package imports no integration), the simulator and its
+workload, ShareGPT's conversations (``sharegpt``) and the workloads made of them
+(``conversations``), and a reference transformer; the command line
+(``tiercache.cli``) runs them. No core module imports this package.
 
 Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
 ``config``, ``remote``, ``manager``.

@@ -1,11 +1,12 @@
-"""``benchmarks/vllm_serve.py --quick`` runs the connector over Redis in a real server, for the Llama and for the
-sliding-window model, and writes its JSON (listed in tests/benchmarks/test_quick.py)."""
+"""``benchmarks/vllm_serve.py --quick`` runs the connector over Redis in a real server, for the trained model on
+ShareGPT, the small Llama and the sliding-window model, and writes its JSON (listed in
+tests/benchmarks/test_quick.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from support.benchmark_runs import NUMBER, assert_shape, run_quick
+from support.benchmark_runs import NUMBER, Each, assert_shape, run_quick
 
 PASS = {"requests": int, "ttft_p50_ms": NUMBER, "ttft_p99_ms": NUMBER, "prompt_tokens": NUMBER,
         "local_hit_tokens": NUMBER, "external_hit_tokens": NUMBER, "prefill_saved": NUMBER,
@@ -13,11 +14,13 @@ PASS = {"requests": int, "ttft_p50_ms": NUMBER, "ttft_p99_ms": NUMBER, "prompt_t
 ROW = {"pass1": PASS, "pass2": PASS, "cold": PASS, "outputs_equal_no_cache": (bool, type(None))}
 OPTIONAL = (*NUMBER, type(None))
 GOALS = {"restart_redis_over_ceiling": OPTIONAL, "miss_redis_over_no_cache": OPTIONAL,
-         "sliding_restart_redis_over_ceiling": OPTIONAL, "sliding_miss_redis_over_no_cache": OPTIONAL}
+         "sliding_restart_redis_over_ceiling": OPTIONAL, "sliding_miss_redis_over_no_cache": OPTIONAL,
+         "real_restart_redis_over_ceiling": OPTIONAL, "real_miss_redis_over_no_cache": OPTIONAL}
+REAL = "SmolLM2 on ShareGPT"
 
 
 def test_quick_run_writes_its_json(tmp_path: Path) -> None:
     document = run_quick("vllm_serve.py", tmp_path, "--model-dir", str(tmp_path / "model"), "--sliding-model-dir",
                          str(tmp_path / "sliding-model"))
-    rows = {"tiercache redis": ROW, "sliding window (Gemma 3): tiercache redis": ROW}
-    assert_shape(document, {"prompts": [int], "rows": rows, "goals": GOALS, "load_average": [NUMBER]})
+    rows = {"tiercache redis": ROW, "sliding window (Gemma 3): tiercache redis": ROW, f"{REAL}: tiercache redis": ROW}
+    assert_shape(document, {"prompts": Each([int]), "rows": rows, "goals": GOALS, "load_average": [NUMBER]})
