@@ -1,0 +1,141 @@
+"""The restart rows of ``vllm_serve.py``: what a user sees when a fresh server answers prompts only Redis holds.
+
+Per run, for one model: a writer server with the README's Redis connector line
+completes each of ``PROMPTS`` distinct long prompts once and stops; a fresh
+reader server with the same line, over the same Redis, warms up and answers each
+prompt (non-streamed, one output token, timed from the client: the restart
+TTFT, every token of the prompt's KV held by Redis alone), then answers each
+again (vLLM's own prefix cache now holds it: the local hit, on the same server,
+the same process type). A server without the connector answers each once more
+from scratch (recompute). The CPU-tier row is one server whose only lower tier
+is tiercache's CPU tier, vLLM's prefix cache off: each prompt once, then again
+(served from the CPU tier through the connector), against the Redis reader's
+local hit. Servers run as a user runs them (no thread pinning), with chunked
+prefill of ``CHUNK_TOKENS``.
+
+The breakdown per restart request comes from the reader's ``/metrics``
+(``vllm:tiercache_*_total`` over the pass, divided by the requests): the lookup
+(first ask to hit found: presence checks), the fetch (the Redis reads into CPU
+slots), the idle waits inside them, the scheduler steps answered "ask again",
+the worker's page copies; what is left of the TTFT is vLLM's own step loop, the
+forward of the prompt's last block and the HTTP round trip, which the local hit
+pays too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiercache.testing.redis_servers import RedisServer
+from tiercache.testing.vllm_server import VllmServer
+
+PROMPTS = 5
+"""Distinct prompts per run (the medians are over these)."""
+CHUNK_TOKENS = 1024
+"""vLLM's chunked prefill (``--max-num-batched-tokens``)."""
+BREAKDOWN = ("lookup_us", "fetch_us", "idle_wait_us", "load_copy_us", "lookups_pending", "fetches_pending")
+"""The connector's counters a restart request's time is broken into (``vllm:tiercache_<name>_total``)."""
+METRIC = "vllm:tiercache_{}_total"
+
+
+@dataclass
+class RestartRun:
+    """One run: per prompt, its restart, local-hit, recompute and CPU-tier TTFTs (seconds), and the breakdown."""
+
+    restart: list[float] = field(default_factory=list)
+    local: list[float] = field(default_factory=list)
+    recompute: list[float] = field(default_factory=list)
+    cpu_tier: list[float] = field(default_factory=list)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Per restart request: each ``BREAKDOWN`` counter's mean."""
+    external_tokens: float = 0.0
+    answers_equal: bool = False
+    """The restart's, the local hit's and the recompute's one-token answers are the same."""
+
+    def summary(self) -> dict[str, Any]:
+        def ms(values: list[float]) -> float:
+            return 1000 * statistics.median(values) if values else float("nan")
+
+        return {
+            "restart_ms": ms(self.restart), "local_hit_ms": ms(self.local), "recompute_ms": ms(self.recompute),
+            "cpu_tier_ms": ms(self.cpu_tier),
+            "restart_over_local": statistics.median(self.restart) / statistics.median(self.local),
+            "cpu_tier_over_local": (statistics.median(self.cpu_tier) / statistics.median(self.local)
+                                    if self.cpu_tier else None),
+            "restart_ttfts_ms": [round(1000 * s, 1) for s in self.restart],
+            "local_ttfts_ms": [round(1000 * s, 1) for s in self.local],
+            "breakdown_per_request": self.breakdown, "external_tokens": self.external_tokens,
+            "answers_equal": self.answers_equal,
+        }
+
+
+def connector_line(tiers: list[dict[str, Any]], base: dict[str, Any], cpu_bytes: str) -> dict[str, Any]:
+    """The README's ``--kv-transfer-config`` with ``tiers`` under the CPU tier."""
+    topology = {"tiers": [{"type": "cpu", "capacity_bytes": cpu_bytes}, *tiers]}
+    return {**base, "kv_connector_extra_config": {"topology": topology}}
+
+
+def run_once(model: Path, prompts: list[list[int]], make_server: Callable[..., VllmServer], base: dict[str, Any],
+             cpu_bytes: str, cpu_row: bool) -> RestartRun:
+    """One run of the restart rows on ``model`` (``make_server(model, name, kv, args)``)."""
+    run = RestartRun()
+    chunked = ["--max-num-batched-tokens", str(CHUNK_TOKENS)]
+    with tempfile.TemporaryDirectory() as files, RedisServer(Path(files) / "redis", maxmemory="4gb").start() as redis:
+        redis_line = connector_line([{"type": "redis", "options": {"url": redis.url}}], base, cpu_bytes)
+        with make_server(model, "restart_writer", redis_line, chunked) as writer:
+            writer.warm_up()
+            for prompt in prompts:
+                writer.complete(prompt, max_tokens=1)
+        with make_server(model, "restart_reader", redis_line, chunked) as reader:
+            reader.warm_up()
+            before = reader.metrics()
+            restarted = [reader.complete(prompt, max_tokens=1) for prompt in prompts]
+            after = reader.metrics()
+            local = [reader.complete(prompt, max_tokens=1) for prompt in prompts]
+        run.restart, run.local = [c.seconds for c in restarted], [c.seconds for c in local]
+        run.external_tokens = (after.total("vllm:external_prefix_cache_hits_total")
+                               - before.total("vllm:external_prefix_cache_hits_total"))
+        run.breakdown = {name: (after.total(METRIC.format(name)) - before.total(METRIC.format(name))) / len(prompts)
+                         for name in BREAKDOWN}
+    with make_server(model, "restart_recompute", None, chunked) as plain:
+        plain.warm_up()
+        recomputed = [plain.complete(prompt, max_tokens=1) for prompt in prompts]
+    run.recompute = [c.seconds for c in recomputed]
+    run.answers_equal = all(a.token_ids == b.token_ids == c.token_ids
+                            for a, b, c in zip(restarted, local, recomputed, strict=True))
+    if cpu_row:
+        cpu_line = connector_line([], base, cpu_bytes)
+        with make_server(model, "restart_cpu_tier", cpu_line, [*chunked, "--no-enable-prefix-caching"]) as cpu:
+            cpu.warm_up()
+            for prompt in prompts:
+                cpu.complete(prompt, max_tokens=1)
+            run.cpu_tier = [cpu.complete(prompt, max_tokens=1).seconds for prompt in prompts]
+    return run
+
+
+def summarize(runs: list[RestartRun]) -> dict[str, Any]:
+    """Every run's summary, the median of the runs' ratios and their spread (the goal: restart <= 1.3x local)."""
+    summaries = [run.summary() for run in runs]
+    ratios = [summary["restart_over_local"] for summary in summaries]
+    return {"runs": summaries, "restart_over_local_median": statistics.median(ratios),
+            "restart_over_local_spread": [min(ratios), max(ratios)]}
+
+
+def print_rows(label: str, result: dict[str, Any]) -> None:
+    """The restart rows of one model, one line per run, and the breakdown of the last run."""
+    print(f"{label}: restart TTFT (fresh server, Redis only) vs local prefix-cache hit, one token, non-streamed")
+    for index, run in enumerate(result["runs"]):
+        cpu = "" if run["cpu_tier_over_local"] is None else (
+            f", CPU tier {run['cpu_tier_ms']:.0f} ms ({run['cpu_tier_over_local']:.2f}x)")
+        print(f"  run {index + 1}: restart {run['restart_ms']:.0f} ms, local {run['local_hit_ms']:.0f} ms "
+              f"({run['restart_over_local']:.2f}x), recompute {run['recompute_ms']:.0f} ms{cpu}, answers "
+              f"{'equal' if run['answers_equal'] else 'DIFFER'}")
+    low, high = result["restart_over_local_spread"]
+    print(f"  median of runs {result['restart_over_local_median']:.2f}x (runs {low:.2f}-{high:.2f}); "
+          "per restart request: " + ", ".join(f"{name} {value:.1f}" for name, value in
+                                                result["runs"][-1]["breakdown_per_request"].items()))
