@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -105,7 +106,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._region = region
             events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
             self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events),
-                                                 idle_wait_s=options.idle_wait_s)
+                                                 idle_wait_s=options.idle_wait_s, load_mode=options.loads)
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
                                            staging_bytes=options.staging_bytes,
@@ -245,9 +246,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @guarded(lambda: None)
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads were copied in ``start_load_kv``; a runner that skipped it gets them before its first layer."""
+        """Synchronous loads were copied in ``start_load_kv``; a runner that skipped it gets them before its first
+        layer (asynchronous ones wait for ``start_load_kv``, after the forward is launched)."""
         if self._worker is not None:
-            self._worker.start()
+            self._worker.start(asynchronous=False)
 
     @guarded(lambda: None)
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
@@ -260,7 +262,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.end()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    @guarded(KVConnectorTransferResults)
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Requests whose asynchronous loads ended (a failed one also in ``failed_recving``: recomputed)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        received, failed = self._worker.take_received()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -33,6 +33,7 @@ class InFlightLoad(InFlight):
     """A load: the workers copy the fetch's slots into vLLM's blocks; the fetch's pins go once they all have."""
 
     fetch: HostFetch
+    request_id: str
 
 
 @dataclass(eq=False, kw_only=True)

@@ -28,6 +28,10 @@ class CopyJob:
     groups: tuple[int, ...]
     invalid: tuple[int, ...] = ()
     """A load's blocks vLLM counts as loaded that no slot fills: the worker reports them failed (recomputed)."""
+    request_id: str = ""
+    """An asynchronous load's request: the workers report it to vLLM as received once copied (or failed)."""
+    asynchronous: bool = False
+    """A load copied while the batch runs on (its request waits in WAITING_FOR_REMOTE_KVS), not before the forward."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ DOCUMENTATION = {
     "fetches_pending": "Scheduler steps a request waited for its blocks to arrive from a remote",
     "lookup_us": "Microseconds from a request's first lookup to its hit found (remote presence checks included)",
     "fetch_us": "Microseconds from a hit's fetch starting to its blocks offered to vLLM (remote reads)",
+    "async_loads": "Loads copied while vLLM's batch ran on (the request waiting in WAITING_FOR_REMOTE_KVS)",
     "idle_wait_us": "Microseconds the scheduler waited for a remote while vLLM had nothing else to run",
     "offered_blocks": "Blocks tiercache offered to vLLM as external prefix-cache hits",
     "loaded_blocks": "Blocks copied from tiercache's CPU tier into vLLM's KV cache (one per KV-cache group)",

@@ -9,6 +9,8 @@
 - ``force_latest``: loads ask a regional topology's central store for the newest version
   (refused for a topology without a versioned tier);
 - ``shared_dir``: where the CPU tier's shared memory lives (default ``/dev/shm``);
+- ``loads``: ``auto`` (default: synchronous while vLLM ran nothing in its last step, else asynchronous),
+  ``sync`` or ``async`` (``LoadMode``; a model of several KV-cache groups always loads asynchronously);
 - ``idle_wait_ms``: while vLLM's last step ran nothing, how long per step the scheduler side waits for a
   remote's answer or fetch instead of asking vLLM to ask again (default 20; 0: never waits);
 - ``staging_mib``: on CUDA, the most device memory one step's stores stage before their copy to the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import os
 import tempfile
 from collections.abc import Mapping
@@ -40,7 +43,20 @@ from tiercache.tiers import tier_class
 
 SOURCE = "--kv-transfer-config kv_connector_extra_config"
 """Where the options come from, as errors name it."""
-OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms")
+OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms", "loads")
+
+
+class LoadMode(enum.Enum):
+    """How a hit is loaded into vLLM's blocks (docs/engines.md, "Synchronous and asynchronous loads")."""
+
+    AUTO = "auto"
+    """Synchronous while vLLM ran nothing in its last step (the request's first token comes soonest), else
+    asynchronous (the running batch never waits for the copy); asynchronous for a model of several KV-cache groups."""
+    SYNC = "sync"
+    """In the step that schedules the request, before its forward (every running request's step waits for it)."""
+    ASYNC = "async"
+    """While the request waits in vLLM's WAITING_FOR_REMOTE_KVS and the batch runs on; scheduled once copied."""
+
 ENGINE_FIELDS = ("id", "tp_rank")
 """``model`` fields vLLM supplies: a topology may not set them."""
 DEFAULT_STAGING_MIB = 512
@@ -66,6 +82,7 @@ class ConnectorOptions:
     shared_dir: Path
     staging_bytes: int = DEFAULT_STAGING_MIB * MIB
     idle_wait_s: float = DEFAULT_IDLE_WAIT_MS / MS_PER_SECOND
+    loads: LoadMode = LoadMode.AUTO
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -96,7 +113,11 @@ class ConnectorOptions:
         idle_wait = extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)
         if isinstance(idle_wait, bool) or not isinstance(idle_wait, int | float) or not 0 <= idle_wait <= MAX_IDLE_MS:
             raise ConfigError(SOURCE, "idle_wait_ms", f"a number of milliseconds from 0 to {MAX_IDLE_MS}", idle_wait)
-        return cls(topology, source, force_latest, shared_dir, staging * MIB, idle_wait / MS_PER_SECOND)
+        loads = extra.get("loads", LoadMode.AUTO.value)
+        if loads not in {mode.value for mode in LoadMode}:
+            raise ConfigError(SOURCE, "loads", f"one of {[mode.value for mode in LoadMode]}", loads)
+        return cls(topology, source, force_latest, shared_dir, staging * MIB, idle_wait / MS_PER_SECOND,
+                   LoadMode(loads))
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``

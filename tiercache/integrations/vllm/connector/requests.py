@@ -93,6 +93,8 @@ class Fetching:
     """The CPU slots offered to vLLM as external tokens (one per entry)."""
     offered: int = 0
     """The blocks offered to vLLM as external tokens."""
+    asynchronous: bool = False
+    """The offer was an asynchronous load (vLLM waits for the workers' report before it schedules the request)."""
 
 
 Admission = Looking | Fetching
@@ -117,6 +119,9 @@ class RequestState:
     keys: RequestKeys
     admission: Admission | None = None
     stores: StoreProgress = field(default_factory=StoreProgress)
+    load_failed: bool = False
+    """A load of its failed: vLLM recomputes what it misses, and the request is never offered a load again (a
+    failing worker would fail the retry too)."""
     hit_tokens: dict[int, int] = field(default_factory=dict)
     """The last load's tokens by tier index (a position counts under the farthest tier any of its blocks came
     from), for vLLM's ``get_external_cache_hit_sources``."""

@@ -7,17 +7,10 @@ process; the CPU tier's memory is a shared region the workers map (``region``);
 the workers only copy pages between vLLM's blocks and its slots, as each step's
 metadata says (``worker``). Per request:
 
-* ``get_num_new_matched_tokens`` looks the prompt's chained keys up beyond
-  vLLM's own prefix-cache hit, per KV-cache group (``groups``: every block of a
-  full-attention group, a sliding group's window before the end; the longest
-  end held whole, tried end by end). CPU-resident blocks are pinned at once; blocks
-  only a remote holds are read into CPU slots in the background while vLLM is
-  told to ask again (``None``), as long as the topology's prefetch policy lets
-  a request wait (``QueueConfig.prefetch_wait_s``: ``wait_complete`` until they
-  arrived or failed, ``timeout`` its deadline, ``best_effort`` not at all). The
-  answer is a sync load of whole blocks that leaves at least one prompt token to
-  compute, so a load failure is recomputed, and the request is never parked
-  waiting for a worker;
+* ``get_num_new_matched_tokens``: its hit beyond vLLM's own prefix-cache hit is
+  looked up, fetched into CPU slots and offered (``admission``), a synchronous or
+  an asynchronous load of whole blocks that leaves at least one prompt token to
+  compute;
 * ``update_state_after_alloc`` pairs the pinned slots with vLLM's blocks of each
   group (never its null block), and the next ``build_connector_meta`` sends them
   as a load job;
@@ -33,19 +26,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from tiercache.common.units import US_PER_SECOND
+from tiercache.integrations.vllm.connector.admission import HitAdmission
 from tiercache.integrations.vllm.connector.events import stored_events
 from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.groups import (
     NULL_BLOCK,
-    group_key,
-    hit_entries,
     kept_positions,
-    next_end,
     paired,
     tokens_by_tier,
 )
@@ -53,7 +42,8 @@ from tiercache.integrations.vllm.connector.jobs import InFlightJob, InFlightLoad
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.metrics import TIER_SEPARATOR, SchedulerCounters
 from tiercache.integrations.vllm.connector.namespace import block_extra
-from tiercache.integrations.vllm.connector.requests import Fetching, Looking, RequestKeys, RequestState
+from tiercache.integrations.vllm.connector.options import LoadMode
+from tiercache.integrations.vllm.connector.requests import Fetching, RequestKeys, RequestState
 from tiercache.manager.lower_tiers import LowerTiers
 
 log = logging.getLogger(__name__)
@@ -72,15 +62,13 @@ class ConnectorScheduler:
     """The scheduler's half of the connector (see the module docstring)."""
 
     def __init__(self, tiers: LowerTiers, geometry: SlotGeometry, force_latest: bool, *, events: bool = False,
-                 idle_wait_s: float = 0.0) -> None:
+                 idle_wait_s: float = 0.0, load_mode: LoadMode = LoadMode.AUTO) -> None:
         self.tiers = tiers
         self.geometry = geometry
         self.events: list[Any] | None = [] if events else None
         """vLLM KV events of what the CPU tier took (None: vLLM's KV events are off)."""
         self.world = geometry.world
-        self.force_latest = force_latest
         self.block_size = geometry.block_size
-        self.queues = tiers.config.queues
         self.requests: dict[str, RequestState] = {}
         self._in_flight: dict[int, InFlightJob] = {}
         self._loads: list[CopyJob] = []
@@ -88,130 +76,23 @@ class ConnectorScheduler:
         self._job_ids = itertools.count()
         self._event_group = next((i for i, g in enumerate(geometry.groups) if g.kind is GroupKind.FULL), None)
         """The group whose stores are reported as KV events (the first full-attention one; none: no events)."""
-        self._derive = None if len(geometry.groups) == 1 else self._group_key
-        """A chained key -> a group's key (None: one group, whose keys are the chained ones)."""
-        self.idle_wait_s = idle_wait_s
-        self._idle = True
-        """vLLM's last step scheduled nothing (a request's admission may wait instead of answering "ask again")."""
         self.counters = SchedulerCounters()
+        self.admission = HitAdmission(tiers, geometry, self.counters, force_latest=force_latest,
+                                      idle_wait_s=idle_wait_s, load_mode=load_mode,
+                                      loads_in_flight=self._loads_in_flight)
 
     # ---- admission -----------------------------------------------------------------------
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond vLLM's own hit that tiercache can load now (None: ask again). While vLLM has nothing else
-        to run (its last step scheduled nothing), it waits for the remote's answer or the fetch up to
-        ``idle_wait_s`` instead of answering "ask again" to a busy loop that takes the CPU the fetch needs."""
-        state = self._state(request)
-        usable = (request.num_tokens - 1) // self.block_size  # a sync load leaves a token to compute
-        skip = num_computed_tokens // self.block_size
-        state.admission_for(skip)  # vLLM's own hit moved: a lookup or fetch no longer lines up
-        if usable <= skip:
-            return 0, False
-        deadline = time.monotonic() + (self.idle_wait_s if self._may_block() else 0.0)
-        while True:
-            tokens = self._advance(state, usable)
-            if tokens is not None or not self._wait(state, deadline):
-                break
-        if tokens is None:
-            pending = "lookups_pending" if isinstance(state.admission, Looking) else "fetches_pending"
-            self.counters.add(pending)
-        return tokens, False
+        """Tokens beyond vLLM's own hit that tiercache can load now (None: ask again), and whether asynchronously
+        (``admission``)."""
+        return self.admission.matched_tokens(self._state(request), num_computed_tokens)
 
-    def _advance(self, state: RequestState, usable: int) -> int | None:
-        """One step of the request's admission, never waiting: the tokens to offer, or None (not yet)."""
-        admission = state.admission
-        if isinstance(admission, Looking):
-            found = self._find(state, admission, min(admission.end or usable, usable))
-            if found is None:
-                return None
-            self.counters.add("lookups")
-            if not found:
-                return 0
-        fetching = state.admission
-        assert isinstance(fetching, Fetching)
-        if not fetching.fetch.ready() and self._may_wait(fetching):
-            return None
-        slots = fetching.fetch.slots()
-        groups = len(self.geometry.groups)
-        whole = fetching.end - fetching.skip
-        if len(slots) == len(fetching.entries):
-            fetching.offered = whole
-        else:  # a prefix of whole positions, where no window is needed (else no block of this hit is any use)
-            fetching.offered = 0 if self.geometry.hybrid else len(slots) // groups
-        fetching.offer = slots if fetching.offered == whole else slots[: fetching.offered * groups]
-        self.counters.add("offered_blocks", fetching.offered)
-        self.counters.add("fetch_us", _micros(time.monotonic() - fetching.asked_at))
-        return fetching.offered * self.block_size
-
-    def _may_block(self) -> bool:
-        """Whether vLLM would only spin if asked to ask again: its last step ran nothing, and no load of this
-        connector is in flight (its report would wait for the next step)."""
-        return self._idle and self.idle_wait_s > 0 and not any(
-            isinstance(job, InFlightLoad) for job in self._in_flight.values())
-
-    def _wait(self, state: RequestState, deadline: float) -> bool:
-        """Wait until ``deadline`` at most for what the request's admission waits on; whether to try again."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        started = time.monotonic()
-        admission = state.admission
-        if isinstance(admission, Fetching):
-            admission.fetch.wait(left)
-        elif not self.tiers.wait_for_answers(left):
-            return False  # nothing in flight to wait for: a local answer is final
-        self.counters.add("idle_wait_us", _micros(time.monotonic() - started))
-        return True
-
-    def _find(self, state: RequestState, looking: Looking, end: int) -> bool | None:
-        """Look up ends from ``end`` down until one is held whole (the request then fetches it) or none is left
-        (False); None while a remote's answer is in flight (``looking.end`` says where to go on)."""
-        geometry = self.geometry
-        asker = state.request.request_id
-        if geometry.hybrid and not looking.asked:  # every end it may try, in one batch of presence checks
-            self.tiers.ask(self._candidate_keys(state, looking.skip, end), asker)
-            looking.asked = True
-        while True:
-            looking.end = end
-            entries = hit_entries(geometry, looking.skip, end)
-            keys = {group: self._group_keys(state, group, end) for group in range(len(geometry.groups))}
-            hit = self.tiers.lookup([keys[entry.group][entry.position] for entry in entries], local_only=not entries,
-                                    asker=asker)
-            if hit is None:
-                return None
-            if hit.num_blocks == len(entries) or (hit.num_blocks and not geometry.hybrid):
-                break
-            self.tiers.release(hit)
-            looking.tries += 1
-            following = next_end(geometry, looking.skip, entries[hit.num_blocks].position, looking.tries)
-            if following is None:
-                state.drop_admission()
-                return False
-            end = following
-        if not geometry.hybrid:  # a prefix of whole positions is a hit too
-            positions = hit.num_blocks // len(geometry.groups)
-            if not positions:
-                self.tiers.release(hit)
-                state.drop_admission()
-                return False
-            end, entries = looking.skip + positions, entries[: positions * len(geometry.groups)]
-        fetch = self.tiers.fetch(hit, len(entries), force_latest=self.force_latest)
-        now = time.monotonic()
-        self.counters.add("lookup_us", _micros(now - looking.started))
-        state.fetching(Fetching(looking.skip, end, entries, fetch, list(hit.tiers[: len(entries)]), now))
-        return True
-
-    def _candidate_keys(self, state: RequestState, skip: int, end: int) -> list[bytes]:
-        """The keys of every group's blocks from ``skip`` to ``end``: whatever end a hybrid lookup tries."""
-        return [key for group in range(len(self.geometry.groups)) for key in self._group_keys(state, group, end)[skip:]]
+    def _loads_in_flight(self) -> bool:
+        return any(isinstance(job, InFlightLoad) for job in self._in_flight.values())
 
     def track(self, request: Any) -> None:
         """Keep a request tiercache does not load for (a kv_producer's): its blocks are still stored."""
         self._state(request)
-
-    def _may_wait(self, fetching: Fetching) -> bool:
-        """Whether a request may still be held back for its remote blocks (the topology's prefetch policy)."""
-        waited = time.monotonic() - fetching.asked_at
-        return waited < self.queues.prefetch_wait_s(len(fetching.fetch.items) * self.block_size)
 
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks (per group): pair the offered slots with the blocks that take them."""
@@ -233,10 +114,12 @@ class ConnectorScheduler:
                 if block != NULL_BLOCK and self.geometry.groups[group].kind is GroupKind.SLIDING
             )
         job = CopyJob(next(self._job_ids), tuple(p.slot for p in pairs), tuple(p.block for p in pairs),
-                      tuple(p.group for p in pairs), invalid)
+                      tuple(p.group for p in pairs), invalid, request.request_id, fetching.asynchronous)
+        if fetching.asynchronous:
+            self.counters.add("async_loads")
         fetch = state.admitted()
         assert fetch is not None
-        self._in_flight[job.job_id] = InFlightLoad(fetch=fetch)
+        self._in_flight[job.job_id] = InFlightLoad(fetch=fetch, request_id=request.request_id)
         self._loads.append(job)
         self.counters.add("loaded_blocks", len(pairs))
         self.counters.add("loaded_bytes", self._bytes(job.groups))
@@ -266,7 +149,7 @@ class ConnectorScheduler:
         fills."""
         metadata = TierCacheConnectorMetadata(loads=self._loads)
         self._loads = []
-        self._idle = not output.num_scheduled_tokens
+        self.admission.idle = not output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
@@ -303,7 +186,7 @@ class ConnectorScheduler:
         wanted: list[_StoreBlock] = []
         for group, blocks in enumerate(progress.block_ids):
             end = min(full, len(blocks))
-            keys = self._group_keys(state, group, end)
+            keys = self.admission.group_keys(state, group, end)
             for position in kept_positions(self.geometry, group, progress.stored[group], end, prompt_blocks):
                 if blocks[position] != NULL_BLOCK:
                     wanted.append(_StoreBlock(keys[position], group, blocks[position], position))
@@ -339,6 +222,9 @@ class ConnectorScheduler:
             job.fetch.release()
             if job.failed:
                 self.counters.add("failed_loads")
+                state = self.requests.get(job.request_id)
+                if state is not None:
+                    state.load_failed = True
             return
         self.tiers.end_writes(job.keys, job.slots, [not job.failed] * len(job.keys))
         if job.failed:
@@ -385,14 +271,3 @@ class ConnectorScheduler:
             extra = block_extra(getattr(request, "cache_salt", None), getattr(lora, "lora_name", None))
             state = self.requests[request.request_id] = RequestState(RequestKeys(request, extra))
         return state
-
-    def _group_keys(self, state: RequestState, group: int, blocks: int) -> list[bytes]:
-        """The keys of ``group``'s first ``blocks`` blocks of the request (the chained keys for a one-group model)."""
-        return state.keys.of_group(self.tiers.hasher, group, blocks, self._derive)
-
-    def _group_key(self, key: bytes, group: int) -> bytes:
-        return group_key(key, group, self.geometry)
-
-
-def _micros(seconds: float) -> int:
-    return round(seconds * US_PER_SECOND)

@@ -72,7 +72,8 @@ class ConnectorWorker:
         self._loaded_groups = set(groups)
         self._stored_groups = {group for group in groups if geometry.writes(rank, group)}
         self._loads: list[CopyJob] = []
-        self._loads_started = False
+        self._loads_started: set[int] = set()
+        """This step's loads whose copies were started."""
         self._loads_failed: set[int] = set()
         """This step's loads whose copies failed to start."""
         self._invalid: set[int] = set()
@@ -81,7 +82,13 @@ class ConnectorWorker:
         self._done: Counter[int] = Counter()
         self._failed: Counter[int] = Counter()
         self._load_errors: set[int] = set()
+        self._receiving: dict[int, str] = {}
+        """Asynchronous loads in flight: job id -> its request (reported to vLLM as received once copied)."""
+        self._received: set[str] = set()
+        self._failed_receives: set[str] = set()
         self._moved = Completed()
+        self._polled = False
+        """The transfer engine was polled since this step's metadata was bound."""
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], backends: Mapping[str, str] | None = None) -> None:
         """Map the shared CPU slots and vLLM's tensors as pages; a layout it cannot map declines (logged, the
@@ -104,7 +111,7 @@ class ConnectorWorker:
 
     def bind(self, metadata: TierCacheConnectorMetadata) -> None:
         """A step's jobs, bound before its forward."""
-        self._loads, self._loads_started = list(metadata.loads), False
+        self._loads, self._loads_started, self._polled = list(metadata.loads), set(), False
         self._stores = []
         budget = self.transfers.step_budget_bytes if self.transfers is not None else None
         for job in metadata.stores:
@@ -118,13 +125,18 @@ class ConnectorWorker:
                     store.failed = True
             self._stores.append(store)
 
-    def start(self) -> None:
-        """Copy every layer of the step's loads into their blocks now, before the forward reads any."""
-        if self._loads_started or self.transfers is None:
+    def start(self, *, asynchronous: bool = True) -> None:
+        """Copy every layer of the step's synchronous loads into their blocks now, before the forward reads any;
+        with ``asynchronous`` its asynchronous loads too (vLLM starts those after the forward is launched: their
+        requests are not in it)."""
+        if self.transfers is None:
             return
-        self._loads_started = True
-        copies = [copy for job in self._loads for copy in _group_copies(job, self._loaded_groups).values()]
-        self._loads_failed = set(self.transfers.load(copies)) if copies else set()
+        jobs = [job for job in self._loads
+                if job.job_id not in self._loads_started and (asynchronous or not job.asynchronous)]
+        self._loads_started.update(job.job_id for job in jobs)
+        copies = [copy for job in jobs for copy in _group_copies(job, self._loaded_groups).values()]
+        if copies:
+            self._loads_failed.update(self.transfers.load(copies))
 
     def after_layer(self, layer_name: str) -> None:
         """A layer has written this step's KV: copy that layer's pages of the step's stores."""
@@ -141,14 +153,21 @@ class ConnectorWorker:
             self._store(layer)
         loads_ok = []
         for job in self._loads:
-            if not self._loads_started or job.job_id in self._loads_failed:
+            if job.job_id not in self._loads_started or job.job_id in self._loads_failed:
                 log.warning("tiercache connector: load %d was never copied; vLLM recomputes its blocks", job.job_id)
                 self._failed[job.job_id] += 1
-                self._load_errors.update(job.block_ids)
-                self._load_errors.update(job.invalid)
+                if job.asynchronous:
+                    self._received.add(job.request_id)
+                    self._failed_receives.add(job.request_id)
+                else:
+                    self._load_errors.update(job.block_ids)
+                    self._load_errors.update(job.invalid)
                 continue
+            if job.asynchronous:
+                self._receiving[job.job_id] = job.request_id
             if job.invalid:
-                self._load_errors.update(job.invalid)
+                if not job.asynchronous:
+                    self._load_errors.update(job.invalid)
                 self._invalid.add(job.job_id)
             loads_ok.append(job.job_id)
         stores_ok = []
@@ -158,6 +177,7 @@ class ConnectorWorker:
             else:
                 stores_ok.append(store.job.job_id)
         self.transfers.end_step(loads_ok, stores_ok)
+        self._polled = False  # what the step's end completed is taken at the next ask
         self._loads, self._stores, self._loads_failed = [], [], set()
 
     def _store(self, layer: int) -> None:
@@ -175,14 +195,19 @@ class ConnectorWorker:
         return self.pages.layers if self.pages is not None else []
 
     def _poll(self) -> None:
-        """Take what the transfer engine completed into the next report and the next stats."""
-        if self.transfers is not None:
+        """Take what the transfer engine completed into the next report and the next stats (once a step: vLLM
+        asks for the received requests, the errors, the stats and the report one after the other)."""
+        if self.transfers is not None and not self._polled:
+            self._polled = True
             completed = self.transfers.poll()
             for job_id in completed.done:
-                (self._failed if job_id in self._invalid else self._done)[job_id] += 1
+                invalid = job_id in self._invalid
+                (self._failed if invalid else self._done)[job_id] += 1
                 self._invalid.discard(job_id)
+                self._received_load(job_id, failed=invalid)
             for job_id in completed.failed:
                 self._failed[job_id] += 1
+                self._received_load(job_id, failed=True)
             self._moved.add(completed)
 
     def take_report(self) -> TierCacheWorkerMetadata | None:
@@ -203,6 +228,23 @@ class ConnectorWorker:
             "store_copy_bytes": moved.store_bytes, "store_copy_us": round(moved.store_seconds * US_PER_SECOND),
         }
         return {name: count for name, count in counts.items() if count}
+
+    def _received_load(self, job_id: int, *, failed: bool) -> None:
+        """An asynchronous load ended: its request is reported received (and failed: vLLM recomputes it)."""
+        request_id = self._receiving.pop(job_id, None)
+        if request_id is not None:
+            self._received.add(request_id)
+            if failed:
+                self._failed_receives.add(request_id)
+
+    def take_received(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous loads ended since the last call, and those of them that failed (a
+        failed one is reported per request: vLLM cannot map a block error to a request of several KV-cache
+        groups)."""
+        self._poll()
+        received, failed = self._received, self._failed_receives
+        self._received, self._failed_receives = set(), set()
+        return received, failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
