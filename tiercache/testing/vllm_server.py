@@ -81,6 +81,8 @@ class Streamed:
     total_s: float
     text: str
     token_ids: list[int]
+    arrivals: list[float] = field(default_factory=list)
+    """Seconds from the request to each streamed chunk that carried text or tokens (inter-token gaps)."""
 
 
 class VllmServer:
@@ -148,16 +150,8 @@ class VllmServer:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        return [
-            self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            *self.flags,
-        ]
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--host", self.host, "--port", str(self.port),
+                *self.flags]
 
     def start(self) -> VllmServer:
         """Start the server and wait until ``/health`` answers 200; raise ``VllmServerError`` otherwise."""
@@ -268,25 +262,25 @@ class VllmServer:
             response = conn.getresponse()
             if response.status != 200:
                 raise VllmServerError(f"/v1/completions answered {response.status}: {response.read()[:2000]!r}")
-            ttft: float | None = None
             text: list[str] = []
             token_ids: list[int] = []
+            arrivals: list[float] = []
             for event in sse_events(response):
                 choices = event.get("choices") or []
                 if not choices:
                     continue
                 piece = choices[0].get("text") or ""
                 ids = choices[0].get("token_ids") or []
-                if ttft is None and (piece or ids):
-                    ttft = time.perf_counter() - start
+                if piece or ids:
+                    arrivals.append(time.perf_counter() - start)
                 text.append(piece)
                 token_ids.extend(ids)
             total = time.perf_counter() - start
         finally:
             conn.close()
-        if ttft is None:
+        if not arrivals:
             raise VllmServerError("the stream ended without a token")
-        return Streamed(ttft_s=ttft, total_s=total, text="".join(text), token_ids=token_ids)
+        return Streamed(ttft_s=arrivals[0], total_s=total, text="".join(text), token_ids=token_ids, arrivals=arrivals)
 
     def warm_up(self, prompt_tokens: int = 64, max_tokens: int = 2) -> float:
         """One small request (the first after start pays one-time kernel set-up); returns its seconds."""
