@@ -10,7 +10,9 @@
   (refused for a topology without a versioned tier);
 - ``shared_dir``: where the CPU tier's shared memory lives (default ``/dev/shm``);
 - ``staging_mib``: on CUDA, the most device memory one step's stores stage before their copy to the
-  CPU tier (default 512; a store past it is skipped: a later miss, never an error).
+  CPU tier (a store past it is skipped: a later miss, never an error); loads stage in chunks of half
+  of it. By default it is what the step's largest prefill fills: ``max_num_batched_tokens`` over the
+  block size, plus one block, of this rank's KV (logged at start).
 
 A key that is none of these is refused with the one it resembles. Every error names the flag,
 the field and what was expected, before vLLM serves a request.
@@ -40,8 +42,6 @@ SOURCE = "--kv-transfer-config kv_connector_extra_config"
 OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib")
 ENGINE_FIELDS = ("id", "tp_rank")
 """``model`` fields vLLM supplies: a topology may not set them."""
-DEFAULT_STAGING_MIB = 512
-"""Device memory a step's stores may stage on CUDA (a 2048-token prefill chunk of an 8B model's KV is 256 MiB)."""
 MIB = 1 << 20
 DEFAULT_SHARED_DIR = "/dev/shm"
 """Shared memory on Linux: the CPU tier's region lives in RAM, not on a disk."""
@@ -55,7 +55,8 @@ class ConnectorOptions:
     source: str
     force_latest: bool
     shared_dir: Path
-    staging_bytes: int = DEFAULT_STAGING_MIB * MIB
+    staging_bytes: int | None = None
+    """``staging_mib`` in bytes; None: derived from the step's size (``worker.store_budget_bytes``)."""
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -80,10 +81,10 @@ class ConnectorOptions:
         shared_dir = Path(shared or tempfile.gettempdir())
         if not shared_dir.is_dir():
             raise ConfigError(SOURCE, "shared_dir", "an existing directory (shared memory: /dev/shm)", str(shared))
-        staging = extra.get("staging_mib", DEFAULT_STAGING_MIB)
-        if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
+        staging = extra.get("staging_mib")
+        if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0):
             raise ConfigError(SOURCE, "staging_mib", "a positive whole number of MiB", staging)
-        return cls(topology, source, force_latest, shared_dir, staging * MIB)
+        return cls(topology, source, force_latest, shared_dir, staging * MIB if staging is not None else None)
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``
