@@ -1,7 +1,8 @@
 """Errors on time, through vLLM 0.33's own scheduler: a failed load's blocks reach vLLM in the step that read them,
 on the V1 and V2 runners' call orders, with speculative decoding's too; every worker hook answering a broken
-transfer engine without raising. (A hybrid job failing in one group: ``test_connector_staging``; vLLM itself
-refuses block-level load errors for models of several KV-cache groups, see docs/engines.md.)
+transfer engine without raising. (A hybrid job failing in one group: ``test_connector_staging``; vLLM's scheduler
+takes no block-level load error from a model of several KV-cache groups, it raises on one: such a failure can only be
+reported per request, as ``failed_recving`` of a request whose load is asynchronous.)
 
 With speculative decoding vLLM collects a step's connector output before
 ``wait_for_save``, which runs after the drafter (``defer_finalize``), on both

@@ -121,7 +121,8 @@ def test_a_cpu_tier_larger_than_its_shared_dir_stops_vllm_at_start_with_a_clear_
 ) -> None:
     out = run_in_tmpfs(VLLM_START, tmp_path)
     error = out["error"]
-    assert error is not None and "tiercache-small-dp0" in error and "needs 4 MiB" in error and "1 MiB free" in error
+    assert error is not None and "tiercache-small-dp0" in error and "needs 4 MiB" in error
+    assert "has 1 MiB (1048576 bytes) free" in error
     assert "capacity_bytes" in error and "shared_dir" in error and "--shm-size" in error
     assert out["left"] == [], "nothing left behind"
 
@@ -131,7 +132,7 @@ def test_a_region_too_big_for_a_small_tmpfs_is_refused_and_a_raced_one_fails_cle
 ) -> None:
     out = run_in_tmpfs(SMALL_TMPFS, tmp_path)
     assert out["filesystem"] == "tmpfs"
-    assert "needs 2 MiB" in out["checked"] and "MiB free" in out["checked"], "the free-space check"
+    assert "needs 2 MiB" in out["checked"] and "bytes) free" in out["checked"], "the free-space check"
     assert "needs 2 MiB" in out["raced"], "posix_fallocate's ENOSPC, the process alive (no SIGBUS)"
     assert out["checked_left"] == [] and out["raced_left"] == [], "nothing left behind"
     assert out["fits"] == 7 * 2 * (256 << 10), "a region that fits maps and is written"

@@ -31,6 +31,8 @@ INVALID_VALUE = 1
 """``cudaErrorInvalidValue``."""
 INVALID_PITCH = 12
 """``cudaErrorInvalidPitchValue``: a 2-D copy's pitch below its width."""
+INVALID_DIRECTION = 21
+"""``cudaErrorInvalidMemcpyDirection``: a copy's kind none of ``MemcpyKind``."""
 ALREADY_REGISTERED = 712
 """``cudaErrorHostMemoryAlreadyRegistered``: a range overlapping one this process registered."""
 NOT_REGISTERED = 713
@@ -151,6 +153,8 @@ class HostRuntime:
 
     def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
                   kind: MemcpyKind, stream: int) -> int:
+        if kind not in tuple(MemcpyKind):
+            return self._fail(INVALID_DIRECTION)
         if width > dst_pitch or width > src_pitch:
             return self._fail(INVALID_PITCH)
         for row in range(height):

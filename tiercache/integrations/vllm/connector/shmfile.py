@@ -51,9 +51,9 @@ class RegionSpaceError(RegionError):
     def __init__(self, size: int, path: Path, free: int) -> None:
         super().__init__(
             f"tiercache's CPU tier needs {size / MIB:.0f} MiB ({size} bytes) at {path}, but {path.parent} has "
-            f"{free / MIB:.0f} MiB free: lower the CPU tier's capacity_bytes (or capacity_blocks) in the topology, or "
-            "set shared_dir in kv_connector_extra_config to a shared-memory directory with room (Docker: --shm-size "
-            "or --ipc=host)")
+            f"{free / MIB:.0f} MiB ({free} bytes) free: lower the CPU tier's capacity_bytes (or capacity_blocks) in "
+            "the topology, or set shared_dir in kv_connector_extra_config to a shared-memory directory with room "
+            "(Docker: --shm-size or --ipc=host)")
 
 
 def free_bytes(directory: Path) -> int:
