@@ -15,6 +15,7 @@ after the step's forward was launched and joins the batch a step later.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 import threading
@@ -40,7 +41,7 @@ HITS = 3
 def _gaps(arrivals: list[float], start: float, end: float) -> list[float]:
     """Inter-token gaps (seconds) of the chunks that arrived between ``start`` and ``end`` (seconds from the
     stream's request)."""
-    return [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False) if start <= later <= end]
+    return [later - earlier for earlier, later in itertools.pairwise(arrivals) if start <= later <= end]
 
 
 def measure_mode(model: Path, hits: list[list[int]], decode_prompt: list[int], mode: str,

@@ -17,7 +17,7 @@ import pytest
 from support.benchmark_runs import BENCHMARKS, NUMBER, Each, assert_shape, run_quick
 
 TESTS = Path(__file__).resolve().parents[1]
-HELPERS = {"common.py", "oracle.py", "redis_ceiling.py"}
+HELPERS = {"common.py", "oracle.py", "redis_ceiling.py", "gpu_connector_parts.py"}
 """Modules the scripts import; not benchmarks themselves."""
 ENGINE_RUNS = {
     "vllm_lookup.py": "engines/vllm/test_vllm_lookup_quick.py",
@@ -79,7 +79,11 @@ QUICK_RUNS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "sync.py": ((), {"rows": {name: LATENCY for name in SYNC_READS},
                      "runs": Each([LATENCY]), "refreshed": int, "batch": int, "block_bytes": int, "runs_count": int}),
     "gpu_connector.py": (("--device", "cpu"), {"device": str, "shape": dict, "layouts": {
-        "pairs": int, "all_equal": bool, "unequal": list}}),
+        "pairs": int, "all_equal": bool, "unequal": list, "unpinned_engines": int, "failed_jobs": int},
+        "rows": [{"section": str, "layout": str, "direction": str, "gbps": N, "ceiling_gbps": N, "ratio": N,
+                  "jobs_ok": bool}], "pageable_rows": [dict], "tp2": {"scopes": [str], "all_equal": bool},
+        "hybrid": {"all_equal": bool, "reported_while_in_flight": list},
+        "injected": Each({"caught": bool}), "checks": Each(bool), "passed": bool}),
     "swap.py": ((), {"device": str, "layout": dict, "engine": list, "rows": [{
         "memory": str, "blocks": int, "path": str, "direction": str, "gb_per_s": N, "contiguous_gb_per_s": N,
         "ratio": N}]}),

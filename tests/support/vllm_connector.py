@@ -204,6 +204,9 @@ class Instance:
         self.connector: Any = self.scheduler.connector
         self.skip_loads = False
         """The "engine" calls neither ``start_load_kv`` nor ``wait_for_layer_load`` (a broken runner)."""
+        self.speculative = False
+        """The runner collects the connector's output before ``wait_for_save``, which runs after the drafter: vLLM's
+        order with speculative decoding (``defer_finalize``, V1 and V2 runners)."""
         self.worker_stats: list[Any] = []
 
     def add(self, req: Request) -> Request:
@@ -232,7 +235,8 @@ class Instance:
                 worker.save_kv_layer(name, self.kv[name], context.attn_metadata)
         if not output.has_sync_kv_loads and not self.skip_loads:
             worker.start_load_kv(context)
-        worker.wait_for_save()
+        if not self.speculative:
+            worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         record.invalid_blocks = worker.get_block_ids_with_load_errors()
         stats = worker.get_kv_connector_stats()
@@ -243,6 +247,8 @@ class Instance:
             failed_recving=results.failed_recving, invalid_block_ids=record.invalid_blocks, kv_connector_stats=stats,
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
+        if self.speculative:  # the drafter's forward, then vLLM's finalize_kv_connector
+            worker.wait_for_save()
         worker.clear_connector_metadata()
         return self._update(record, self._model_output(output, connector_output))
 
@@ -259,7 +265,10 @@ class Instance:
                 record.wrong_pages.extend(self._check_prefix(output, index, name))
                 self._compute(output, index, name)
             self.v2.finish_forward()
-            model_output = self._model_output(output, self.v2.post_forward(output.finished_req_ids))
+            connector_output = self.v2.post_forward(output.finished_req_ids, defer_finalize=self.speculative)
+            if self.speculative:  # the drafter's forward, then the V2 runner's finalize_step
+                self.v2.finalize_step()
+            model_output = self._model_output(output, connector_output)
         connector_output = model_output.kv_connector_output
         if connector_output is not None:
             record.invalid_blocks = set(connector_output.invalid_block_ids or ())

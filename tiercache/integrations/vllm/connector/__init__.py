@@ -6,15 +6,18 @@
 ``requests`` (what it keeps per request, by phase: keys, lookup, fetch, stores),
 ``jobs`` (loads and stores sent to the workers, until all reported them),
 ``worker`` (the worker side: each step's copies, layer by layer),
-``region`` (the CPU tier's memory, shared between vLLM's processes),
+``region`` (the CPU tier's memory, shared between vLLM's processes) and
+``shmfile`` (its file: room checked and allocated, held while workers live,
+stale ones removed),
 ``geometry`` (how a slot holds a vLLM block of each KV-cache group),
 ``namespace`` (who shares a slot: the model's identity and the page format),
 ``groups`` (what a hit needs and a store keeps of each KV-cache group),
 ``options`` (``kv_connector_extra_config``), ``metadata`` (the jobs sent each
 step and the reports back) and ``metrics`` (vLLM's connector stats and
-Prometheus counters); ``geometry``, ``pages``, ``transfers`` and ``staged`` (the
-worker's page map and transfer engines) need torch only, not vLLM or the
-namespace's hashing (``scripts/gpu_check_connector.sh`` runs them on a GPU
+Prometheus counters); ``geometry``, ``pages``, ``transfers``, ``staged``,
+``pinning`` (host memory registered as pinned), ``cudart`` (the CUDA runtime calls
+torch lacks), ``region`` and ``shmfile`` (the worker's page map, transfer engines
+and region) need torch only, not vLLM or the namespace's hashing (``scripts/gpu_check_connector.sh`` runs them on a GPU
 machine without vLLM), so the class is imported on first use, after the
 installed vLLM's version is checked.
 """

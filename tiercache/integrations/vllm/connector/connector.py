@@ -7,7 +7,11 @@ remotes), in each worker process the worker's (``ConnectorWorker``: page copies
 between vLLM's KV tensors and the CPU tier's shared slots). Both derive the same
 slot geometry (``geometry``) and namespace (``namespace``) from vLLM's configs. Every hook is
 guarded: an error inside tiercache is logged and becomes a miss, a failed job or
-a load vLLM recomputes, never an exception in vLLM's loop.
+a load vLLM recomputes, never an exception in vLLM's loop. The one error raised
+on purpose is at start, in a worker's ``register_kv_caches``: a CPU tier its
+``shared_dir`` has no room for (``RegionSpaceError``, naming the size, the path,
+``shared_dir`` and ``capacity_bytes``), which the operator must fix; any other
+error there declines every request while vLLM serves on.
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
                                            staging_bytes=options.staging_bytes,
+                                           max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                            num_blocks=getattr(kv_cache_config, "num_blocks", None))
         self._tier_sources = [_hit_source(tier.type) for tier in config.tiers]
 
@@ -206,6 +211,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self) -> Iterable[Any]:
         return self._scheduler.take_events() if self._scheduler is not None else []
 
+    @guarded(lambda: None)
     def get_kv_connector_stats(self) -> TierCacheConnectorStats | None:
         """The scheduler side's counts; a worker's bytes and copy time per direction (summed over workers)."""
         if self._worker is not None:
@@ -225,7 +231,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map vLLM's tensors as pages and the shared CPU tier; a layout it cannot map declines every request (a
-        startup error in the log naming the backend, shape and strides), a model it declines maps nothing."""
+        startup error in the log naming the backend, shape and strides), a model it declines maps nothing. Guarded
+        inside the worker (``ConnectorWorker.register_kv_caches``): its one exception is the start-up error of a
+        region that cannot be made (see the module docstring)."""
         if self._declined is None:
             self._worker_part.register_kv_caches(kv_caches, _attention_backends(self._vllm_config, kv_caches))
 
@@ -261,6 +269,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.end()
 
+    @guarded(lambda: (None, None))
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return None, results.finished_recving or None
@@ -273,9 +282,13 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         received, failed = self._worker.take_received()
         return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
+    @guarded(set)
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """This step's failed loads' blocks, whether or not ``wait_for_save`` has run yet (the V2 runner and
+        speculative decoding ask before it)."""
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    @guarded(lambda: None)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_report() if self._worker is not None else None
 
@@ -286,10 +299,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def shutdown(self) -> None:
+        """Close each side on its own (one failing does not keep the other open)."""
         if self._scheduler is not None:
-            self._scheduler.close()
+            self._close(self._scheduler.close)
         if self._worker is not None:
-            self._worker.close()
+            self._close(self._worker.close)
+
+    @guarded(lambda: None)
+    def _close(self, close: Callable[[], None]) -> None:
+        close()
 
 
 def _tensor_parallel_rank() -> int:

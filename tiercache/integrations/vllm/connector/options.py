@@ -14,7 +14,9 @@
 - ``idle_wait_ms``: while vLLM's last step ran nothing, how long per step the scheduler side waits for a
   remote's answer or fetch instead of asking vLLM to ask again (default 20; 0: never waits);
 - ``staging_mib``: on CUDA, the most device memory one step's stores stage before their copy to the
-  CPU tier (default 512; a store past it is skipped: a later miss, never an error).
+  CPU tier (a store past it is skipped: a later miss, never an error); loads stage in chunks of half
+  of it. By default it is what the step's largest prefill fills: ``max_num_batched_tokens`` over the
+  block size, plus one block, of this rank's KV (logged at start).
 
 A key that is none of these is refused with the one it resembles. Every error names the flag,
 the field and what was expected, before vLLM serves a request.
@@ -59,8 +61,6 @@ class LoadMode(enum.Enum):
 
 ENGINE_FIELDS = ("id", "tp_rank")
 """``model`` fields vLLM supplies: a topology may not set them."""
-DEFAULT_STAGING_MIB = 512
-"""Device memory a step's stores may stage on CUDA (a 2048-token prefill chunk of an 8B model's KV is 256 MiB)."""
 MIB = 1 << 20
 MAX_IDLE_MS = 1000
 """Longest idle wait accepted (longer would hold a request that arrives meanwhile for too long)."""
@@ -80,7 +80,8 @@ class ConnectorOptions:
     source: str
     force_latest: bool
     shared_dir: Path
-    staging_bytes: int = DEFAULT_STAGING_MIB * MIB
+    staging_bytes: int | None = None
+    """``staging_mib`` in bytes; None: derived from the step's size (``worker.store_budget_bytes``)."""
     idle_wait_s: float = DEFAULT_IDLE_WAIT_MS / MS_PER_SECOND
     loads: LoadMode = LoadMode.AUTO
 
@@ -107,8 +108,8 @@ class ConnectorOptions:
         shared_dir = Path(shared or tempfile.gettempdir())
         if not shared_dir.is_dir():
             raise ConfigError(SOURCE, "shared_dir", "an existing directory (shared memory: /dev/shm)", str(shared))
-        staging = extra.get("staging_mib", DEFAULT_STAGING_MIB)
-        if isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0:
+        staging = extra.get("staging_mib")
+        if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int) or staging <= 0):
             raise ConfigError(SOURCE, "staging_mib", "a positive whole number of MiB", staging)
         idle_wait = extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)
         if isinstance(idle_wait, bool) or not isinstance(idle_wait, int | float) or not 0 <= idle_wait <= MAX_IDLE_MS:
@@ -116,8 +117,8 @@ class ConnectorOptions:
         loads = extra.get("loads", LoadMode.AUTO.value)
         if loads not in {mode.value for mode in LoadMode}:
             raise ConfigError(SOURCE, "loads", f"one of {[mode.value for mode in LoadMode]}", loads)
-        return cls(topology, source, force_latest, shared_dir, staging * MIB, idle_wait / MS_PER_SECOND,
-                   LoadMode(loads))
+        return cls(topology, source, force_latest, shared_dir, staging * MIB if staging is not None else None,
+                   idle_wait / MS_PER_SECOND, LoadMode(loads))
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``

@@ -5,21 +5,34 @@ needs fencing: a block freed, preempted or slid out of a window is reused by a
 later kernel on the same stream, after every copy that read or wrote it.
 Per KV-cache group and step:
 
-- stores: after each layer wrote, one gather on the compute stream packs the
-  step's blocks of that layer into a device staging buffer in the slots' order
-  (``[block][layer][page]``, vLLM's logical page order: the layout's
-  permutation happens in the gather); at the step's end the side stream waits
-  for the compute stream (an event, not a synchronize) and copies each slot's
-  share device -> pinned host in one ``cudaMemcpyAsync`` (consecutive slots in
-  one); its event is polled, never waited for;
-- loads: the side stream copies each slot's share host -> staging, the compute
-  stream waits for that event and scatters each layer into its blocks before
-  the forward.
+- stores: after each layer wrote, one gather on the compute stream
+  (``index_select`` straight into its place) packs the step's blocks of that
+  layer into a device staging buffer in the slots' order (``[block][layer]
+  [page]``, vLLM's logical page order: the layout's permutation happens in the
+  gather); at the step's end the side stream waits for the compute stream (an
+  event, not a synchronize) and copies the rows into their slots, one copy per
+  run of consecutive slots, 2-D where the rank's share is strided in the slots
+  (``cudaMemcpy2DAsync``); its event is polled, never waited for. What one step
+  stages is bounded (``step_budget_bytes``; the worker drops stores past it);
+- loads: in chunks of at most ``load_chunk_bytes``, two buffers in turn: the
+  side stream copies a chunk's slots host -> staging, the compute stream waits
+  for that event and scatters each layer into its blocks while the side stream
+  copies the next chunk into the other buffer.
 
-The region is registered as pinned memory (``cudaHostRegister``) once; where
-registration fails copies still work, pageable and slower. Staging memory is
-the caching allocator's, kept alive for the side stream by ``record_stream``.
-On CPU tensors the same code runs with copies done at once (tests).
+Host memory: the ranges of the region this rank copies are registered as pinned
+memory (``pinning``). Where that is refused, or no CUDA runtime can be called,
+copies go through pinned bounce buffers: one asynchronous copy per group and
+step, the host side's gather (loads) done at once and its scatter (stores) once
+the copy's event has passed, so no copy waits for the device.
+
+A job fails alone: blocks or slots out of range are refused before anything is
+launched, and a launch that fails fails its group's jobs. A failed job is
+reported (``poll``) only once none of its copies is in flight (a hybrid job's
+other groups may still be copying), so its slots are never reused under a copy;
+its blocks are reported at once (the ids ``load`` returns), to be recomputed.
+
+On CPU tensors the same code runs, copies done at once and ``HostRuntime``
+answering the runtime's calls (tests, the GPU check's CPU half).
 """
 
 from __future__ import annotations
@@ -27,97 +40,150 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tiercache.integrations.vllm.connector.cudart import CudaRuntime, HostRuntime, MemcpyKind, checked, loaded_cudart
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages
+from tiercache.integrations.vllm.connector.pinning import HostPins, copy_runs, plan_pins
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, Transfers
-from tiercache.movement.swap.handles import contiguous_runs
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(f"vllm.{__name__}")
 
-
-def register_host(memory: torch.Tensor) -> bool:
-    """Register ``memory`` (host, contiguous) as pinned for DMA; False where CUDA refuses (copies stay pageable)."""
-    try:
-        code = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel() * memory.element_size(), 0)
-    except Exception as error:  # no CUDA runtime in this build
-        log.warning("tiercache connector: cannot pin the CPU tier (%s); copies stay pageable", error)
-        return False
-    if int(code) != 0:
-        log.warning("tiercache connector: cudaHostRegister failed (%s); copies stay pageable", code)
-        return False
-    return True
+DEFAULT_LOAD_CHUNK_BYTES = 256 << 20
+"""Device staging per load chunk where no step budget is given (two chunks are in use at a time)."""
 
 
 @dataclass
-class _SideCopies:
+class _Flight:
     """Copies launched on the side stream, until their end event has passed."""
 
     jobs: list[int]
-    end: torch.cuda.Event | None
-    start: torch.cuda.Event | None
     started_at: float
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+    failed: list[int] = field(default_factory=list)
+    """Jobs that failed, reported with the flight: some of their copies are in it."""
     load_bytes: int = 0
     store_bytes: int = 0
+    scatters: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """Stores through a bounce buffer: (bounce rows, their positions, the slots' shares, the slots), copied into the
+    slots once the event has passed."""
+
+
+@dataclass
+class _StoreStaging:
+    """One group's stores of this step: the staging rows, their vLLM block ids, and each row's (job, slot)."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    targets: list[tuple[int, int]]
 
 
 class StagedTransfers(Transfers):
     """See the module docstring."""
 
     def __init__(self, pages: KVPages, geometry: SlotGeometry, rank: int, region_slots: torch.Tensor,
-                 step_budget_bytes: int | None = None) -> None:
+                 step_budget_bytes: int | None = None, runtime: CudaRuntime | None = None, *,
+                 load_chunk_bytes: int | None = None) -> None:
         super().__init__(pages)
         self.geometry, self.rank, self.region_slots = geometry, rank, region_slots
         self.step_budget_bytes = step_budget_bytes
+        self.load_chunk_bytes = load_chunk_bytes or (step_budget_bytes // 2 if step_budget_bytes else
+                                                     DEFAULT_LOAD_CHUNK_BYTES)
+        """Device staging per load chunk (by default half the step's budget): two chunks are in use at a time."""
         self.cuda = pages.device.type == "cuda"
         self.side = torch.cuda.Stream(device=pages.device) if self.cuda else None
-        self.pinned = register_host(region_slots) if self.cuda else False
+        self.runtime = runtime if runtime is not None else loaded_cudart() if self.cuda else HostRuntime()
+        """The CUDA runtime's calls (``cudart``); None: none can be made (copies through bounce buffers)."""
+        offset, size = self._copied_range()
+        self.pins = HostPins.register(self.runtime, plan_pins(region_slots, offset, size)) if self.runtime else None
+        """What this engine registered (None: copies through pinned bounce buffers)."""
         self._layers = {group: [i for i, layer in enumerate(pages.layers) if layer.group == group]
                         for group in range(len(geometry.groups))}
-        self._store_staging: dict[int, tuple[torch.Tensor, torch.Tensor, list[GroupCopy]]] = {}
-        """Per group, this step's store staging ``[blocks, layers, page]``, its block ids and the copies in it."""
+        self._position = {i: members.index(i) for members in self._layers.values() for i in members}
+        """A layer's position in its group."""
+        self._store_staging: dict[int, _StoreStaging] = {}
         self._failed_groups: set[int] = set()
         """Groups whose staging failed this step."""
+        self._failed_jobs: set[int] = set()
+        """Stores that failed this step, none of whose copies is launched."""
         self._loaded_this_step: set[int] = set()
-        self._in_flight: list[_SideCopies] = []
+        self._in_flight: list[_Flight] = []
+
+    @property
+    def pinned(self) -> bool:
+        return self.pins is not None
+
+    def describe(self) -> str:
+        """How host memory is copied, for the log."""
+        if self.pins is not None:
+            return f"pinned, {self.pins.plan.describe()}"
+        why = "no CUDA runtime to call" if self.runtime is None else "registration refused"
+        return f"pageable ({why}): copies through pinned bounce buffers"
 
     # ---- loads ------------------------------------------------------------------------------
     def load(self, copies: Sequence[GroupCopy]) -> list[int]:
         by_group: dict[int, list[GroupCopy]] = {}
         for copy in copies:
             by_group.setdefault(copy.group, []).append(copy)
-        failed: list[int] = []
-        self._loaded_this_step.update(copy.job_id for copy in copies)
-        flight = self._begin(list(dict.fromkeys(copy.job_id for copy in copies)))
+        jobs = list(dict.fromkeys(copy.job_id for copy in copies))
+        self._loaded_this_step.update(jobs)
+        flight = self._begin(jobs)
+        failed: set[int] = set()
         for group, group_copies in by_group.items():
+            good, bad = self._checked(group, group_copies)
+            failed.update(bad)
             try:
-                flight.load_bytes += self._load_group(group, group_copies)
+                flight.load_bytes += self._load_group(group, good, flight)
             except Exception as error:
-                failed += self._failed([c.job_id for c in group_copies], "load", error)
-        flight.jobs = [job for job in flight.jobs if job not in failed]
+                failed.update(self._failed([copy.job_id for copy in good], "load", error))
+        flight.jobs = [job for job in jobs if job not in failed]
+        flight.failed = [job for job in jobs if job in failed]
         self._end(flight)
-        return failed
+        return flight.failed
 
-    def _load_group(self, group: int, copies: list[GroupCopy]) -> int:
-        slots = [slot for copy in copies for slot in copy.slots]
-        blocks = [block for copy in copies for block in copy.blocks]
+    def _load_group(self, group: int, copies: list[GroupCopy], flight: _Flight) -> int:
+        pairs = [pair for copy in copies for pair in zip(copy.slots, copy.blocks, strict=True)]
         layers = [self.pages.layers[i] for i in self._layers[group]]
         page = layers[0].blocks[0].numel()
-        staging = torch.empty((len(slots), len(layers) * page), dtype=torch.uint8, device=self.pages.device)
-        shares = self._shares(group, len(layers) * page)
-        self._side_waits_compute()  # the staging memory may have been the compute stream's until just now
+        width = len(layers) * page
+        shares = self._shares(group, width)
+        per_chunk = max(1, self.load_chunk_bytes // width)
+        buffers = [torch.empty((min(per_chunk, len(pairs)), width), dtype=torch.uint8, device=self.pages.device)
+                   for _ in range(min(2, -(-len(pairs) // per_chunk)))]
+        self._side_waits_compute()  # the buffers' memory may have been the compute stream's until just now
+        freed: list[torch.cuda.Event | None] = [None] * len(buffers)
+        for number, first in enumerate(range(0, len(pairs), per_chunk)):
+            chunk = pairs[first : first + per_chunk]
+            turn = number % len(buffers)
+            if freed[turn] is not None:
+                assert self.side is not None
+                self.side.wait_event(freed[turn])  # the scatter that read this buffer before
+            staging = buffers[turn][: len(chunk)]
+            self._copy_in(staging, shares, [slot for slot, _ in chunk], flight)
+            self._compute_waits_side()
+            index = self._index([block for _, block in chunk])
+            packed = staging.view(len(chunk), len(layers), page)
+            for position, layer in enumerate(layers):
+                layer.blocks.index_copy_(0, index, packed[:, position].view(len(chunk), *layer.blocks.shape[1:]))
+            freed[turn] = self._record(torch.cuda.current_stream(self.pages.device) if self.cuda else None)
+        for buffer in buffers:
+            self._keep_for_side(buffer)
+        return len(pairs) * width
+
+    def _copy_in(self, staging: torch.Tensor, shares: torch.Tensor, slots: list[int], flight: _Flight) -> None:
+        """Slots -> staging rows, on the side stream."""
         with self._on_side():
-            for first, slot, count in _runs(slots, shares):
-                staging[first : first + count].copy_(shares[slot : slot + count], non_blocking=self.pinned)
-        self._compute_waits_side(staging)
-        index = self._index(blocks)
-        packed = staging.view(len(slots), len(layers), page)
-        for position, layer in enumerate(layers):
-            layer.blocks.index_copy_(0, index, packed[:, position].view(len(slots), *layer.blocks.shape[1:]))
-        return len(slots) * len(layers) * page
+            if self.pins is not None:
+                for first, slot, count in copy_runs(list(enumerate(slots)), self.pins.plan):
+                    self._memcpy(MemcpyKind.HOST_TO_DEVICE, staging, first, shares, slot, count)
+                return
+            bounce = torch.empty(staging.shape, dtype=torch.uint8, pin_memory=self.cuda)
+            torch.index_select(shares, 0, torch.tensor(slots, dtype=torch.long), out=bounce)  # the host's gather
+            staging.copy_(bounce, non_blocking=True)
 
     # ---- stores -----------------------------------------------------------------------------
     def store_layer(self, layer: int, copies: Sequence[GroupCopy]) -> list[int]:
@@ -126,67 +192,95 @@ class StagedTransfers(Transfers):
         pages = self.pages.layers[layer]
         if pages.group in self._failed_groups:
             return [copy.job_id for copy in copies]
+        staged = self._store_staging.get(pages.group)
+        bad: list[int] = []
+        if staged is None:
+            copies, bad = self._checked(pages.group, copies)
+            self._failed_jobs.update(bad)
         try:
-            staging, index, _ = self._store_staging.get(pages.group) or self._new_store_staging(pages.group, copies)
-            position = self._layers[pages.group].index(layer)
-            gathered = pages.blocks.index_select(0, index)
-            staging.view(len(index), len(self._layers[pages.group]), -1)[:, position].copy_(
-                gathered.view(len(index), -1))
+            staged = staged or self._new_store_staging(pages.group, copies)
+            rows = len(staged.targets)
+            layers = staged.rows.view(rows, len(self._layers[pages.group]), -1)
+            torch.index_select(pages.blocks, 0, staged.index,
+                               out=layers[:, self._position[layer]].view(rows, *pages.blocks.shape[1:]))
         except Exception as error:
             self._failed_groups.add(pages.group)
-            _, _, staged = self._store_staging.pop(pages.group, (None, None, list(copies)))
-            return self._failed([copy.job_id for copy in staged], f"store of layer {pages.name}", error)
-        return []
+            staged = self._store_staging.pop(pages.group, None)
+            jobs = list(dict.fromkeys(job for job, _ in staged.targets)) if staged else [c.job_id for c in copies]
+            self._failed_jobs.update(jobs)
+            return [*bad, *self._failed(jobs, f"store of layer {pages.name}", error)]
+        return bad
 
-    def _new_store_staging(self, group: int, copies: Sequence[GroupCopy]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                       list[GroupCopy]]:
-        blocks = [block for copy in copies for block in copy.blocks]
-        layers = len(self._layers[group])
-        page = self.pages.layers[self._layers[group][0]].blocks[0].numel()
-        staging = torch.empty((len(blocks), layers * page), dtype=torch.uint8, device=self.pages.device)
-        index = self._index(blocks)
-        entry = (staging, index, list(copies))
-        self._store_staging[group] = entry
-        return entry
+    def _new_store_staging(self, group: int, copies: Sequence[GroupCopy]) -> _StoreStaging:
+        pairs = [pair for copy in copies for pair in zip(copy.slots, copy.blocks, strict=True)]
+        width = len(self._layers[group]) * self.pages.layers[self._layers[group][0]].blocks[0].numel()
+        rows = torch.empty((len(pairs), width), dtype=torch.uint8, device=self.pages.device)
+        targets = [(copy.job_id, slot) for copy in copies for slot in copy.slots]
+        staged = _StoreStaging(rows, self._index([block for _, block in pairs]), targets)
+        self._store_staging[group] = staged
+        return staged
 
     def end_step(self, loads: Sequence[int], stores: Sequence[int]) -> None:
         self._completed.done += [job for job in loads if job not in self._loaded_this_step]  # nothing to copy
         self._loaded_this_step = set()  # the others complete with their own copies (``load``)
-        staged, self._store_staging, self._failed_groups = self._store_staging, {}, set()
-        in_staging = {copy.job_id for _, _, copies in staged.values() for copy in copies}
-        jobs = [job for job in stores if job in in_staging]
-        self._completed.done += [job for job in stores if job not in in_staging]
-        if not staged:
+        staged, failed = self._store_staging, self._failed_jobs
+        self._store_staging, self._failed_groups, self._failed_jobs = {}, set(), set()
+        self._completed.failed += [job for job in stores if job in failed]  # no copy of theirs was launched
+        in_staging = {job for staging in staged.values() for job, _ in staging.targets}
+        self._completed.done += [job for job in stores if job not in failed and job not in in_staging]
+        jobs = [job for job in stores if job not in failed and job in in_staging]
+        if not jobs:
             return
+        kept = set(jobs)
         flight = self._begin(jobs)
         try:
-            with self._on_side():
-                for group, (staging, _, copies) in staged.items():
-                    slots = [slot for copy in copies for slot in copy.slots]
-                    shares = self._shares(group, staging.shape[1])
-                    for first, slot, count in _runs(slots, shares):
-                        shares[slot : slot + count].copy_(staging[first : first + count], non_blocking=self.pinned)
-                    flight.store_bytes += staging.numel()
-                    self._keep_for_side(staging)
+            for group, staging in staged.items():
+                pairs = [(row, slot) for row, (job, slot) in enumerate(staging.targets) if job in kept]
+                self._copy_out(staging.rows, self._shares(group, staging.rows.shape[1]), pairs, flight)
+                flight.store_bytes += len(pairs) * staging.rows.shape[1]
+                self._keep_for_side(staging.rows)
         except Exception as error:
-            self._completed.failed += self._failed(jobs, "store", error)
-            return
+            flight.failed, flight.jobs = self._failed(flight.jobs, "store", error), []
         self._end(flight)
+
+    def _copy_out(self, rows: torch.Tensor, shares: torch.Tensor, pairs: list[tuple[int, int]],
+                  flight: _Flight) -> None:
+        """Staging rows -> slots, on the side stream (through a bounce buffer: the host's scatter when it ends)."""
+        with self._on_side():
+            if self.pins is not None:
+                for first, slot, count in copy_runs(pairs, self.pins.plan):
+                    self._memcpy(MemcpyKind.DEVICE_TO_HOST, rows, first, shares, slot, count)
+                return
+            bounce = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=self.cuda)
+            bounce.copy_(rows, non_blocking=True)
+            positions = torch.tensor([row for row, _ in pairs], dtype=torch.long)
+            flight.scatters.append((bounce, positions, shares, torch.tensor([slot for _, slot in pairs])))
 
     # ---- completion -------------------------------------------------------------------------
     def poll(self) -> Completed:
-        while self._in_flight and (self._in_flight[0].end is None or self._in_flight[0].end.query()):
+        while self._in_flight and self._ended(self._in_flight[0]):
             flight = self._in_flight.pop(0)
+            try:
+                for bounce, positions, shares, slots in flight.scatters:
+                    shares.index_copy_(0, slots, bounce.index_select(0, positions))
+            except Exception as error:
+                flight.failed += self._failed(flight.jobs, "store", error)
+                flight.jobs = []
             seconds = (flight.start.elapsed_time(flight.end) / 1000 if flight.start is not None and flight.end
                        is not None else time.perf_counter() - flight.started_at)
             self._completed.done += flight.jobs
+            self._completed.failed += flight.failed
             self._completed.load_bytes += flight.load_bytes
             self._completed.store_bytes += flight.store_bytes
             if flight.load_bytes:
                 self._completed.load_seconds += seconds
-            else:
+            elif flight.store_bytes:
                 self._completed.store_seconds += seconds
         return super().poll()
+
+    def _ended(self, flight: _Flight) -> bool:
+        """Whether every copy of ``flight`` has ended (never waits)."""
+        return flight.end is None or flight.end.query()
 
     def drain(self) -> Completed:
         for flight in self._in_flight:
@@ -194,7 +288,54 @@ class StagedTransfers(Transfers):
                 flight.end.synchronize()
         return self.poll()
 
-    # ---- streams ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the copies in flight, then unregister the host memory they used."""
+        self.drain()
+        if self.pins is not None:
+            self.pins.close()
+            self.pins = None
+
+    # ---- host memory ------------------------------------------------------------------------
+    def _copied_range(self) -> tuple[int, int]:
+        """(offset, bytes) of what this rank copies in every slot: its share, or the whole slot where it also reads
+        rank 0's share of a replicated group (MLA)."""
+        geometry = self.geometry
+        if self.rank and geometry.copies > 1 and any(group.replicated for group in geometry.groups):
+            return 0, geometry.slot_bytes
+        return geometry.offset(self.rank, 0, 0), geometry.rank_bytes
+
+    def _memcpy(self, kind: MemcpyKind, rows: torch.Tensor, position: int, shares: torch.Tensor, slot: int,
+                count: int) -> None:
+        """Rows ``position:position+count`` of ``rows`` <-> slots ``slot:slot+count`` of ``shares``: one copy, 2-D
+        where the share is strided in the slots."""
+        width, pitch = rows.shape[1], shares.stride(0)
+        device = rows.data_ptr() + position * width
+        host = shares.data_ptr() + slot * pitch
+        if pitch == width:  # whole slots: one contiguous piece
+            width, pitch, count = width * count, width * count, 1
+        dst, dst_pitch, src, src_pitch = ((device, width, host, pitch) if kind is MemcpyKind.HOST_TO_DEVICE
+                                          else (host, pitch, device, width))
+        assert self.runtime is not None
+        code = self.runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, count, kind,
+                                      self.side.cuda_stream if self.side is not None else 0)
+        checked(self.runtime, code, f"cudaMemcpy2DAsync of {count} x {width} bytes")
+
+    def _checked(self, group: int, copies: Sequence[GroupCopy]) -> tuple[list[GroupCopy], list[int]]:
+        """``copies`` whose slots and blocks are all in range, and the jobs of the others, failed here (logged): a bad
+        id fails its job alone, never as a wild copy or a device-side assert."""
+        blocks = self.pages.layers[self._layers[group][0]].blocks.shape[0]
+        slots = self.region_slots.shape[0]
+        good, bad = [], []
+        for copy in copies:
+            if all(0 <= slot < slots for slot in copy.slots) and all(0 <= block < blocks for block in copy.blocks):
+                good.append(copy)
+            else:
+                bad.append(copy.job_id)
+        if bad:
+            self._failed(bad, f"copies of group {group}", ValueError(
+                f"slots or blocks out of range (of {slots} slots and {blocks} blocks)"))
+        return good, bad
+
     def _index(self, blocks: list[int]) -> torch.Tensor:
         """vLLM block ids on the device, copied from pinned memory (no synchronization)."""
         host = torch.tensor(blocks, dtype=torch.long)
@@ -205,37 +346,41 @@ class StagedTransfers(Transfers):
         offset = self.geometry.offset(self.rank, group, 0)
         return self.region_slots[:, offset : offset + share_bytes]
 
-    def _begin(self, jobs: list[int]) -> _SideCopies:
+    # ---- streams ----------------------------------------------------------------------------
+    def _begin(self, jobs: list[int]) -> _Flight:
         """Copies on the side stream from here, after what the compute stream has queued (their timing starts
         then)."""
         self._side_waits_compute()
-        start = torch.cuda.Event(enable_timing=True) if self.cuda else None
-        if start is not None:
-            start.record(self.side)
-        return _SideCopies(jobs, None, start, time.perf_counter())
+        return _Flight(jobs, time.perf_counter(), start=self._record(self.side, timing=True))
 
-    def _end(self, flight: _SideCopies) -> None:
-        if self.cuda:
-            flight.end = torch.cuda.Event(enable_timing=True)
-            flight.end.record(self.side)
+    def _end(self, flight: _Flight) -> None:
+        try:
+            flight.end = self._record(self.side, timing=True)
+        except Exception as error:  # the device is gone: nothing is left in flight to wait for
+            log.error("tiercache connector: cannot record the end of a copy: %s", error)
         self._in_flight.append(flight)
+
+    def _record(self, stream: torch.cuda.Stream | None, timing: bool = False) -> torch.cuda.Event | None:
+        """An event recorded on ``stream`` now (None on CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(stream)
+        return event
 
     def _on_side(self) -> torch.cuda.StreamContext | _NoStream:
         return torch.cuda.stream(self.side) if self.cuda else _NoStream()
 
     def _side_waits_compute(self) -> None:
-        if self.cuda:
-            assert self.side is not None
+        if self.side is not None:
             self.side.wait_stream(torch.cuda.current_stream(self.pages.device))
 
-    def _compute_waits_side(self, staging: torch.Tensor) -> None:
-        if self.cuda:
-            assert self.side is not None
-            torch.cuda.current_stream(self.pages.device).wait_stream(self.side)
-            self._keep_for_side(staging)
+    def _compute_waits_side(self) -> None:
+        if self.side is not None:
+            torch.cuda.current_stream(self.pages.device).wait_event(self._record(self.side))
 
     def _keep_for_side(self, staging: torch.Tensor) -> None:
-        if self.cuda:
+        if self.side is not None:
             staging.record_stream(self.side)
 
 
@@ -247,12 +392,3 @@ class _NoStream:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-
-def _runs(slots: Sequence[int], shares: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(first position, first slot, count) per copy: runs of consecutive slots where a rank's share is the whole
-    slot (one contiguous piece of memory), else one per slot."""
-    if shares.stride(0) == shares.shape[1]:
-        return contiguous_runs(slots)
-    return [(position, slot, 1) for position, slot in enumerate(slots)]

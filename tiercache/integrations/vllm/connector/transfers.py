@@ -7,7 +7,10 @@ launches on a side stream (CUDA). Either way a caller submits a step's loads
 (every layer, before the forward reads them), each layer's stores (after the
 layer wrote them) and the step's end, then pulls what completed with ``poll``:
 completion is polled, never waited for, and an engine never raises into the
-worker: a copy that fails fails its job only.
+worker: a copy that fails fails its job only. The ids ``load`` and
+``store_layer`` return are failed at once (a load's blocks are recomputed in that
+very step); the job itself is reported failed by ``poll``, once none of its
+copies is in flight, so its slots are never given back under a copy.
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ class Transfers(ABC):
 
     @abstractmethod
     def end_step(self, loads: Sequence[int], stores: Sequence[int]) -> None:
-        """The step's forward is over; its load and store jobs (failed ones excluded) complete when their copies
-        have."""
+        """The step's forward is over: its loads (every one ``load`` was given) and stores (every one handed to
+        ``store_layer``, or with nothing for this rank to copy) are each reported once by ``poll``, done or failed."""
 
     def poll(self) -> Completed:
         """Jobs whose copies completed since the last call (never waits)."""
@@ -92,6 +95,13 @@ class Transfers(ABC):
     def drain(self) -> Completed:
         """Wait for every copy in flight (shutdown only), then ``poll``."""
         return self.poll()
+
+    def close(self) -> None:  # noqa: B027 (optional: only an engine that registered host memory has any to release)
+        """Release what the engine holds (after ``drain``)."""
+
+    def describe(self) -> str:
+        """How the engine copies, for the log."""
+        return "copies at once"
 
     def _failed(self, job_ids: Sequence[int], what: str, error: BaseException) -> list[int]:
         log.error("tiercache connector: %s failed for jobs %s: %s", what, sorted(set(job_ids)), error,
@@ -105,6 +115,8 @@ class HostTransfers(Transfers):
     def __init__(self, pages: KVPages) -> None:
         super().__init__(pages)
         self._step = Completed()
+        self._step_failed: set[int] = set()
+        """Jobs whose copy failed this step (every copy is done at once: none is left in flight)."""
 
     def load(self, copies: Sequence[GroupCopy]) -> list[int]:
         failed: list[int] = []
@@ -118,6 +130,7 @@ class HostTransfers(Transfers):
             except Exception as error:
                 failed += self._failed([copy.job_id], "load", error)
         self._step.load_seconds += time.perf_counter() - started
+        self._step_failed.update(failed)
         return failed
 
     def store_layer(self, layer: int, copies: Sequence[GroupCopy]) -> list[int]:
@@ -132,12 +145,15 @@ class HostTransfers(Transfers):
             except Exception as error:
                 failed += self._failed([copy.job_id], f"store of layer {pages.name}", error)
         self._step.store_seconds += time.perf_counter() - started
+        self._step_failed.update(failed)
         return failed
 
     def end_step(self, loads: Sequence[int], stores: Sequence[int]) -> None:
-        self._step.done += [*loads, *stores]
+        jobs = list(dict.fromkeys([*loads, *stores]))
+        self._step.done += [job for job in jobs if job not in self._step_failed]
+        self._step.failed += [job for job in jobs if job in self._step_failed]
         self._completed.add(self._step)
-        self._step = Completed()
+        self._step, self._step_failed = Completed(), set()
 
     def _layers(self, group: int) -> list:
         return [layer for layer in self.pages.layers if layer.group == group]

@@ -3,14 +3,26 @@
 Each step the scheduler side sends jobs (``metadata``). Loads are copied for every
 layer in ``start_load_kv``, before the forward: with CUDA graphs (FULL, or
 vLLM's V2 runner replaying one) the per-layer hooks never run, so a load that
-waited for them would never land; a load never started (no ``start_load_kv``)
-fails and its blocks are reported (``get_block_ids_with_load_errors``) so vLLM
-recomputes them, never serves them. A store's pages are copied after each layer
+waited for them would never land. A store's pages are copied after each layer
 wrote them (``save_kv_layer``); layers no hook ran for are copied at the step's
 end (``wait_for_save``, which never waits: the copies may complete steps later).
 Each layer copies its own KV-cache group's share of a job; a replicated group
 (MLA) is stored by rank 0 only. Every job is reported back once, when its
 copies completed (``transfers``: polled, never waited for).
+
+Load errors are reported in the step they happen in, whatever the runner's
+order: a load that fails to start, or that vLLM counts blocks of that no slot
+fills, has its blocks in ``get_block_ids_with_load_errors`` from ``start_load_kv``
+on; a load never started (no ``start_load_kv``) is settled as failed by whichever
+of that call, ``build_connector_worker_meta`` and ``wait_for_save`` comes first
+(vLLM's V2 runner, and V1 with speculative decoding, collect errors before
+``wait_for_save``, which then runs after the drafter). vLLM recomputes those
+blocks; it never serves them.
+
+On CUDA what one step's stores stage on the device is bounded
+(``store_budget_bytes``: the blocks ``max_num_batched_tokens`` can fill, or
+``staging_mib``), and loads are staged in chunks of half that; both are logged
+at start.
 """
 
 from __future__ import annotations
@@ -26,10 +38,13 @@ from tiercache.integrations.vllm.connector.geometry import SlotGeometry, Unsuppo
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
+from tiercache.integrations.vllm.connector.shmfile import RegionFile
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
 
 log = logging.getLogger(f"vllm.{__name__}")
+
+MIB = 1 << 20
 
 
 @dataclass
@@ -41,6 +56,8 @@ class _StepStore:
     """Per KV-cache group this rank copies, its pages."""
     layers_left: set[int] = field(default_factory=set)
     failed: bool = False
+    dropped: bool = False
+    """Past the step's staging budget: never handed to the transfer engine (reported failed by the worker)."""
 
 
 def _group_copies(job: CopyJob, groups: set[int]) -> dict[int, GroupCopy]:
@@ -53,29 +70,46 @@ def _group_copies(job: CopyJob, groups: set[int]) -> dict[int, GroupCopy]:
     return copies
 
 
+def step_blocks(max_num_batched_tokens: int, block_size: int) -> int:
+    """The most blocks of one group a step can fill: its tokens' blocks, and one more (the first may have begun in
+    an earlier step)."""
+    return -(-max_num_batched_tokens // block_size) + 1
+
+
+def store_budget_bytes(geometry: SlotGeometry, rank: int, max_num_batched_tokens: int) -> int:
+    """Device memory a step's stores stage on rank ``rank``: every group it stores, for ``step_blocks`` blocks."""
+    per_block = sum(group.layers_bytes for index, group in enumerate(geometry.groups) if geometry.writes(rank, index))
+    return step_blocks(max_num_batched_tokens, geometry.block_size) * per_block
+
+
 class ConnectorWorker:
     """One worker's half of the connector (see the module docstring)."""
 
     def __init__(self, geometry: SlotGeometry, num_slots: int, region_path: Any, rank: int, *,
-                 staging_bytes: int | None = None, num_blocks: int | None = None) -> None:
+                 staging_bytes: int | None = None, max_num_batched_tokens: int | None = None,
+                 num_blocks: int | None = None) -> None:
         self.geometry = geometry
         self.num_slots = num_slots
         self.region_path = region_path
         self.rank = rank
         self.staging_bytes = staging_bytes
+        """``staging_mib``: what a step's stores stage on CUDA (None: derived from ``max_num_batched_tokens``)."""
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.num_blocks = num_blocks
         """vLLM's blocks per layer (a cache in kernel blocks has a multiple of it as rows)."""
         self.pages: KVPages | None = None
         self.region: SharedRegion | None = None
+        self.declined: RegionFile | None = None
+        """The hold on the region's file of a worker that declined (until it closes)."""
         self.transfers: Transfers | None = None
         groups = range(len(geometry.groups))
         self._loaded_groups = set(groups)
         self._stored_groups = {group for group in groups if geometry.writes(rank, group)}
         self._loads: list[CopyJob] = []
         self._loads_started: set[int] = set()
-        """This step's loads whose copies were started."""
+        """This step's loads whose copies were started (or settled as never started)."""
         self._loads_failed: set[int] = set()
-        """This step's loads whose copies failed to start."""
+        """This step's loads that failed, reported already."""
         self._invalid: set[int] = set()
         """Loads in flight that vLLM counts blocks of that no slot fills: reported failed when complete."""
         self._stores: list[_StepStore] = []
@@ -88,55 +122,127 @@ class ConnectorWorker:
         self._failed_receives: set[str] = set()
         self._moved = Completed()
         self._polled = False
-        """The transfer engine was polled since this step's metadata was bound."""
+        """The transfer engine was polled since the step's jobs were bound or handed over."""
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], backends: Mapping[str, str] | None = None) -> None:
-        """Map the shared CPU slots and vLLM's tensors as pages; a layout it cannot map declines (logged, the
-        scheduler told through the region), never stops vLLM."""
+        """Map the shared CPU slots and vLLM's tensors as pages. A layout it cannot map, or an error of its own once
+        the region is mapped, declines (logged, the scheduler told through the region), never stops vLLM; a region it
+        cannot make (``RegionSpaceError``: no room on its file system; no access) is a start-up error, raised."""
         try:
             views = page_views(kv_caches, self.geometry, self.num_blocks, backends)
         except UnsupportedLayoutError as error:
             log.error("tiercache connector: cannot map vLLM's KV cache, so it declines every request: %s", error)
-            SharedRegion.decline(self.region_path, self.rank, str(error))
+            self._decline(str(error))
             return
         self.region = SharedRegion.for_worker(self.region_path, self.num_slots, self.geometry.slot_bytes, self.rank)
-        self.pages = KVPages(views, self.geometry, self.rank, self.region.slots)
-        if self.pages.device.type == "cuda":
-            self.transfers = StagedTransfers(self.pages, self.geometry, self.rank, self.region.slots,
-                                             self.staging_bytes)
-        else:
-            self.transfers = HostTransfers(self.pages)
-        log.info("tiercache connector: rank %d, %s transfers, pages: %s", self.rank,
-                 type(self.transfers).__name__, self.pages.describe())
+        try:
+            self.pages = KVPages(views, self.geometry, self.rank, self.region.slots)
+            self.transfers = self._engine(self.pages, self.region)
+        except Exception as error:
+            log.exception("tiercache connector: rank %d cannot copy vLLM's KV cache, so it declines every request",
+                          self.rank)
+            self.pages, self.transfers = None, None
+            self._decline(f"rank {self.rank}: {error}")
+            return
+        log.info("tiercache connector: rank %d, %s (%s); pages: %s", self.rank, type(self.transfers).__name__,
+                 self.transfers.describe(), self.pages.describe())
+
+    def _engine(self, pages: KVPages, region: SharedRegion) -> Transfers:
+        """The transfer engine for ``pages``' device; on CUDA with its staging bounds, logged."""
+        if pages.device.type != "cuda":
+            return HostTransfers(pages)
+        budget, chunk, how = self.staging_bytes, None, "staging_mib"
+        if budget is None and self.max_num_batched_tokens is not None:
+            blocks = step_blocks(self.max_num_batched_tokens, self.geometry.block_size)
+            budget = store_budget_bytes(self.geometry, self.rank, self.max_num_batched_tokens)
+            chunk = max(1, blocks * self.geometry.rank_bytes // 2)
+            how = (f"max_num_batched_tokens {self.max_num_batched_tokens} / block_size {self.geometry.block_size} + 1 "
+                   f"= {blocks} blocks; staging_mib overrides")
+        engine = StagedTransfers(pages, self.geometry, self.rank, region.slots, budget, load_chunk_bytes=chunk)
+        if budget is not None:
+            log.info("tiercache connector: rank %d stages at most %.0f MiB of stores a step (%s), loads in chunks of "
+                     "%.0f MiB", self.rank, budget / MIB, how, engine.load_chunk_bytes / MIB)
+        return engine
+
+    def _decline(self, reason: str) -> None:
+        held = self.region.held if self.region is not None else None  # the decline takes the mapped file over
+        self.region = None
+        self.declined = SharedRegion.decline(self.region_path, self.rank, reason, held)
 
     def bind(self, metadata: TierCacheConnectorMetadata) -> None:
-        """A step's jobs, bound before its forward."""
+        """A step's jobs, bound before its forward; stores past the step's staging budget are dropped (one warning)."""
         self._loads, self._loads_started, self._polled = list(metadata.loads), set(), False
         self._stores = []
         budget = self.transfers.step_budget_bytes if self.transfers is not None else None
+        dropped = []
         for job in metadata.stores:
             store = _StepStore(job, _group_copies(job, self._stored_groups))
             store.layers_left = {i for i, layer in enumerate(self._layers()) if layer.group in store.copies}
             if budget is not None:
-                budget -= sum(self.geometry.groups[g].layers_bytes * len(c.slots) for g, c in store.copies.items())
-                if budget < 0:
-                    log.warning("tiercache connector: store %d is past this step's staging budget; not stored",
-                                job.job_id)
-                    store.failed = True
+                cost = sum(self.geometry.groups[g].layers_bytes * len(c.slots) for g, c in store.copies.items())
+                if cost > budget:
+                    store.dropped = store.failed = True
+                    dropped.append(store)
+                else:
+                    budget -= cost
             self._stores.append(store)
+        if dropped:
+            log.warning("tiercache connector: %d stores (%d blocks) are past this step's staging budget of %.0f MiB "
+                        "and not stored (later misses); staging_mib in kv_connector_extra_config raises it",
+                        len(dropped), sum(len(store.job.slots) for store in dropped),
+                        (self.transfers.step_budget_bytes or 0) / MIB)
 
     def start(self, *, asynchronous: bool = True) -> None:
         """Copy every layer of the step's synchronous loads into their blocks now, before the forward reads any;
         with ``asynchronous`` its asynchronous loads too (vLLM starts those after the forward is launched: their
-        requests are not in it)."""
+        requests are not in it). A load that fails has its blocks (or its request) reported at once."""
         if self.transfers is None:
             return
         jobs = [job for job in self._loads
                 if job.job_id not in self._loads_started and (asynchronous or not job.asynchronous)]
-        self._loads_started.update(job.job_id for job in jobs)
+        if not jobs:
+            return
         copies = [copy for job in jobs for copy in _group_copies(job, self._loaded_groups).values()]
-        if copies:
-            self._loads_failed.update(self.transfers.load(copies))
+        try:
+            failed = set(self.transfers.load(copies)) if copies else set()
+        except Exception:  # the engine itself broke: nothing of these loads can be trusted
+            log.exception("tiercache connector: loads %s failed to start", [job.job_id for job in jobs])
+            self._settle_loads(jobs)
+            return
+        for job in jobs:
+            self._loads_started.add(job.job_id)
+            if job.job_id in failed:
+                self._load_failed(job)
+                continue
+            if job.asynchronous:
+                self._receiving[job.job_id] = job.request_id
+            if job.invalid:
+                if not job.asynchronous:
+                    self._load_errors.update(job.invalid)
+                self._invalid.add(job.job_id)
+
+    def _load_failed(self, job: CopyJob) -> None:
+        """A load will not land: failed to the scheduler side; to vLLM its blocks (synchronous) or its request
+        (asynchronous: vLLM takes a failed receive per request, never a block error of a model of several
+        KV-cache groups)."""
+        self._failed[job.job_id] += 1
+        self._loads_failed.add(job.job_id)
+        if job.asynchronous:
+            self._received.add(job.request_id)
+            self._failed_receives.add(job.request_id)
+        else:
+            self._load_errors.update(job.block_ids)
+            self._load_errors.update(job.invalid)
+
+    def _settle_loads(self, jobs: list[CopyJob] | None = None) -> None:
+        """The step's loads (or ``jobs``) that never started: reported failed (by this worker: no engine has them),
+        their blocks recomputed."""
+        for job in self._loads if jobs is None else jobs:
+            if job.job_id in self._loads_started:
+                continue
+            log.warning("tiercache connector: load %d was never copied; vLLM recomputes it", job.job_id)
+            self._loads_started.add(job.job_id)
+            self._load_failed(job)
 
     def after_layer(self, layer_name: str) -> None:
         """A layer has written this step's KV: copy that layer's pages of the step's stores."""
@@ -145,40 +251,20 @@ class ConnectorWorker:
             self._store(layer)
 
     def end(self) -> None:
-        """The step's forward is over: copy what no hook copied, hand the step's jobs over, report loads that
-        never started as failed."""
+        """The step's forward is over: copy what no hook copied, hand the step's jobs over."""
+        self._settle_loads()
         if self.transfers is None:
+            self._loads, self._stores = [], []
             return
         for layer in range(len(self._layers())):
             self._store(layer)
-        loads_ok = []
-        for job in self._loads:
-            if job.job_id not in self._loads_started or job.job_id in self._loads_failed:
-                log.warning("tiercache connector: load %d was never copied; vLLM recomputes its blocks", job.job_id)
-                self._failed[job.job_id] += 1
-                if job.asynchronous:
-                    self._received.add(job.request_id)
-                    self._failed_receives.add(job.request_id)
-                else:
-                    self._load_errors.update(job.block_ids)
-                    self._load_errors.update(job.invalid)
-                continue
-            if job.asynchronous:
-                self._receiving[job.job_id] = job.request_id
-            if job.invalid:
-                if not job.asynchronous:
-                    self._load_errors.update(job.invalid)
-                self._invalid.add(job.job_id)
-            loads_ok.append(job.job_id)
-        stores_ok = []
         for store in self._stores:
-            if store.failed:
+            if store.dropped:
                 self._failed[store.job.job_id] += 1
-            else:
-                stores_ok.append(store.job.job_id)
-        self.transfers.end_step(loads_ok, stores_ok)
+        loads = [job.job_id for job in self._loads if job.job_id not in self._loads_failed]
+        self.transfers.end_step(loads, [store.job.job_id for store in self._stores if not store.dropped])
+        self._loads, self._stores, self._loads_started, self._loads_failed = [], [], set(), set()
         self._polled = False  # what the step's end completed is taken at the next ask
-        self._loads, self._stores, self._loads_failed = [], [], set()
 
     def _store(self, layer: int) -> None:
         assert self.transfers is not None
@@ -207,11 +293,29 @@ class ConnectorWorker:
                 self._received_load(job_id, failed=invalid)
             for job_id in completed.failed:
                 self._failed[job_id] += 1
+                self._invalid.discard(job_id)
                 self._received_load(job_id, failed=True)
             self._moved.add(completed)
 
+    def _received_load(self, job_id: int, *, failed: bool) -> None:
+        """An asynchronous load ended: its request is reported received (and failed: vLLM recomputes it)."""
+        request_id = self._receiving.pop(job_id, None)
+        if request_id is not None:
+            self._received.add(request_id)
+            if failed:
+                self._failed_receives.add(request_id)
+
+    def take_received(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous loads ended since the last call, and those of them that failed."""
+        self._settle_loads()
+        self._poll()
+        received, failed = self._received, self._failed_receives
+        self._received, self._failed_receives = set(), set()
+        return received, failed
+
     def take_report(self) -> TierCacheWorkerMetadata | None:
         """The jobs completed (and failed) since the last report."""
+        self._settle_loads()
         self._poll()
         if not self._done and not self._failed:
             return None
@@ -229,28 +333,20 @@ class ConnectorWorker:
         }
         return {name: count for name, count in counts.items() if count}
 
-    def _received_load(self, job_id: int, *, failed: bool) -> None:
-        """An asynchronous load ended: its request is reported received (and failed: vLLM recomputes it)."""
-        request_id = self._receiving.pop(job_id, None)
-        if request_id is not None:
-            self._received.add(request_id)
-            if failed:
-                self._failed_receives.add(request_id)
-
-    def take_received(self) -> tuple[set[str], set[str]]:
-        """The requests whose asynchronous loads ended since the last call, and those of them that failed (a
-        failed one is reported per request: vLLM cannot map a block error to a request of several KV-cache
-        groups)."""
-        self._poll()
-        received, failed = self._received, self._failed_receives
-        self._received, self._failed_receives = set(), set()
-        return received, failed
-
     def take_load_errors(self) -> set[int]:
+        """Blocks vLLM must recompute: this step's failed loads (settled now if never started) and earlier ones."""
+        self._settle_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def close(self) -> None:
-        """Wait for copies in flight (shutdown: the region must outlive them)."""
-        if self.transfers is not None:
-            self.transfers.drain()
+        """Wait for copies in flight (the region must outlive them), unregister the host memory, and let go of the
+        region's file (removed if the scheduler side never took it)."""
+        try:
+            if self.transfers is not None:
+                self.transfers.drain()
+                self.transfers.close()
+        finally:
+            for held in (self.region, self.declined):
+                if held is not None:
+                    held.close()

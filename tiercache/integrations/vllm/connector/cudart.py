@@ -1,0 +1,166 @@
+"""The few CUDA runtime calls the connector makes itself, behind one small interface (``CudaRuntime``).
+
+torch offers ``cudaHostRegister`` but neither ``cudaGetLastError`` (a refused
+registration leaves the thread's last error set, and the next kernel launch
+torch checks then fails on it, far from the cause) nor ``cudaMemcpy2DAsync``
+(one copy for a run of slots whose rank's share is strided in them). So the
+connector calls the CUDA runtime torch has loaded, through ``ctypes``: the same
+library instance, so the error it clears is the one torch would see
+(``CudartLibrary``, as vLLM's ``cuda_wrapper`` does). Every call that fails has
+its error cleared before the caller hears of it (``checked``).
+
+``HostRuntime`` answers the same calls on host memory, so ``StagedTransfers``
+on CPU tensors (tests, the GPU check's CPU half) runs the very pointer
+arithmetic it runs on a GPU, and a refused registration or a failing copy is
+injected by handing it a runtime that refuses, not by faking CUDA elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(f"vllm.{__name__}")
+
+SUCCESS = 0
+INVALID_VALUE = 1
+"""``cudaErrorInvalidValue``."""
+INVALID_PITCH = 12
+"""``cudaErrorInvalidPitchValue``: a 2-D copy's pitch below its width."""
+INVALID_DIRECTION = 21
+"""``cudaErrorInvalidMemcpyDirection``: a copy's kind none of ``MemcpyKind``."""
+ALREADY_REGISTERED = 712
+"""``cudaErrorHostMemoryAlreadyRegistered``: a range overlapping one this process registered."""
+NOT_REGISTERED = 713
+"""``cudaErrorHostMemoryNotRegistered``."""
+CUDART_NAME = "libcudart"
+"""The runtime library's name as ``/proc/self/maps`` shows it once torch has loaded it."""
+
+
+class MemcpyKind(enum.IntEnum):
+    """``cudaMemcpyKind``: which way a copy goes."""
+
+    HOST_TO_DEVICE = 1
+    DEVICE_TO_HOST = 2
+
+
+class CudaRuntimeError(RuntimeError):
+    """A CUDA runtime call failed; its error was cleared before this was raised."""
+
+
+class CudaRuntime(Protocol):
+    """The runtime calls the connector makes (each returns a ``cudaError_t``; 0 is success)."""
+
+    def host_register(self, address: int, size: int) -> int: ...
+
+    def host_unregister(self, address: int) -> int: ...
+
+    def last_error(self) -> int:
+        """``cudaGetLastError``: the thread's last error, which it resets."""
+        ...
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                  kind: MemcpyKind, stream: int) -> int:
+        """``cudaMemcpy2DAsync`` on ``stream`` (its handle; 0 is the legacy default)."""
+        ...
+
+
+def checked(runtime: CudaRuntime, code: int, what: str) -> None:
+    """Raise ``CudaRuntimeError`` for a failed call, with the thread's last error cleared first."""
+    if code != SUCCESS:
+        runtime.last_error()
+        raise CudaRuntimeError(f"{what} failed with CUDA error {code}")
+
+
+class CudartLibrary:
+    """The CUDA runtime torch loaded, called through ``ctypes``."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        self._register = _function(lib, "cudaHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint])
+        self._unregister = _function(lib, "cudaHostUnregister", [ctypes.c_void_p])
+        self._last_error = _function(lib, "cudaGetLastError", [])
+        self._memcpy_2d = _function(lib, "cudaMemcpy2DAsync", [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+            ctypes.c_int, ctypes.c_void_p])
+        self.path = path
+
+    def host_register(self, address: int, size: int) -> int:
+        return int(self._register(address, size, 0))
+
+    def host_unregister(self, address: int) -> int:
+        return int(self._unregister(address))
+
+    def last_error(self) -> int:
+        return int(self._last_error())
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                  kind: MemcpyKind, stream: int) -> int:
+        return int(self._memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, int(kind), stream))
+
+
+def _function(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> ctypes._CFuncPtr:
+    function = getattr(lib, name)
+    function.restype, function.argtypes = ctypes.c_int, argtypes
+    return function
+
+
+def loaded_cudart(maps: Path = Path("/proc/self/maps")) -> CudartLibrary | None:
+    """The CUDA runtime this process has loaded (torch's), or None (then nothing is registered: copies go through
+    pinned bounce buffers instead; a runtime loaded apart from torch's would clear errors torch never sees)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in lines if CUDART_NAME in line.rsplit("/", 1)[-1]}
+    for path in sorted(paths):
+        try:
+            return CudartLibrary(path)
+        except (OSError, AttributeError) as error:
+            log.warning("tiercache connector: cannot call the CUDA runtime %s (%s)", path, error)
+    return None
+
+
+@dataclass
+class HostRuntime:
+    """The runtime's calls on host memory (CPU tensors): registrations recorded and refused where CUDA would (a range
+    overlapping one registered), copies done at once row by row, the last error kept until read."""
+
+    registered: dict[int, int] = field(default_factory=dict)
+    """Registered ranges: start address -> size."""
+    error: int = SUCCESS
+
+    def host_register(self, address: int, size: int) -> int:
+        if size <= 0:
+            return self._fail(INVALID_VALUE)
+        if any(address < start + length and start < address + size for start, length in self.registered.items()):
+            return self._fail(ALREADY_REGISTERED)
+        self.registered[address] = size
+        return SUCCESS
+
+    def host_unregister(self, address: int) -> int:
+        if self.registered.pop(address, None) is None:
+            return self._fail(NOT_REGISTERED)
+        return SUCCESS
+
+    def last_error(self) -> int:
+        error, self.error = self.error, SUCCESS
+        return error
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                  kind: MemcpyKind, stream: int) -> int:
+        if kind not in tuple(MemcpyKind):
+            return self._fail(INVALID_DIRECTION)
+        if width > dst_pitch or width > src_pitch:
+            return self._fail(INVALID_PITCH)
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+        return SUCCESS
+
+    def _fail(self, code: int) -> int:
+        self.error = code
+        return code
