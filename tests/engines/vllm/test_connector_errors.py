@@ -33,9 +33,9 @@ class FailingLoads(HostTransfers):
         super().__init__(pages)  # type: ignore[arg-type]
         self.groups = groups
 
-    def load(self, copies: Sequence[GroupCopy]) -> list[int]:
+    def load(self, copies: Sequence[GroupCopy], *, asynchronous: bool = False) -> list[int]:
         broken = [copy.job_id for copy in copies if copy.group in self.groups]
-        failed = super().load([copy for copy in copies if copy.group not in self.groups])
+        failed = super().load([copy for copy in copies if copy.group not in self.groups], asynchronous=asynchronous)
         self._step_failed.update(broken)
         return sorted({*failed, *self._failed(broken, "load (injected)", RuntimeError("injected"))})
 

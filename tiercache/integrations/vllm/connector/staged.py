@@ -37,6 +37,7 @@ answering the runtime's calls (tests, the GPU check's CPU half).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -125,7 +126,7 @@ class StagedTransfers(Transfers):
         return f"pageable ({why}): copies through pinned bounce buffers"
 
     # ---- loads ------------------------------------------------------------------------------
-    def load(self, copies: Sequence[GroupCopy]) -> list[int]:
+    def load(self, copies: Sequence[GroupCopy], *, asynchronous: bool = False) -> list[int]:
         by_group: dict[int, list[GroupCopy]] = {}
         for copy in copies:
             by_group.setdefault(copy.group, []).append(copy)
@@ -137,7 +138,7 @@ class StagedTransfers(Transfers):
             good, bad = self._checked(group, group_copies)
             failed.update(bad)
             try:
-                flight.load_bytes += self._load_group(group, good, flight)
+                flight.load_bytes += self._load_group(group, good, flight, asynchronous)
             except Exception as error:
                 failed.update(self._failed([copy.job_id for copy in good], "load", error))
         flight.jobs = [job for job in jobs if job not in failed]
@@ -145,7 +146,9 @@ class StagedTransfers(Transfers):
         self._end(flight)
         return flight.failed
 
-    def _load_group(self, group: int, copies: list[GroupCopy], flight: _Flight) -> int:
+    def _load_group(self, group: int, copies: list[GroupCopy], flight: _Flight, asynchronous: bool) -> int:
+        """Staged in bounded chunks; scattered into vLLM's blocks on the compute stream (a synchronous load: the
+        forward reads them next), or on the side stream (asynchronous: no forward reads them until reported)."""
         pairs = [pair for copy in copies for pair in zip(copy.slots, copy.blocks, strict=True)]
         layers = [self.pages.layers[i] for i in self._layers[group]]
         page = layers[0].blocks[0].numel()
@@ -164,12 +167,14 @@ class StagedTransfers(Transfers):
                 self.side.wait_event(freed[turn])  # the scatter that read this buffer before
             staging = buffers[turn][: len(chunk)]
             self._copy_in(staging, shares, [slot for slot, _ in chunk], flight)
-            self._compute_waits_side()
-            index = self._index([block for _, block in chunk])
-            packed = staging.view(len(chunk), len(layers), page)
-            for position, layer in enumerate(layers):
-                layer.blocks.index_copy_(0, index, packed[:, position].view(len(chunk), *layer.blocks.shape[1:]))
-            freed[turn] = self._record(torch.cuda.current_stream(self.pages.device) if self.cuda else None)
+            if not asynchronous:
+                self._compute_waits_side()
+            with self._on_side() if asynchronous else contextlib.nullcontext():
+                index = self._index([block for _, block in chunk])
+                packed = staging.view(len(chunk), len(layers), page)
+                for position, layer in enumerate(layers):
+                    layer.blocks.index_copy_(0, index, packed[:, position].view(len(chunk), *layer.blocks.shape[1:]))
+                freed[turn] = self._record(torch.cuda.current_stream(self.pages.device) if self.cuda else None)
         for buffer in buffers:
             self._keep_for_side(buffer)
         return len(pairs) * width
@@ -368,8 +373,9 @@ class StagedTransfers(Transfers):
         event.record(stream)
         return event
 
-    def _on_side(self) -> torch.cuda.StreamContext | _NoStream:
-        return torch.cuda.stream(self.side) if self.cuda else _NoStream()
+    def _on_side(self) -> contextlib.AbstractContextManager[object]:
+        """The side stream's context (on CPU tensors copies run at once: no stream)."""
+        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
 
     def _side_waits_compute(self) -> None:
         if self.side is not None:
@@ -382,13 +388,3 @@ class StagedTransfers(Transfers):
     def _keep_for_side(self, staging: torch.Tensor) -> None:
         if self.side is not None:
             staging.record_stream(self.side)
-
-
-class _NoStream:
-    """The CPU stand-in for a stream context: copies run at once."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

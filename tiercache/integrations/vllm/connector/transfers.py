@@ -15,6 +15,7 @@ copies is in flight, so its slots are never given back under a copy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import time
@@ -74,9 +75,10 @@ class Transfers(ABC):
         self._completed = Completed()
 
     @abstractmethod
-    def load(self, copies: Sequence[GroupCopy]) -> list[int]:
-        """Copy every layer's pages of ``copies`` slot -> block, ordered before the forward that reads them; the ids of
-        jobs that failed to start (their blocks must be recomputed)."""
+    def load(self, copies: Sequence[GroupCopy], *, asynchronous: bool = False) -> list[int]:
+        """Copy every layer's pages of ``copies`` slot -> block, ordered before the forward that reads them (or, for
+        ``asynchronous`` loads, whose requests no forward reads until they are reported, beside it); the ids of jobs
+        that failed to start (their blocks must be recomputed)."""
 
     @abstractmethod
     def store_layer(self, layer: int, copies: Sequence[GroupCopy]) -> list[int]:
@@ -110,28 +112,46 @@ class Transfers(ABC):
 
 
 class HostTransfers(Transfers):
-    """Copies at once, run by run (vLLM's CPU build): a run of consecutive slots and blocks is one strided copy."""
+    """Copies at once, run by run (vLLM's CPU build): a run of consecutive slots and blocks is one strided copy;
+    asynchronous loads on a copy thread of their own (torch's copies release the GIL), so the step goes on."""
 
     def __init__(self, pages: KVPages) -> None:
         super().__init__(pages)
         self._step = Completed()
         self._step_failed: set[int] = set()
         """Jobs whose copy failed this step (every copy is done at once: none is left in flight)."""
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._copying: dict[int, concurrent.futures.Future[Completed]] = {}
+        """Asynchronous loads on the copy thread, by job id, until ``poll`` takes them."""
 
-    def load(self, copies: Sequence[GroupCopy]) -> list[int]:
-        failed: list[int] = []
+    def load(self, copies: Sequence[GroupCopy], *, asynchronous: bool = False) -> list[int]:
+        if asynchronous and copies:
+            if self._copier is None:
+                self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiercache-loads")
+            for job in dict.fromkeys(copy.job_id for copy in copies):
+                ours = [copy for copy in copies if copy.job_id == job]
+                self._copying[job] = self._copier.submit(self._load_now, ours)
+            return []
+        copied = self._load_now(copies)
+        failed, copied.failed = copied.failed, []  # reported failed by ``end_step``, with the job
+        self._step.add(copied)
+        self._step_failed.update(failed)
+        return failed
+
+    def _load_now(self, copies: Sequence[GroupCopy]) -> Completed:
+        """The copies, now: what they moved and which jobs failed (``failed``)."""
+        moved = Completed()
         started = time.perf_counter()
         for copy in copies:
             try:
                 for layer in self._layers(copy.group):
                     for slot, block, count in copy.runs:
                         layer.blocks[block : block + count].copy_(layer.slots[slot : slot + count])
-                        self._step.load_bytes += count * layer.blocks[0].numel()
+                        moved.load_bytes += count * layer.blocks[0].numel()
             except Exception as error:
-                failed += self._failed([copy.job_id], "load", error)
-        self._step.load_seconds += time.perf_counter() - started
-        self._step_failed.update(failed)
-        return failed
+                moved.failed += self._failed([copy.job_id], "load", error)
+        moved.load_seconds = time.perf_counter() - started
+        return moved
 
     def store_layer(self, layer: int, copies: Sequence[GroupCopy]) -> list[int]:
         failed: list[int] = []
@@ -149,11 +169,29 @@ class HostTransfers(Transfers):
         return failed
 
     def end_step(self, loads: Sequence[int], stores: Sequence[int]) -> None:
-        jobs = list(dict.fromkeys([*loads, *stores]))
+        jobs = [job for job in dict.fromkeys([*loads, *stores]) if job not in self._copying]
         self._step.done += [job for job in jobs if job not in self._step_failed]
         self._step.failed += [job for job in jobs if job in self._step_failed]
         self._completed.add(self._step)
         self._step, self._step_failed = Completed(), set()
+
+    def poll(self) -> Completed:
+        for job, copy in list(self._copying.items()):
+            if copy.done():
+                del self._copying[job]
+                moved = copy.result()
+                (self._completed.failed if moved.failed else self._completed.done).append(job)
+                moved.failed, moved.done = [], []
+                self._completed.add(moved)
+        return super().poll()
+
+    def drain(self) -> Completed:
+        concurrent.futures.wait(list(self._copying.values()))
+        return self.poll()
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
 
     def _layers(self, group: int) -> list:
         return [layer for layer in self.pages.layers if layer.group == group]

@@ -108,8 +108,8 @@ class ConnectorWorker:
         self._loads: list[CopyJob] = []
         self._loads_started: set[int] = set()
         """This step's loads whose copies were started (or settled as never started)."""
-        self._loads_failed: set[int] = set()
-        """This step's loads that failed, reported already."""
+        self._loads_settled: set[int] = set()
+        """This step's loads no engine was given, reported failed already."""
         self._invalid: set[int] = set()
         """Loads in flight that vLLM counts blocks of that no slot fills: reported failed when complete."""
         self._stores: list[_StepStore] = []
@@ -202,47 +202,47 @@ class ConnectorWorker:
                 if job.job_id not in self._loads_started and (asynchronous or not job.asynchronous)]
         if not jobs:
             return
-        copies = [copy for job in jobs for copy in _group_copies(job, self._loaded_groups).values()]
         try:
-            failed = set(self.transfers.load(copies)) if copies else set()
+            failed: set[int] = set()
+            for asynchronously in (False, True):
+                copies = [copy for job in jobs if job.asynchronous is asynchronously
+                          for copy in _group_copies(job, self._loaded_groups).values()]
+                if copies:
+                    failed.update(self.transfers.load(copies, asynchronous=asynchronously))
         except Exception:  # the engine itself broke: nothing of these loads can be trusted
             log.exception("tiercache connector: loads %s failed to start", [job.job_id for job in jobs])
             self._settle_loads(jobs)
             return
         for job in jobs:
             self._loads_started.add(job.job_id)
-            if job.job_id in failed:
-                self._load_failed(job)
-                continue
-            if job.asynchronous:
+            if job.asynchronous:  # its request is reported once the engine has reported the job
                 self._receiving[job.job_id] = job.request_id
-            if job.invalid:
+            if job.job_id in failed:
+                if not job.asynchronous:
+                    self._load_errors.update(job.block_ids)
+                    self._load_errors.update(job.invalid)
+            elif job.invalid:
                 if not job.asynchronous:
                     self._load_errors.update(job.invalid)
                 self._invalid.add(job.job_id)
 
-    def _load_failed(self, job: CopyJob) -> None:
-        """A load will not land: failed to the scheduler side; to vLLM its blocks (synchronous) or its request
-        (asynchronous: vLLM takes a failed receive per request, never a block error of a model of several
-        KV-cache groups)."""
-        self._failed[job.job_id] += 1
-        self._loads_failed.add(job.job_id)
-        if job.asynchronous:
-            self._received.add(job.request_id)
-            self._failed_receives.add(job.request_id)
-        else:
-            self._load_errors.update(job.block_ids)
-            self._load_errors.update(job.invalid)
-
     def _settle_loads(self, jobs: list[CopyJob] | None = None) -> None:
-        """The step's loads (or ``jobs``) that never started: reported failed (by this worker: no engine has them),
-        their blocks recomputed."""
+        """The step's loads (or ``jobs``) no engine was given: reported failed by this worker (nothing of theirs is
+        in flight), to vLLM as their blocks (synchronous) or their request (asynchronous: vLLM takes a failed
+        receive per request, never a block error of a model of several KV-cache groups)."""
         for job in self._loads if jobs is None else jobs:
             if job.job_id in self._loads_started:
                 continue
             log.warning("tiercache connector: load %d was never copied; vLLM recomputes it", job.job_id)
             self._loads_started.add(job.job_id)
-            self._load_failed(job)
+            self._loads_settled.add(job.job_id)
+            self._failed[job.job_id] += 1
+            if job.asynchronous:
+                self._received.add(job.request_id)
+                self._failed_receives.add(job.request_id)
+            else:
+                self._load_errors.update(job.block_ids)
+                self._load_errors.update(job.invalid)
 
     def after_layer(self, layer_name: str) -> None:
         """A layer has written this step's KV: copy that layer's pages of the step's stores."""
@@ -261,9 +261,9 @@ class ConnectorWorker:
         for store in self._stores:
             if store.dropped:
                 self._failed[store.job.job_id] += 1
-        loads = [job.job_id for job in self._loads if job.job_id not in self._loads_failed]
+        loads = [job.job_id for job in self._loads if job.job_id not in self._loads_settled]
         self.transfers.end_step(loads, [store.job.job_id for store in self._stores if not store.dropped])
-        self._loads, self._stores, self._loads_started, self._loads_failed = [], [], set(), set()
+        self._loads, self._stores, self._loads_started, self._loads_settled = [], [], set(), set()
         self._polled = False  # what the step's end completed is taken at the next ask
 
     def _store(self, layer: int) -> None:
