@@ -26,6 +26,9 @@ moved by the connector's own ``StagedTransfers`` over real regions
 - ``hybrid``: two KV-cache groups; a job failing in one group (a block that is
   none, a slot that is none) reported failed once, only after its other group's
   copies ended, the others byte-equal;
+- ``asynchronous``: a step's loads copied beside the forward (scattered on the
+  side stream), byte-equal; a matmul's time with them in flight against a
+  synchronous load's (``gpu_connector_async.py``);
 - ``injected``: a refused registration (the region registered already: CUDA's
   own refusal), a failing copy (a direction that is none, through the runtime
   seam), a region larger than its directory's free space, and (CUDA) a
@@ -49,6 +52,7 @@ from typing import Any
 
 import torch
 from common import arguments, parse, result_path, write_result
+from gpu_connector_async import asynchronous
 from gpu_connector_parts import (
     FULL,
     LAYOUTS,
@@ -347,6 +351,7 @@ def main() -> None:
         "pageable_rows": lambda: step_rows(check, "LBNHC", shape, args.blocks, args.repeats, refused=True),
         "tp2": lambda: tp2(check, max(args.blocks // 4, 2)),
         "hybrid": lambda: hybrid(check, 8),
+        "asynchronous": lambda: asynchronous(check, shape, args.blocks, args.repeats, overlap),
         "injected": lambda: injected(check),
     }
     try:

@@ -17,7 +17,8 @@ import pytest
 from support.benchmark_runs import BENCHMARKS, NUMBER, Each, assert_shape, run_quick
 
 TESTS = Path(__file__).resolve().parents[1]
-HELPERS = {"common.py", "oracle.py", "redis_ceiling.py", "gpu_connector_parts.py"}
+HELPERS = {"common.py", "oracle.py", "redis_ceiling.py", "gpu_connector_parts.py", "gpu_connector_async.py",
+           "restart_rows.py", "beside_batch.py"}
 """Modules the scripts import; not benchmarks themselves."""
 ENGINE_RUNS = {
     "vllm_lookup.py": "engines/vllm/test_vllm_lookup_quick.py",
