@@ -33,6 +33,8 @@ from typing import Any
 
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.vllm_server import VllmServer
+from tiercache.tools.conversations import ChatSegments, mostly_ascii
+from tiercache.tools.sharegpt import read_conversations
 
 PROMPTS = 5
 """Distinct prompts per run (the medians are over these)."""
@@ -72,6 +74,30 @@ class RestartRun:
             "breakdown_per_request": self.breakdown, "external_tokens": self.external_tokens,
             "answers_equal": self.answers_equal,
         }
+
+
+def long_chat_prompts(model: Path, count: int, tokens: tuple[int, int]) -> list[list[int]]:
+    """``count`` distinct ShareGPT conversations through the model's chat template, each as many whole exchanges as
+    fit in ``tokens[1]`` and then its next question, of at least ``tokens[0]`` tokens."""
+    from transformers import AutoTokenizer
+
+    segments = ChatSegments(AutoTokenizer.from_pretrained(model))
+    prompts = []
+    for conversation in read_conversations():
+        if not mostly_ascii(conversation):
+            continue
+        prompt = list(segments.system)
+        for exchange in conversation.exchanges:
+            question = segments.question(exchange.question)
+            if len(prompt) + len(question) > tokens[1]:
+                break
+            if len(prompt) + len(question) >= tokens[0]:
+                prompts.append(prompt + question)
+                break
+            prompt += question + segments.answer(exchange.answer)
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"fewer than {count} conversations reach {tokens[0]}-{tokens[1]} tokens")
 
 
 def connector_line(tiers: list[dict[str, Any]], base: dict[str, Any], cpu_bytes: str) -> dict[str, Any]:

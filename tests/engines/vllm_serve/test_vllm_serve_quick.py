@@ -13,9 +13,17 @@ PASS = {"requests": int, "ttft_p50_ms": NUMBER, "ttft_p99_ms": NUMBER, "prompt_t
         "stored_bytes_per_request": NUMBER}
 ROW = {"pass1": PASS, "pass2": PASS, "cold": PASS, "outputs_equal_no_cache": (bool, type(None))}
 OPTIONAL = (*NUMBER, type(None))
-GOALS = {"restart_redis_over_ceiling": OPTIONAL, "miss_redis_over_no_cache": OPTIONAL,
-         "sliding_restart_redis_over_ceiling": OPTIONAL, "sliding_miss_redis_over_no_cache": OPTIONAL,
-         "real_restart_redis_over_ceiling": OPTIONAL, "real_miss_redis_over_no_cache": OPTIONAL}
+GOALS = {"restart_redis_over_local_hit": OPTIONAL, "miss_redis_over_no_cache": OPTIONAL,
+         "sliding_restart_redis_over_local_hit": OPTIONAL, "sliding_miss_redis_over_no_cache": OPTIONAL,
+         "real_restart_redis_over_local_hit": OPTIONAL, "real_miss_redis_over_no_cache": OPTIONAL}
+RESTART_RUN = {"restart_ms": NUMBER, "local_hit_ms": NUMBER, "recompute_ms": NUMBER,
+               "restart_over_local": NUMBER, "restart_ttfts_ms": [NUMBER], "local_ttfts_ms": [NUMBER],
+               "breakdown_per_request": {"lookup_us": NUMBER, "fetch_us": NUMBER, "load_copy_us": NUMBER},
+               "external_tokens": NUMBER, "answers_equal": bool}
+BESIDE = {"baseline_gap_ms": NUMBER, "gap_median_ms": NUMBER, "gap_p90_ms": NUMBER, "gap_max_ms": NUMBER,
+          "hit_ttft_ms": [NUMBER], "decode_tokens": int}
+RESTARTS = {"llama": {"restart": {"runs": [RESTART_RUN], "restart_over_local_median": NUMBER},
+                      "beside_batch": {"sync": BESIDE, "async": BESIDE}}}
 REAL = "SmolLM2 on ShareGPT"
 
 
@@ -23,4 +31,9 @@ def test_quick_run_writes_its_json(tmp_path: Path) -> None:
     document = run_quick("vllm_serve.py", tmp_path, "--model-dir", str(tmp_path / "model"), "--sliding-model-dir",
                          str(tmp_path / "sliding-model"))
     rows = {"tiercache redis": ROW, "sliding window (Gemma 3): tiercache redis": ROW, f"{REAL}: tiercache redis": ROW}
-    assert_shape(document, {"prompts": Each([int]), "rows": rows, "goals": GOALS, "load_average": [NUMBER]})
+    assert_shape(document, {"prompts": Each([int]), "rows": rows, "goals": GOALS, "load_average": [NUMBER],
+                            "restart_and_beside_batch": RESTARTS})
+    llama = document["restart_and_beside_batch"]["llama"]
+    run = llama["restart"]["runs"][0]
+    assert run["answers_equal"] and run["external_tokens"] > 0, "the fresh server loaded from Redis, same answers"
+    assert all(row["decode_tokens"] > 0 for row in llama["beside_batch"].values())
