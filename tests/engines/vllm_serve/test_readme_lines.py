@@ -23,6 +23,8 @@ import pytest
 import vllm
 from vllm.config import KVTransferConfig
 
+from tiercache.blocks.model_identity import ModelIdentity
+from tiercache.blocks.namespaces import PageFormat
 from tiercache.integrations.vllm.connector.geometry import GroupGeometry, GroupKind, SlotGeometry
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
 from tiercache.testing.redis_servers import RedisServer
@@ -74,7 +76,8 @@ def test_each_line_is_a_kv_transfer_config_the_connector_accepts(remote: str) ->
     assert config.is_kv_producer and config.is_kv_consumer
     options = ConnectorOptions.parse(config.kv_connector_extra_config)
     assert options.force_latest is (remote == "regional")
-    topology = options.config("readme-test", TINY_LLAMA)
+    topology = options.config(ModelIdentity("readme-test", "name:readme-test@main", "float32"), TINY_LLAMA,
+                              PageFormat("vllm-connector", {"test": "readme"}))
     assert [tier.type for tier in topology.tiers] == ["cpu", *([remote] if remote else [])]
     assert topology.tiers[0].capacity_blocks == 4 * 10**9 // TINY_LLAMA.slot_bytes
 
