@@ -56,7 +56,7 @@ CHAT_USERS, CHAT_ROUNDS = 3, 4
 """The chat demo's default size: three conversations of four turns, about a minute on 2 cores."""
 CHAT_QUESTION_TOKENS = (16, 400)
 """The chat demo's questions: this many tokens each (with the template), from conversations whose questions all are."""
-CHAT_ANSWER_TOKENS = 48
+CHAT_ANSWER_TOKENS = 32
 WARM_UP_SALT = "tiercache-demo-warm-up"
 """Mixed into the warm-up request's keys, so no turn reuses its blocks."""
 CHAT_GPU_BLOCKS = 32
