@@ -56,7 +56,9 @@ CHAT_USERS, CHAT_ROUNDS = 3, 4
 """The chat demo's default size: three conversations of four turns, about a minute on 2 cores."""
 CHAT_QUESTION_TOKENS = (16, 400)
 """The chat demo's questions: this many tokens each (with the template), from conversations whose questions all are."""
-CHAT_ANSWER_TOKENS = 48
+CHAT_ANSWER_TOKENS = 32
+WARM_UP_SALT = "tiercache-demo-warm-up"
+"""Mixed into the warm-up request's keys, so no turn reuses its blocks."""
 CHAT_GPU_BLOCKS = 32
 """The chat demo's GPU pool (blocks): room for the request being served, so the other chats live in the CPU tier."""
 
@@ -109,7 +111,9 @@ def _chat_demo(args: argparse.Namespace) -> int:
 
     with TierManager(config) as manager, torch.no_grad():
         cached = CachedModel(model.to(manager.gpu.device), manager)
-        recompute(torch.tensor([chats.system]))  # the first forward pays one-time set-up: not a turn's
+        warm_up = torch.tensor([chats.system])  # the first forwards pay one-time set-up: not a turn's
+        recompute(warm_up)
+        cached.generate(warm_up, max_new_tokens=1, extra=WARM_UP_SALT)  # its own keys: nothing a turn reuses
         stops = model.generation_config.eos_token_id
         turns = run_chat_demo(chats, cached, recompute, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                               CHAT_ANSWER_TOKENS, {stops} if isinstance(stops, int) else set(stops or ()))

