@@ -33,8 +33,6 @@ from typing import Any
 
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.vllm_server import VllmServer
-from tiercache.tools.conversations import ChatSegments, mostly_ascii
-from tiercache.tools.sharegpt import read_conversations
 
 PROMPTS = 5
 """Distinct prompts per run (the medians are over these)."""
@@ -80,6 +78,9 @@ def long_chat_prompts(model: Path, count: int, tokens: tuple[int, int]) -> list[
     """``count`` distinct ShareGPT conversations through the model's chat template, each as many whole exchanges as
     fit in ``tokens[1]`` and then its next question, of at least ``tokens[0]`` tokens."""
     from transformers import AutoTokenizer
+
+    from tiercache.tools.conversations import ChatSegments, mostly_ascii
+    from tiercache.tools.sharegpt import read_conversations
 
     segments = ChatSegments(AutoTokenizer.from_pretrained(model))
     prompts = []

@@ -12,7 +12,7 @@
 - ``loads``: ``auto`` (default: synchronous while vLLM ran nothing in its last step, else asynchronous),
   ``sync`` or ``async`` (``LoadMode``; a model of several KV-cache groups always loads asynchronously);
 - ``idle_wait_ms``: while vLLM's last step ran nothing, how long per step the scheduler side waits for a
-  remote's answer or fetch instead of asking vLLM to ask again (default 20; 0: never waits);
+  remote's answer or fetch instead of asking vLLM to ask again (default 100; 0: never waits);
 - ``staging_mib``: on CUDA, the most device memory one step's stores stage before their copy to the
   CPU tier (a store past it is skipped: a later miss, never an error); loads stage in chunks of half
   of it. By default it is what the step's largest prefill fills: ``max_num_batched_tokens`` over the
@@ -64,7 +64,7 @@ ENGINE_FIELDS = ("id", "tp_rank")
 MIB = 1 << 20
 MAX_IDLE_MS = 1000
 """Longest idle wait accepted (longer would hold a request that arrives meanwhile for too long)."""
-DEFAULT_IDLE_WAIT_MS = 20
+DEFAULT_IDLE_WAIT_MS = 100
 """How long the scheduler side may wait for a remote per step while vLLM has nothing else to run (a request
 arriving meanwhile waits at most this); vLLM would otherwise spin through empty steps, taking the CPU the fetch
 needs."""
