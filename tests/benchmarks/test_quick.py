@@ -56,7 +56,10 @@ SYNC_READS = ("redis tier GET (ceiling)", "regional plain read", "force_latest, 
               "force_latest, region stale")
 FILE_GET_COLUMNS = {"reader_threads": int, "dd_parallel_gbps": N, "tier_vs_dd_parallel": N, "dd_parallel_vs_dd": N}
 
+CODEC_ROW = {"level": str, "size_vs_16bit": N, "size_vs_engine_dtype": N, "perplexity_change_mean": N,
+             "perplexity_change_worst": N, "top1_agreement": N, "mean_kl_nats": N, "positions": int}
 QUICK_RUNS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "codec.py": ((), {"learned": int, "judged": int, "tables_digest": str, "rows": [CODEC_ROW]}),
     "keys.py": ((), {"tokens": int, "rows": [{
         "block_size": int, "numpy_tokens_per_s": N, "list_tokens_per_s": N, "bare_chain_tokens_per_s": N,
         "ratio_to_bare_chain": N, "meets_target": bool}]}),
