@@ -12,7 +12,11 @@
 - ``idle_wait_ms``: while vLLM's last step ran nothing, how long per step the scheduler side waits for a
   remote's answer or fetch instead of asking vLLM to ask again (default 20; 0: never waits);
 - ``staging_mib``: on CUDA, the most device memory one step's stores stage before their copy to the
-  CPU tier (default 512; a store past it is skipped: a later miss, never an error).
+  CPU tier (default 512; a store past it is skipped: a later miss, never an error);
+- ``codec``: a remote tier's ``codec`` (``tiercache.codecs.levels.CodecConfig``) for every remote tier of
+  the topology that names none. The connector's pages are opaque to tiercache (vLLM's layout, packed per
+  the CPU attention kernel's instruction set on the CPU build), so a lossy level is declined there with a
+  log line and the tier stores exact KV.
 
 A key that is none of these is refused with the one it resembles. Every error names the flag,
 the field and what was expected, before vLLM serves a request.
@@ -40,7 +44,7 @@ from tiercache.tiers import tier_class
 
 SOURCE = "--kv-transfer-config kv_connector_extra_config"
 """Where the options come from, as errors name it."""
-OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms")
+OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms", "codec")
 ENGINE_FIELDS = ("id", "tp_rank")
 """``model`` fields vLLM supplies: a topology may not set them."""
 DEFAULT_STAGING_MIB = 512
@@ -66,6 +70,8 @@ class ConnectorOptions:
     shared_dir: Path
     staging_bytes: int = DEFAULT_STAGING_MIB * MIB
     idle_wait_s: float = DEFAULT_IDLE_WAIT_MS / MS_PER_SECOND
+    codec: Mapping[str, Any] | None = None
+    """The ``codec`` of every remote tier that names none (None: each tier's own, exact by default)."""
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -96,7 +102,10 @@ class ConnectorOptions:
         idle_wait = extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)
         if isinstance(idle_wait, bool) or not isinstance(idle_wait, int | float) or not 0 <= idle_wait <= MAX_IDLE_MS:
             raise ConfigError(SOURCE, "idle_wait_ms", f"a number of milliseconds from 0 to {MAX_IDLE_MS}", idle_wait)
-        return cls(topology, source, force_latest, shared_dir, staging * MIB, idle_wait / MS_PER_SECOND)
+        codec = extra.get("codec")
+        if codec is not None and not isinstance(codec, Mapping):
+            raise ConfigError(SOURCE, "codec", "a remote tier's codec: {levels: [...], adaptive, tables}", codec)
+        return cls(topology, source, force_latest, shared_dir, staging * MIB, idle_wait / MS_PER_SECOND, codec)
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``
@@ -112,6 +121,10 @@ class ConnectorOptions:
             raise ConfigError(self.source, "layout", "nothing: vLLM's KV cache fixes it", data["layout"])
         data["model"] = {**model_section, "id": model.model_id}
         data["layout"] = {"block_bytes": geometry.slot_bytes, "block_size": geometry.block_size}
+        tiers = data.get("tiers")
+        if self.codec is not None and isinstance(tiers, list):
+            data["tiers"] = [tier if index == 0 or not isinstance(tier, Mapping) or "codec" in tier
+                             else {**tier, "codec": dict(self.codec)} for index, tier in enumerate(tiers)]
         config = config_from_dict(data, self.source, engine_pool=True)
         config.layout = dataclasses.replace(config.layout, engine_format=page_format)
         if self.force_latest and not any(tier_class(t.type).capabilities.versioned for t in config.tiers[1:]):
