@@ -19,8 +19,10 @@ regional, a plug-in) wrapped in this one; the stack and the lanes see one tier.
   then at the other levels for what that level did not hold; where even the
   cheapest level would arrive later than prefill computes the chunk
   (``recompute_seconds``, the cost model's), the chunk and the rest of the read
-  are answered as misses. A level never mixes within a chunk.
-- **Presence** is held where any level the tier reads is held.
+  are answered as misses. A level never mixes within a chunk. On a link no read
+  has timed yet, a small probe chunk goes first, alone.
+- **Presence** is held where any level the tier reads is held (the first level
+  listed asked first, the others only where it is not held).
 """
 
 from __future__ import annotations
@@ -44,10 +46,14 @@ from tiercache.tiers.base import (
     ServerReachability,
 )
 
-CHUNKS_IN_FLIGHT = 8
+CHUNKS_IN_FLIGHT = 2
 """Chunks of an adaptive read asked for at once: later chunks' requests overlap earlier ones' transfers (a
 round trip is not paid per chunk), and each chunk's level is chosen when its turn comes, from what the chunks
 before it met."""
+
+PROBE_BLOCKS = 4
+"""A tier whose link no read has timed yet reads this many blocks alone first, at the prior's level, so the
+fetch's other chunks are chosen from a measured link rather than from the prior."""
 
 RecomputeSeconds = Callable[[int], float | None]
 """The engine's expected prefill time for a number of tokens (None while unknown)."""
@@ -98,10 +104,18 @@ class CodedTier(RemoteTier):
     # -- data path ------------------------------------------------------------
 
     async def contains(self, keys: Sequence[bytes]) -> list[Presence]:
-        """Every level's keys in one call to the inner tier (one round trip), held where any level is."""
-        found = await self.inner.contains([key for level in self.config.levels for key in self._keys(keys, level)])
-        count = len(keys)
-        return [_any_held(found[i::count]) for i in range(count)]
+        """Held where any level is: the first level listed is asked for every key, the others only for the keys
+        it does not hold, in one call (a fleet stores all its levels, so one call of ``len(keys)`` questions is
+        the rule: a tier counts its requests in flight, and asking every level would multiply its round trips)."""
+        first, *others = self.config.levels
+        found = await self.inner.contains(self._keys(keys, first))
+        missing = [i for i, answer in enumerate(found) if answer is not Presence.HELD]
+        if others and missing:
+            asked = [keys[i] for i in missing]
+            more = await self.inner.contains([key for level in others for key in self._keys(asked, level)])
+            for j, i in enumerate(missing):
+                found[i] = _any_held([found[i], *more[j :: len(missing)]])
+        return found
 
     async def put(
         self, keys: Sequence[bytes], payloads: Sequence[memoryview], *, checksums: Sequence[int | None] | None = None
@@ -138,11 +152,11 @@ class CodedTier(RemoteTier):
         started = time.perf_counter()
         delivered = [0.0]
 
-        async def read_chunk(start: int) -> None:
+        async def read_chunk(start: int, end: int) -> None:
             async with slots:
                 if stop.is_set():
                     return
-                positions = list(range(start, min(start + chunk, len(keys))))
+                positions = list(range(start, end))
                 tokens = len(positions) * self.coding.geometry.tokens
                 recompute = self.recompute_seconds(tokens) if self.recompute_seconds is not None else None
                 level = self.chooser.choose(len(positions), recompute)
@@ -155,10 +169,15 @@ class CodedTier(RemoteTier):
                 delivered[0] += moved
                 self.chooser.delivered(delivered[0], time.perf_counter() - started)
 
-        await asyncio.gather(*(read_chunk(start) for start in range(0, len(keys), chunk)))
+        first = 0
+        if not self.chooser.measured and len(keys) > PROBE_BLOCKS:  # a link never timed: a small chunk alone first
+            await read_chunk(0, PROBE_BLOCKS)
+            first = PROBE_BLOCKS
+        await asyncio.gather(*(read_chunk(start, min(start + chunk, len(keys)))
+                               for start in range(first, len(keys), chunk)))
         if stop.is_set():  # a chunk after a recomputed one may have been read before the decision: not served
-            first = next((i for i, ok in enumerate(results) if not ok), len(results))
-            results[first:] = [False] * (len(results) - first)
+            gap = next((i for i, ok in enumerate(results) if not ok), len(results))
+            results[gap:] = [False] * (len(results) - gap)
         return results
 
     async def _read_levels(

@@ -189,3 +189,13 @@ def test_a_chunks_latency_counts_against_recomputing_it() -> None:
     assert chooser.latency_s == pytest.approx(0.5, rel=0.01)
     assert chooser.choose(1, recompute_seconds=0.2) is None
     assert chooser.choose(1, recompute_seconds=2.0) is Level.COMPACT
+
+
+def test_a_slow_links_first_chunk_teaches_its_throughput_not_a_latency() -> None:
+    chooser = LevelChooser([Level.INT8, Level.COMPACT], WIRE, RAW_BLOCK)
+    assert not chooser.measured
+    probe_s = 4 * WIRE[Level.INT8] / 12.5e6  # four int8 blocks over 100 Mbit/s, the link's first timed read
+    chooser.observe(Level.INT8, 4, probe_s)
+    chooser.delivered(4 * WIRE[Level.INT8], probe_s)
+    assert chooser.measured and chooser.latency_s == 0 and chooser.throughput == pytest.approx(12.5e6)
+    assert chooser.choose(16, recompute_seconds=None) is Level.COMPACT

@@ -425,7 +425,8 @@ def test_a_tier_with_a_codec_loads() -> None:
     (line,) = yaml.safe_load(example("codec-tier"))
     config = load_topology({**topology_data, "tiers": [*topology_data["tiers"][:2], line]})
     codec = config.tiers[2].codec
-    assert [level.value for level in codec.levels] == ["compact", "int8"] and codec.adaptive and codec.chunk_blocks == 4
+    assert [level.value for level in codec.levels] == ["compact", "int8"]
+    assert codec.adaptive and codec.chunk_blocks == 16
 
 
 def test_fleet_sections_load() -> None:

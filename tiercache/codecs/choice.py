@@ -1,14 +1,15 @@
 """Which level each chunk of a fetch is read at: the cheapest to have in the slots, or recompute.
 
-A chunk at a level costs the link's time for that level's bytes plus the time to
-decode them. The link's time is the chunk's bytes over the throughput the tier's
-reads delivered (a fetch's bytes so far over its time so far, chunks in flight
-together, smoothed across chunks and fetches, so the next chunk's choice sees the
-bandwidth the previous ones met) plus the latency (the shortest chunk seen, less
-its bytes' time). Each level's decode rate is measured on this process's decodes
-(all of it so far; a prior until then). The cheapest level wins, unless even it would arrive later
-than the engine's prefill computes the chunk's tokens: then the chunk, and so the
-rest of the prefix, is recomputed.
+A chunk at a level costs the latency, then the slower of the link's time for that
+level's bytes and the time to decode them (chunks in flight overlap one chunk's
+decode with the next one's transfer). The link's time is the chunk's bytes over
+the throughput the tier's reads delivered (a fetch's bytes so far over its time so
+far, chunks in flight together, smoothed across chunks and fetches, so the next
+chunk's choice sees the bandwidth the previous ones met); the latency is what the
+shortest chunk seen took beyond that. Each level's decode rate is measured on this
+process's decodes (all of them so far; a prior until then). The cheapest level
+wins, unless even it would arrive later than the engine's prefill computes the
+chunk's tokens: then the chunk, and so the rest of the prefix, is recomputed.
 
 Why not the cost model's ``FetchFit``: a fetch's chunks are all one size, and
 that fit, seeing one size, rightly takes a fetch's whole time as fixed cost (its
@@ -62,11 +63,13 @@ class LevelChooser:
     recomputed_chunks: int = 0
     recomputed_blocks: int = 0
     _shortest_s: float = math.inf
+    _deliveries: int = 0
 
     def seconds(self, level: Level, blocks: int) -> float:
-        """Expected time to have ``blocks`` blocks of ``level`` in their slots: the link's, then the decode."""
-        link = self.latency_s + self.wire_bytes[level] * blocks / self.throughput
-        return link + blocks * self.raw_bytes / self.decode_rate[level]
+        """Expected time to have ``blocks`` blocks of ``level`` in their slots: the latency, then the slower of
+        the link and the decode (chunks in flight overlap one's decode with the next one's transfer)."""
+        link = self.wire_bytes[level] * blocks / self.throughput
+        return self.latency_s + max(link, blocks * self.raw_bytes / self.decode_rate[level])
 
     def ranked(self, blocks: int) -> list[Level]:
         """The levels, cheapest first, for a chunk of ``blocks`` blocks."""
@@ -85,11 +88,11 @@ class LevelChooser:
         counters.chunks += 1
         counters.blocks += blocks
         counters.wire_bytes += int(self.wire_bytes[level] * blocks)
-        decode_s = blocks * self.raw_bytes / self.decode_rate[level]
-        link_s = seconds - decode_s
-        if blocks > 0 and 0 < link_s < self._shortest_s:
-            self._shortest_s = link_s
-            self.latency_s = max(0.0, link_s - self.wire_bytes[level] * blocks / self.throughput)
+        if self.measured and blocks > 0 and 0 < seconds < self._shortest_s:  # the shortest waited least behind others
+            # (before the link's throughput is measured, a chunk's time is no evidence of latency)
+            self._shortest_s = seconds
+            self.latency_s = 0.0
+            self.latency_s = max(0.0, seconds - self.seconds(level, blocks))
 
     def decoded(self, level: Level, raw_bytes: int, seconds: float) -> None:
         """This process has decoded ``raw_bytes`` of ``level`` in ``seconds`` in all: the level's decode rate."""
@@ -101,7 +104,14 @@ class LevelChooser:
         its first round trip, the latency, is no part of the throughput)."""
         moving = seconds - self.latency_s
         if nbytes > 0 and moving > 0:
-            self.throughput += THROUGHPUT_SMOOTHING * (nbytes / moving - self.throughput)
+            weight = THROUGHPUT_SMOOTHING if self._deliveries else 1.0  # the first measurement replaces the prior
+            self.throughput += weight * (nbytes / moving - self.throughput)
+            self._deliveries += 1
+
+    @property
+    def measured(self) -> bool:
+        """Whether any read has timed the link (else its throughput is the prior's)."""
+        return self._deliveries > 0
 
     def recomputed(self, blocks: int) -> None:
         """A chunk of ``blocks`` blocks (and the rest of its fetch) was left to the engine to recompute."""
