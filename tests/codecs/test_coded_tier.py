@@ -24,12 +24,14 @@ BLOCK_TOKENS = 16
 HEAD_DIM = 64
 
 
-def remote(url: str, codec: dict[str, Any] | None, sample: torch.Tensor) -> RemoteTier:
-    """A Redis tier of a float16 layout of ``sample``'s shape, with ``codec`` (None: the default, exact)."""
+def remote(url: str, codec: dict[str, Any] | None, sample: torch.Tensor, kind: str = "redis") -> RemoteTier:
+    """A Redis tier (``url``; ``kind`` file: a file tier in the directory ``url``) of a float16 layout of
+    ``sample``'s shape, with ``codec`` (None: the default, exact)."""
     layers, _, _, channels = sample.shape
     layout = {"num_layers": layers, "num_kv_heads": channels // HEAD_DIM, "head_dim": HEAD_DIM,
               "dtype": "float16", "block_size": BLOCK_TOKENS, "memory": "layer_major"}
-    tier: dict[str, Any] = {"name": "redis", "type": "redis", "options": {"url": url}}
+    options = {"url": url} if kind == "redis" else {"path": url, "max_bytes": "64MiB"}
+    tier: dict[str, Any] = {"name": kind, "type": kind, "options": options}
     if codec is not None:
         tier["codec"] = codec
     tiers = [{"type": "gpu", "capacity_blocks": 8, "options": {"device": "cpu"}}, tier]
@@ -80,6 +82,19 @@ def test_a_value_written_at_one_level_is_read_by_an_adaptive_reader(
     pairs = zip(decoded, blocks, strict=True)
     assert all(slot is not None and relative_error(slot, block) < 0.02 for slot, block in pairs)
     assert isinstance(reader, CodedTier) and reader.stats()["level_int8_blocks"] == len(blocks)
+
+
+def test_a_file_tier_stores_and_reads_every_level(real_kv: list[torch.Tensor], tables_file: Path,
+                                                   tmp_path: Path) -> None:
+    blocks = blocks_of(real_kv[1], 2)
+    codec = {"levels": ["compact", "int8", "exact"], "tables": str(tables_file)}
+    tier = remote(str(tmp_path), codec, real_kv[1], kind="file")
+    decoded = asyncio.run(write_and_read(tier, tier, blocks))
+    pairs = zip(decoded, blocks, strict=True)
+    assert all(slot is not None and 0 < relative_error(slot, block) < 0.05 for slot, block in pairs)
+    exact = remote(str(tmp_path), None, real_kv[1], kind="file")
+    assert all(slot is not None and torch.equal(slot, block)
+               for slot, block in zip(asyncio.run(write_and_read(exact, exact, blocks)), blocks, strict=True))
 
 
 def test_a_lossy_value_is_invisible_to_an_exact_reader(
