@@ -4,8 +4,10 @@ A topology may also name a remote tier outside tiercache by module path
 (``type: mypkg.tiers:S3Tier``): any subclass of ``tiercache.tiers.base.RemoteTier``
 (see ``tiers/base.py`` for the contract, and ``tiercache.testing.conformance``
 for the suite that checks it). Importing this package imports no tier.
+``coded`` is no tier type of its own: it wraps any remote tier whose ``codec``
+lists lossy levels (``tiercache.remote.build`` does).
 
-Imports from: ``common``, ``policies``, ``blocks``, ``bookkeeping`` (the local tiers' slot tables).
+Imports from: ``common``, ``policies``, ``blocks``, ``codecs``, ``bookkeeping`` (the local tiers' slot tables).
 """
 
 from __future__ import annotations

@@ -420,6 +420,15 @@ def test_complete_topology_and_each_remote_line_load() -> None:
     assert [t.name for t in both.tiers][2:] == ["redis", "cluster", "regional", "disk", "remote"]
 
 
+def test_a_tier_with_a_codec_loads() -> None:
+    topology_data = yaml.safe_load(example("topology-redis"))
+    (line,) = yaml.safe_load(example("codec-tier"))
+    config = load_topology({**topology_data, "tiers": [*topology_data["tiers"][:2], line]})
+    codec = config.tiers[2].codec
+    assert [level.value for level in codec.levels] == ["compact", "int8"]
+    assert codec.adaptive and codec.chunk_blocks == 16
+
+
 def test_fleet_sections_load() -> None:
     data = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     config = load_topology({**data, **yaml.safe_load(example("topology-fleet"))})

@@ -6,9 +6,21 @@ namespace, or stored under the wrong key becomes a miss, never wrong KV. Nothing
 is ever unpickled: the format is plain bytes.
 
 Header (little-endian, 72 bytes): magic ``TCKV``, format version, flags (bit 0:
-lz4, bit 1: keyed MAC), reserved, namespace fingerprint (16 bytes), block key (16
-bytes), version (u64), stored payload length (u64), raw payload length (u64),
-xxh3-64 of the stored payload (u64).
+lz4, bit 1: keyed MAC, bit 2: coded), the coding (u16: which lossy encoding and
+level the payload is in, 0 for exact KV), namespace fingerprint (16 bytes), block
+key (16 bytes), version (u64), stored payload length (u64), raw payload length
+(u64), xxh3-64 of the stored payload (u64).
+
+Coded values (``FLAG_CODED``). A value whose payload is a lossy encoding of the
+block (``tiercache.codecs``: int8, the compact level) says so in its flags and
+names the encoding in the coding field; its raw length is still the block's. A
+reader decodes it only when it opted into that coding (``Codec(...,
+coding=...)``), straight into the destination; any other reader answers
+``LOSSY`` and leaves the value where it is (it is valid, just not this
+reader's), and a release that predates coded values sees an unknown flag
+(``BAD_FORMAT``) and leaves it too. So a reader that has not opted into lossy KV
+never loads lossy KV. The checksum or MAC covers the stored (coded) payload, as
+for lz4.
 
 Keyed values (``Codec(..., secret=...)``). The checksum is no signature: anyone
 with write access to the store who knows the namespace can forge a value that
@@ -43,6 +55,7 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import lz4.block
 import xxhash
@@ -55,7 +68,9 @@ KEYED_FORMAT_VERSION = 2
 FLAG_LZ4 = 0x01
 FLAG_MAC = 0x02
 """The fingerprint slot holds a keyed MAC (see the module docstring)."""
-KNOWN_FLAGS = FLAG_LZ4 | FLAG_MAC
+FLAG_CODED = 0x04
+"""The payload is a lossy encoding named by the header's coding field (see the module docstring)."""
+KNOWN_FLAGS = FLAG_LZ4 | FLAG_MAC | FLAG_CODED
 HEADER = struct.Struct("<4sBBH16s16sQQQQ")
 HEADER_SIZE = HEADER.size
 FINGERPRINT_BYTES = 16
@@ -107,6 +122,10 @@ class DecodeStatus(enum.Enum):
     """A MAC under a key this reader does not hold (another secret or namespace, or the reader has no secret)."""
     UNKEYED = "unkeyed"
     """A value without a MAC, read by a reader that requires one."""
+    LOSSY = "lossy"
+    """A coded (lossy) value this reader did not opt into, or whose coding it does not know: left in place."""
+    BAD_CODING = "bad_coding"
+    """A coded value of a coding this reader reads, whose payload passed its check but does not decode."""
 
     @property
     def damaged(self) -> bool:
@@ -121,6 +140,7 @@ UNJUDGED = frozenset(
         DecodeStatus.WRONG_NAMESPACE,
         DecodeStatus.OTHER_KEY,
         DecodeStatus.UNKEYED,
+        DecodeStatus.LOSSY,
     }
 )
 """Outcomes that prove nothing wrong with the value: it is valid, or not this reader's to judge."""
@@ -131,12 +151,38 @@ class Header:
     """The fields of a parsed header (``fingerprint`` is the MAC in keyed values)."""
 
     flags: int
+    coding: int
+    """The lossy coding of a coded value (``FLAG_CODED``), 0 for exact KV."""
     fingerprint: bytes
     key: bytes
     version: int
     stored_length: int
     raw_length: int
     checksum: int
+
+
+class ValueCoding(Protocol):
+    """What a reader that opted into lossy KV decodes coded values with (``tiercache.codecs`` implements it)."""
+
+    def reads(self, coding: int) -> bool:
+        """Whether this reader opted into values of ``coding`` (and knows how to decode them)."""
+        ...
+
+    def decode_into(self, coding: int, stored: memoryview, dest: memoryview) -> bool:
+        """Decode a checked payload straight into ``dest`` (the block's bytes); False when it does not decode."""
+        ...
+
+
+@dataclass(frozen=True)
+class CodedPayload:
+    """A block already encoded by a lossy coding, handed to ``Codec.encode`` in place of its raw bytes."""
+
+    coding: int
+    """Which coding and level (never 0: that is exact KV)."""
+    data: bytes
+    """The coded payload."""
+    raw_length: int
+    """The block's bytes (what a reader decodes it into)."""
 
 
 @dataclass(frozen=True)
@@ -157,10 +203,14 @@ class Codec:
     ``secret`` (16-64 bytes, optional): values carry a keyed MAC instead of
     trusting the checksum alone (see the module docstring). A topology's codec
     gets the MAC key ``tiercache.remote.secret`` stretches from the namespace's secret,
-    never the secret itself.
+    never the secret itself. ``coding`` (optional): the lossy codings this reader
+    opted into; without it every coded value reads as ``LOSSY``.
     """
 
-    def __init__(self, fingerprint: bytes, *, compress: bool = False, secret: bytes | None = None) -> None:
+    def __init__(
+        self, fingerprint: bytes, *, compress: bool = False, secret: bytes | None = None,
+        coding: ValueCoding | None = None,
+    ) -> None:
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise ValueError("fingerprint must be 16 bytes")
         if secret is not None and not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
@@ -168,6 +218,7 @@ class Codec:
         self.fingerprint = fingerprint
         self.compress = compress
         self.secret = secret
+        self.coding = coding
         self._flags = FLAG_MAC if secret is not None else 0
         self._format = FORMAT_VERSION
         self.key_id = b""
@@ -191,8 +242,12 @@ class Codec:
         return self.secret is not None
 
     def variant(self, *, compress: bool) -> Codec:
-        """The same namespace and secret with another compression setting (for a tier's own option)."""
-        return Codec(self.fingerprint, compress=compress, secret=self.secret)
+        """The same namespace, secret and codings with another compression setting (for a tier's own option)."""
+        return Codec(self.fingerprint, compress=compress, secret=self.secret, coding=self.coding)
+
+    def reading(self, coding: ValueCoding | None) -> Codec:
+        """The same namespace, secret and compression reading the lossy codings of ``coding``."""
+        return Codec(self.fingerprint, compress=self.compress, secret=self.secret, coding=coding)
 
     def _mac(self, header: bytes | bytearray | memoryview, stored: memoryview | bytes) -> bytes:
         """Keyed BLAKE2b over the header (real fingerprint, version zeroed) and the stored payload."""
@@ -204,9 +259,12 @@ class Codec:
         return mac.digest()
 
     def encode(
-        self, key: bytes, payload: memoryview | bytes, version: int = 0, checksum: int | None = None
+        self, key: bytes, payload: memoryview | bytes | CodedPayload, version: int = 0, checksum: int | None = None
     ) -> tuple[bytes, bytes | memoryview]:
         """Return (header, stored payload): send both back to back as one value.
+
+        ``payload``: the block's bytes, or a ``CodedPayload`` (a lossy encoding of
+        them, stored as it is with ``FLAG_CODED``).
 
         ``checksum``: ``payload_checksum(payload)`` where the caller already has it
         (computed when the block was written, while its bytes were hot), so that
@@ -214,27 +272,33 @@ class Codec:
         fail its check (a miss, never wrong KV). Unused when the payload is compressed
         or keyed (the MAC reads every byte anyway, and the field must match it).
         """
-        raw = payload
-        if not isinstance(raw, memoryview) or raw.format != "B" or raw.ndim != 1:
-            raw = memoryview(payload).cast("B")
         flags = self._flags
-        stored: bytes | memoryview = raw
+        coding = 0
+        stored: bytes | memoryview
+        if isinstance(payload, CodedPayload):
+            stored, raw_length, coding, checksum = payload.data, payload.raw_length, payload.coding, None
+            flags |= FLAG_CODED
+        else:
+            raw = payload
+            if not isinstance(raw, memoryview) or raw.format != "B" or raw.ndim != 1:
+                raw = memoryview(payload).cast("B")
+            stored, raw_length = raw, len(raw)
+            if self.compress:
+                compressed = lz4.block.compress(raw, store_size=False)
+                if len(compressed) < len(raw):
+                    stored, flags, checksum = compressed, flags | FLAG_LZ4, None
         if self.secret is not None:
             checksum = None
-        if self.compress:
-            compressed = lz4.block.compress(raw, store_size=False)
-            if len(compressed) < len(raw):
-                stored, flags, checksum = compressed, flags | FLAG_LZ4, None
         header = HEADER.pack(
             MAGIC,
             self._format,
             flags,
-            0,
+            coding,
             self.fingerprint,
             key,
             version,
             len(stored),
-            len(raw),
+            raw_length,
             xxhash.xxh3_64_intdigest(stored) if checksum is None else checksum,
         )
         if self.secret is not None:
@@ -242,7 +306,7 @@ class Codec:
         return header, stored
 
     def encode_value(
-        self, key: bytes, payload: memoryview | bytes, version: int = 0, checksum: int | None = None
+        self, key: bytes, payload: memoryview | bytes | CodedPayload, version: int = 0, checksum: int | None = None
     ) -> bytes:
         """One contiguous value (header + payload); ``checksum`` as in ``encode``."""
         header, stored = self.encode(key, payload, version, checksum)
@@ -262,8 +326,8 @@ class Codec:
         Whose the value is comes first (see the module docstring): a value this
         reader cannot judge is reported as such before any field of it is.
         """
-        magic, fmt, flags, _, fingerprint, stored_key, version, stored_len, raw_len, checksum = HEADER.unpack_from(
-            header
+        magic, fmt, flags, coding, fingerprint, stored_key, version, stored_len, raw_len, checksum = (
+            HEADER.unpack_from(header)
         )
         if magic != MAGIC:
             return DecodeStatus.BAD_MAGIC
@@ -277,13 +341,17 @@ class Codec:
             return DecodeStatus.WRONG_NAMESPACE
         elif self.secret is not None:
             return DecodeStatus.UNKEYED
+        if bool(flags & FLAG_CODED) != bool(coding) or (coding and flags & FLAG_LZ4):
+            return DecodeStatus.BAD_FORMAT
+        if coding and (self.coding is None or not self.coding.reads(coding)):
+            return DecodeStatus.LOSSY
         if stored_key != key:
             return DecodeStatus.WRONG_KEY
         if value_length - HEADER_SIZE < stored_len:
             return DecodeStatus.TRUNCATED
         if value_length - HEADER_SIZE != stored_len:
             return DecodeStatus.BAD_LENGTH
-        return Header(flags, fingerprint, stored_key, version, stored_len, raw_len, checksum)
+        return Header(flags, coding, fingerprint, stored_key, version, stored_len, raw_len, checksum)
 
     def verify(self, header: memoryview | bytes | bytearray, stored: memoryview | bytes, expected: int) -> DecodeStatus:
         """Check the stored payload against a validated header: the MAC if keyed, else the checksum."""
@@ -319,9 +387,12 @@ class Codec:
         parsed = self.check_header(key, header, HEADER_SIZE + size)
         if isinstance(parsed, DecodeStatus):
             return parsed
-        return DecodeStatus.BAD_LENGTH if parsed.flags & FLAG_LZ4 or parsed.raw_length != size else (
-            self.verify(header, payload, parsed.checksum)
-        )
+        if parsed.flags & FLAG_LZ4 or parsed.raw_length != size:
+            return DecodeStatus.BAD_LENGTH
+        status = self.verify(header, payload, parsed.checksum)
+        if status is DecodeStatus.OK and parsed.coding:  # a coded value exactly a block long: decode from a copy
+            return self._decode_coded(parsed.coding, memoryview(payload.tobytes()), payload)
+        return status
 
     def decode_into(self, key: bytes, value: memoryview | bytes, dest: memoryview) -> Decoded:
         """Validate ``value`` and copy its payload into ``dest`` (exactly its size)."""
@@ -335,6 +406,9 @@ class Codec:
         status = self.verify(value, stored, header.checksum)
         if status is not DecodeStatus.OK:
             return Decoded(status)
+        if header.coding:
+            status = self._decode_coded(header.coding, stored, dest)
+            return Decoded(status, header.version if status is DecodeStatus.OK else 0)
         if header.flags & FLAG_LZ4:
             try:
                 raw = lz4.block.decompress(stored, uncompressed_size=header.raw_length)
@@ -346,3 +420,12 @@ class Codec:
         else:
             dest[:] = stored
         return Decoded(DecodeStatus.OK, header.version)
+
+    def _decode_coded(self, coding: int, stored: memoryview, dest: memoryview) -> DecodeStatus:
+        """Decode a checked coded payload into ``dest`` (``check_header`` made sure this reader reads it)."""
+        assert self.coding is not None
+        try:
+            decoded = self.coding.decode_into(coding, stored, dest)
+        except (ValueError, RuntimeError, IndexError):
+            decoded = False
+        return DecodeStatus.OK if decoded else DecodeStatus.BAD_CODING

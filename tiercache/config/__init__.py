@@ -6,7 +6,7 @@ file and field, ``checks`` the cross-field and machine checks, ``env`` the
 ``TIERCACHE_*`` overrides, ``cost_options`` the cost model's settings and ``machine``
 what this host can allocate.
 
-Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``.
+Imports from: ``common``, ``policies``, ``blocks``, ``codecs``, ``telemetry``, ``bookkeeping``, ``tiers``.
 """
 
 from tiercache.common.fields import parse_size

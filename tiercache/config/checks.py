@@ -51,7 +51,7 @@ def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout | 
     ``layout`` sizes local tiers given in bytes; None for a remote-only topology (remote tiers never read it).
     """
     from tiercache.policies import POLICIES, policy_class
-    from tiercache.tiers import TIER_TYPES, default_tier_name, tier_class
+    from tiercache.tiers import LOCAL_TIER_TYPES, TIER_TYPES, default_tier_name, tier_class
 
     path = f"tiers[{index}]"
     cls = _class_of(tier.type, tier_class, TIER_TYPES, "a RemoteTier subclass", f"{path}.type", source)
@@ -63,6 +63,9 @@ def validate_tier(tier: TierConfig, index: int, source: str, layout: KVLayout | 
         raise ConfigError(
             source, f"{path}.admit_after_hits", f"an integer in [1, {MAX_ADMIT_AFTER_HITS}]", tier.admit_after_hits
         )
+    if tier.type in LOCAL_TIER_TYPES and tier.codec.lossy:
+        raise ConfigError(source, f"{path}.codec", "the exact level only (the GPU and CPU tiers keep exact KV)",
+                          [level.value for level in tier.codec.levels])
     _validate_capacity(tier, path, source, layout)
     _validate_policy_options(tier, policy, path, source)
     options_type = getattr(cls, "Options", None)

@@ -23,6 +23,7 @@ import yaml
 
 from tiercache.blocks.layout import KVLayout, PageLayout
 from tiercache.bookkeeping.admission import WritePolicy
+from tiercache.codecs.levels import CodecConfig
 from tiercache.common.fields import (
     int_in_range,
     non_empty_string,
@@ -91,6 +92,8 @@ class TierConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     admit_after_hits: int = 2
     options: Any = field(default_factory=dict)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    """The levels a remote tier stores KV at and reads it at (``tiercache.codecs``); local tiers keep exact KV."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,6 @@ serve`` loads (vLLM 0.32's CPU build and 0.33), a secondary tier for vLLM 0.33's
 offloading tiers, and eviction policies for its CPU tier.
 ``tiercache.integrations.sglang`` (the ``sglang`` extra): a HiCache storage backend.
 
-Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
+Imports from: ``common``, ``policies``, ``blocks``, ``codecs``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
 ``config``, ``remote``, ``manager``.
 """

@@ -10,7 +10,7 @@ a topology wired from its config, started, closed and described), ``books``
 and the queues' reports), ``lookup`` (which tier serves each block of a prompt,
 and the ``Lookup`` handle) and ``cost`` (the cost model: fetch or recompute).
 
-Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
+Imports from: ``common``, ``policies``, ``blocks``, ``codecs``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
 ``config``, ``remote``.
 """
 

@@ -42,6 +42,7 @@ from tiercache.remote.build import build_remotes, close_remotes, lane_stats, mod
 from tiercache.telemetry.counters import Metrics
 from tiercache.telemetry.mrc import MissRatioCurve
 from tiercache.telemetry.observer import FleetObserver, NullObserver, TierObserver
+from tiercache.tiers.coded import CodedTier
 from tiercache.tiers.cpu import CpuTier
 from tiercache.tiers.gpu import GpuTier
 
@@ -87,7 +88,8 @@ class Stack:
             buffer=cpu_buffer,
         )
         queues = config.queues
-        self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics)
+        self.remotes, self.lanes = build_remotes(lower, codec, self.layout.bytes_per_block, queues, self.metrics,
+                                                 self.layout, config.source)
         self.runtime = Runtime()
         self.presence_cache = PresenceCache(self.lanes, self.runtime)
         self.local = MemoryTiers(self.gpu.table if self.gpu else None, self.cpu.table if self.cpu else None)
@@ -98,6 +100,9 @@ class Stack:
             if config.mrc.enabled
         }
         self.cost = CostModel(config.cost) if config.cost.enabled else None
+        for remote in self.remotes:
+            if isinstance(remote, CodedTier) and self.cost is not None:  # an adaptive read may leave a chunk to prefill
+                remote.recompute_seconds = self.cost.expected_recompute_seconds
         lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
         remember = REMEMBER_FACTOR * (
             (self.gpu.num_blocks if self.gpu else 0) + (self.cpu.num_slots if self.cpu else 0)

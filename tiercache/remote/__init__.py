@@ -9,5 +9,5 @@ tier stored), ``secret`` (a keyed namespace's keys and MAC key) and ``inspect``
 (``tiercache inspect``: a topology's report, each remote tier and each of its
 servers checked).
 
-Imports from: ``common``, ``blocks``, ``telemetry``, ``tiers``, ``movement``, ``config``.
+Imports from: ``common``, ``blocks``, ``codecs``, ``telemetry``, ``tiers``, ``movement``, ``config``.
 """

@@ -14,13 +14,19 @@ tiers to start.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import Namespace
+from tiercache.blocks.layout import KVLayout, PageLayout
 from tiercache.blocks.namespaces import engine_namespace
+from tiercache.codecs.coding import KVCoding
+from tiercache.codecs.geometry import KVGeometry, UnsupportedPages
+from tiercache.codecs.levels import Level
+from tiercache.codecs.tables import load_tables
 from tiercache.common.units import MS_PER_SECOND
 from tiercache.config.topology import QueueConfig, TierCacheConfig, TierConfig
 from tiercache.config.typed import ConfigError
@@ -30,6 +36,9 @@ from tiercache.remote.secret import keyed_namespace
 from tiercache.telemetry.counters import Metrics
 from tiercache.tiers import tier_class
 from tiercache.tiers.base import RemoteContext, RemoteTier
+from tiercache.tiers.coded import CodedTier
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 5.0
 """How long a start waits for the remote tiers to connect before going on without them (an unreachable store
@@ -62,16 +71,44 @@ def model_namespace(config: TierCacheConfig) -> tuple[Namespace, Codec]:
     return topology_namespace(namespace, model.secret_env, config.source)
 
 
-def build_tier(tier: TierConfig, codec: Codec, block_bytes: int) -> RemoteTier:
-    """One remote tier of a topology, with its options and the namespace's codec (not started)."""
-    return tier_class(tier.type)(RemoteContext(tier.name, codec, block_bytes), tier.options)
+def build_tier(
+    tier: TierConfig, codec: Codec, block_bytes: int, layout: KVLayout | PageLayout | None = None,
+    source: str = "<topology>",
+) -> RemoteTier:
+    """One remote tier of a topology, with its options and the namespace's codec (not started); a tier whose
+    ``codec`` lists lossy levels is wrapped in a ``CodedTier`` for ``layout``'s K/V. Pages a lossy level cannot
+    read (an engine's opaque pages, no layout) fall back to the exact level, with a log line saying why."""
+    cls = tier_class(tier.type)
+    if not tier.codec.lossy:
+        return cls(RemoteContext(tier.name, codec, block_bytes), tier.options)
+    try:
+        geometry = KVGeometry.of(layout if layout is not None else PageLayout(block_bytes))
+    except UnsupportedPages as why:
+        log.warning("tier %s: codec levels %s declined, storing exact KV: %s", tier.name,
+                    [level.value for level in tier.codec.levels], why)
+        return cls(RemoteContext(tier.name, codec, block_bytes), tier.options)
+    tables = None
+    if Level.COMPACT in tier.codec.levels:
+        try:
+            tables = load_tables(str(tier.codec.tables))
+        except (OSError, ValueError, KeyError) as error:
+            raise ConfigError(source, f"tiers.{tier.name}.codec.tables", "a tables file tiercache wrote",
+                              str(error)) from None
+    try:
+        coding = KVCoding(geometry, tier.codec.levels, tables)
+    except ValueError as error:
+        raise ConfigError(source, f"tiers.{tier.name}.codec.tables", "tables learned for this layout",
+                          str(error)) from None
+    inner = cls(RemoteContext(tier.name, codec.reading(coding), block_bytes), tier.options)
+    return CodedTier(inner, coding, tier.codec)
 
 
 def build_remotes(
-    tiers: Sequence[TierConfig], codec: Codec, block_bytes: int, queues: QueueConfig, metrics: Metrics
+    tiers: Sequence[TierConfig], codec: Codec, block_bytes: int, queues: QueueConfig, metrics: Metrics,
+    layout: KVLayout | PageLayout | None = None, source: str = "<topology>",
 ) -> tuple[list[RemoteTier], list[Lane]]:
     """The remote tiers of a topology and one lane each (limiter, breaker, deadlines), fastest first."""
-    remotes = [build_tier(tier, codec, block_bytes) for tier in tiers]
+    remotes = [build_tier(tier, codec, block_bytes, layout, source) for tier in tiers]
     timeout_s = queues.remote_lookup_timeout_ms / MS_PER_SECOND
     lanes = [Lane(i, tier, queues.transfer_concurrency, metrics, timeout_s) for i, tier in enumerate(remotes)]
     return remotes, lanes

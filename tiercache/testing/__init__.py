@@ -12,10 +12,11 @@ libcachesim), ``vllm_offloading`` (vLLM's offloading manager driven as its
 scheduler does; needs vLLM), ``sglang_parts`` (SGLang's KV pools and storage
 factory on CPU; needs SGLang), ``tiny_llama`` (a small Llama built locally), ``real_model`` (SmolLM2-135M-Instruct
 converted from the GGUF an installed package ships; needs the ``real`` extra),
-``tiny_models`` (small hybrid and sliding-window models built locally) and
+``tiny_models`` (small hybrid and
+sliding-window models built locally) and
 ``vllm_server`` (vLLM's OpenAI server as a subprocess; its ``/metrics`` and
 streamed answers parsed by ``server_formats``).
 
-Imports from: ``common``, ``policies``, ``blocks``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
+Imports from: ``common``, ``policies``, ``blocks``, ``codecs``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
 ``config``, ``remote``, ``manager``.
 """

@@ -7,7 +7,9 @@ compares the header with precomputed bytes before verifying the payload (the
 checksum, or the keyed MAC). Everything else (a miss, an error reply such as
 ``-WRONGTYPE``, a value of another length, an lz4 value, TLS, ``stage_reads``)
 takes the general path: the reply line is parsed, the header validated field by
-field, and a bad value is skipped without touching the destination's neighbours.
+field, and a bad value is skipped without touching the destination's neighbours. A
+compressed or coded value is received into the connection's staging buffer and
+decoded from there into the destination.
 Hits are counted in plain integers; other outcomes by name.
 """
 
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.blocks.codec import FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
+from tiercache.blocks.codec import FLAG_CODED, FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
 from tiercache.tiers.base import Presence
 from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF, Connection, ConnectionFailed, ServerError, command
@@ -174,7 +176,7 @@ def read_value(
         conn.skip(length - HEADER_SIZE)
         conn.expect_crlf(readahead)
         return header.value
-    if header.flags & FLAG_LZ4:
+    if header.flags & (FLAG_LZ4 | FLAG_CODED):  # decoded from staging into the destination
         staging[:HEADER_SIZE] = conn.header_view
         conn.read_into(staging[HEADER_SIZE:length])
         conn.expect_crlf(readahead)

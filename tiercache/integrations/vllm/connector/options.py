@@ -17,6 +17,10 @@
   CPU tier (a store past it is skipped: a later miss, never an error); loads stage in chunks of half
   of it. By default it is what the step's largest prefill fills: ``max_num_batched_tokens`` over the
   block size, plus one block, of this rank's KV (logged at start).
+- ``codec``: a remote tier's ``codec`` (``tiercache.codecs.levels.CodecConfig``) for every remote tier of
+  the topology that names none. The connector's pages are opaque to tiercache (vLLM's layout, packed per
+  the CPU attention kernel's instruction set on the CPU build), so a lossy level is declined there with a
+  log line and the tier stores exact KV.
 
 A key that is none of these is refused with the one it resembles. Every error names the flag,
 the field and what was expected, before vLLM serves a request.
@@ -45,7 +49,7 @@ from tiercache.tiers import tier_class
 
 SOURCE = "--kv-transfer-config kv_connector_extra_config"
 """Where the options come from, as errors name it."""
-OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms", "loads")
+OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms", "loads", "codec")
 
 
 class LoadMode(enum.Enum):
@@ -84,6 +88,8 @@ class ConnectorOptions:
     """``staging_mib`` in bytes; None: derived from the step's size (``worker.store_budget_bytes``)."""
     idle_wait_s: float = DEFAULT_IDLE_WAIT_MS / MS_PER_SECOND
     loads: LoadMode = LoadMode.AUTO
+    codec: Mapping[str, Any] | None = None
+    """The ``codec`` of every remote tier that names none (None: each tier's own, exact by default)."""
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -114,11 +120,14 @@ class ConnectorOptions:
         idle_wait = extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)
         if isinstance(idle_wait, bool) or not isinstance(idle_wait, int | float) or not 0 <= idle_wait <= MAX_IDLE_MS:
             raise ConfigError(SOURCE, "idle_wait_ms", f"a number of milliseconds from 0 to {MAX_IDLE_MS}", idle_wait)
+        codec = extra.get("codec")
+        if codec is not None and not isinstance(codec, Mapping):
+            raise ConfigError(SOURCE, "codec", "a remote tier's codec: {levels: [...], adaptive, tables}", codec)
         loads = extra.get("loads", LoadMode.AUTO.value)
         if loads not in {mode.value for mode in LoadMode}:
             raise ConfigError(SOURCE, "loads", f"one of {[mode.value for mode in LoadMode]}", loads)
         return cls(topology, source, force_latest, shared_dir, staging * MIB if staging is not None else None,
-                   idle_wait / MS_PER_SECOND, LoadMode(loads))
+                   idle_wait / MS_PER_SECOND, LoadMode(loads), codec)
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``
@@ -134,6 +143,10 @@ class ConnectorOptions:
             raise ConfigError(self.source, "layout", "nothing: vLLM's KV cache fixes it", data["layout"])
         data["model"] = {**model_section, "id": model.model_id}
         data["layout"] = {"block_bytes": geometry.slot_bytes, "block_size": geometry.block_size}
+        tiers = data.get("tiers")
+        if self.codec is not None and isinstance(tiers, list):
+            data["tiers"] = [tier if index == 0 or not isinstance(tier, Mapping) or "codec" in tier
+                             else {**tier, "codec": dict(self.codec)} for index, tier in enumerate(tiers)]
         config = config_from_dict(data, self.source, engine_pool=True)
         config.layout = dataclasses.replace(config.layout, engine_format=page_format)
         if self.force_latest and not any(tier_class(t.type).capabilities.versioned for t in config.tiers[1:]):

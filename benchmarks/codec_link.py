@@ -1,0 +1,234 @@
+"""Restart TTFT of a long prompt over a throttled link to Redis: exact KV, each lossy level, adaptive, recompute.
+
+A throttling proxy (``ThrottledLink``, in this script) sits between the engine and a
+real ``redis-server``: every byte in either direction waits for the link's
+bandwidth (one queue per direction, shared by the tier's connections) and a
+one-way delay of half the round trip. The engine is SmolLM2 through
+``CachedModel`` on a ``TierManager`` (a GPU pool standing on the CPU, a CPU tier,
+the Redis tier through the proxy), its KV float32 as vLLM's CPU build keeps it.
+
+A first engine serves the prompt and writes its blocks at every level (exact,
+int8, compact) to Redis, directly. Then, for each link and each reader, a fresh
+engine (a restart: empty pool and CPU tier) serves the same prompt and its time
+to first token is taken: the lookup, the load from Redis through the proxy with
+its decode, the prefill of what was not loaded, the first token. ``recompute``
+is the engine with no remote at all. ``adaptive`` reads each chunk at the level
+the link calls for (``codec: {adaptive: true}``) with the cost model's prefill
+rate set to the one ``recompute`` measured, so it may recompute too. Writes
+``codec_link.json`` next to this file.
+
+    .venv/bin/python benchmarks/codec_link.py            # 6 links x 5 readers, a 1024-token prompt: minutes
+    .venv/bin/python benchmarks/codec_link.py --quick    # one link, a short prompt (figures mean nothing)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import arguments, parse, write_result
+
+from tiercache import KVLayout, TierManager
+from tiercache.codecs.tables import learn_tables
+from tiercache.config import config_from_dict
+from tiercache.integrations.transformers import CachedModel
+from tiercache.testing.real_model import build_smollm2
+from tiercache.testing.redis_servers import RedisServer
+from tiercache.tools.real_kv import context_kv, load_model, real_contexts
+
+PROMPT_TOKENS = 1024
+LINKS = [(10e9, 0.0), (1e9, 0.0), (100e6, 0.0), (10e9, 0.020), (1e9, 0.020), (100e6, 0.020)]
+"""(bits per second, round trip in seconds): 10 Gbit/s, 1 Gbit/s and 100 Mbit/s, with 0 and 20 ms."""
+LEARN = 8
+"""Conversations the compact tables are learned on (others than the prompt's)."""
+BITS_PER_BYTE = 8
+PROXY_CHUNK = 64 << 10
+"""Bytes the proxy reads and forwards at a time."""
+GPU_BLOCKS = 256
+CPU_BLOCKS = 256
+REDIS_MEMORY = "2gb"
+LOOKUP_TIMEOUT_MS = 3000
+"""Lookups and reads (20 lookup timeouts) may take this long: a slow link's exact fetch is slow, not failed."""
+READERS = {
+    "exact": {"levels": ["exact"]},
+    "int8": {"levels": ["int8"]},
+    "compact": {"levels": ["compact"]},
+    "adaptive": {"levels": ["exact", "int8", "compact"], "adaptive": True},
+}
+
+
+class ThrottledLink:
+    """A TCP proxy from a local port to ``upstream`` at ``bits_per_s`` each way with ``round_trip_s`` of delay."""
+
+    def __init__(self, upstream: tuple[str, int], bits_per_s: float, round_trip_s: float) -> None:
+        self.upstream = upstream
+        self.bytes_per_s = bits_per_s / BITS_PER_BYTE
+        self.one_way_s = round_trip_s / 2
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
+        self._free_at = {"up": 0.0, "down": 0.0}
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ThrottledLink:
+        self._thread.start()
+        self._ready.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._shut(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _shut(self) -> None:
+        """Stop accepting, and end every connection's pumps."""
+        if self._server is not None:
+            self._server.close()
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        for stream in (writer, up_writer):
+            stream.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.gather(self._pump(reader, up_writer, "up"), self._pump(up_reader, writer, "down"))
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the client left, or the link is shutting down: the connection simply ends
+        finally:
+            for stream in (writer, up_writer):
+                stream.close()
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, direction: str) -> None:
+        """Forward each piece when the link has sent it (bandwidth, one queue per direction) plus the delay."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                at, data = await queue.get()
+                if not data:
+                    return
+                await asyncio.sleep(max(0.0, at - loop.time()))
+                sink.write(data)
+                await sink.drain()
+
+        delivering = asyncio.ensure_future(deliver())
+        try:
+            while data := await source.read(PROXY_CHUNK):
+                sent = max(loop.time(), self._free_at[direction]) + len(data) / self.bytes_per_s
+                self._free_at[direction] = sent
+                queue.put_nowait((sent + self.one_way_s, data))
+            queue.put_nowait((0.0, b""))
+            await delivering
+        finally:
+            delivering.cancel()
+        sink.close()
+
+
+def topology(layout: KVLayout, url: str | None, codec: dict[str, Any] | None, tables: Path,
+             prefill_tokens_per_s: float | None = None) -> dict[str, Any]:
+    """GPU pool (on the CPU) and CPU tier, and the Redis tier at ``url`` with ``codec`` when given."""
+    tiers: list[dict[str, Any]] = [{"name": "gpu", "type": "gpu", "capacity_blocks": GPU_BLOCKS,
+                                    "options": {"device": "cpu"}},
+                                   {"name": "cpu", "type": "cpu", "capacity_blocks": CPU_BLOCKS}]
+    if url is not None:
+        line: dict[str, Any] = {"name": "redis", "type": "redis", "options": {"url": url, "timeout_s": 10.0}}
+        if codec is not None:
+            line["codec"] = {**codec, "tables": str(tables)} if "compact" in codec["levels"] else codec
+        tiers.append(line)
+    data: dict[str, Any] = {"model": {"id": "codec-link"}, "tiers": tiers,
+                            "layout": {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                                       "head_dim": layout.head_dim, "dtype": layout.dtype,
+                                       "block_size": layout.block_size},
+                            "queues": {"remote_lookup_timeout_ms": LOOKUP_TIMEOUT_MS}}
+    if prefill_tokens_per_s is not None:
+        data["cost"] = {"enabled": True, "prefill_tokens_per_s": prefill_tokens_per_s}
+    return data
+
+
+@contextlib.contextmanager
+def engine(model: Any, data: dict[str, Any]) -> Iterator[CachedModel]:
+    with TierManager(config_from_dict(data, environ={})) as manager:
+        yield CachedModel(model, manager)
+
+
+def restart_ttft(model: Any, prompt: torch.Tensor, data: dict[str, Any]) -> dict[str, Any]:
+    """A fresh engine's time to first token for ``prompt``, and what served it."""
+    with engine(model, data) as cached, torch.no_grad():
+        turn = cached.generate(prompt, max_new_tokens=1, do_sample=False)
+        levels = {name: value for name, value in cached.manager.stats().get("tiers", {}).get("redis", {})
+                  .get("store", {}).items() if name.startswith("level_") and name.endswith("_blocks")}
+    return {"ttft_s": turn.ttft_s, "loaded_tokens": turn.cached_tokens, "computed_tokens": turn.computed_tokens,
+            "levels": levels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__ or "")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--links", type=int, default=len(LINKS), help="how many of the links to run")
+    args = parse(parser, argv, prompt_tokens=128, links=1)
+    torch.set_num_threads(1)
+    tokenizer, model = load_model(build_smollm2())
+    contexts = real_contexts(tokenizer, LEARN + 1, args.prompt_tokens)
+    tables_path = Path(tempfile.mkdtemp()) / "tables.npz"
+    learn_tables(context_kv(model, ids) for ids in contexts[:LEARN]).save(tables_path)
+    prompt = torch.tensor([contexts[LEARN]])
+    layout = KVLayout.from_hf_config(model.config, dtype="float32")
+    server = RedisServer(maxmemory=REDIS_MEMORY).start()
+    rows: list[dict[str, Any]] = []
+    try:
+        writer = topology(layout, server.url, {"levels": ["exact", "int8", "compact"]}, tables_path)
+        with engine(model, writer) as cached, torch.no_grad():
+            cached.generate(prompt, max_new_tokens=1, do_sample=False)
+        recompute = restart_ttft(model, prompt, topology(layout, None, None, tables_path))
+        prefill_rate = args.prompt_tokens / recompute["ttft_s"]
+        for bits_per_s, round_trip_s in LINKS[: args.links]:
+            with ThrottledLink(("127.0.0.1", server.port), bits_per_s, round_trip_s) as link:
+                row: dict[str, Any] = {"link_bits_per_s": bits_per_s, "round_trip_s": round_trip_s,
+                                       "recompute": recompute}
+                for name, codec in READERS.items():
+                    rate = prefill_rate if codec.get("adaptive") else None
+                    row[name] = restart_ttft(model, prompt, topology(layout, link.url, codec, tables_path, rate))
+                fixed = min(row[name]["ttft_s"] for name in ("exact", "int8", "compact", "recompute"))
+                row["adaptive_vs_best_fixed"] = row["adaptive"]["ttft_s"] / fixed
+                row["exact_vs_adaptive"] = row["exact"]["ttft_s"] / row["adaptive"]["ttft_s"]
+                rows.append(row)
+                print(f"{bits_per_s / 1e6:7.0f} Mbit/s {1e3 * round_trip_s:3.0f} ms: " + "  ".join(
+                    f"{name} {1e3 * row[name]['ttft_s']:6.0f} ms" for name in ("exact", *list(READERS)[1:],
+                                                                              "recompute")), flush=True)
+    finally:
+        server.stop()
+    result = {"prompt_tokens": args.prompt_tokens, "engine_dtype": "float32",
+              "block_bytes": layout.bytes_per_block, "rows": rows}
+    print(f"wrote {write_result(__file__, result, args.out, args.quick)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
