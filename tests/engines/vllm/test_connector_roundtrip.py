@@ -123,7 +123,8 @@ def test_none_while_a_remote_presence_check_is_pending_then_a_number(vllm: Insta
     first.serve(request("a", PROMPT))
     remote_written(first, "sim", 6)
     for held in ("contains", "get"):  # the presence check, then the read of a wait_complete fetch
-        second = vllm.new(f"second-{held}", cpu_topology(remotes=[remote]))
+        # no idle wait: this is the protocol of a busy engine (an idle one waits for the remote, up to its give-up)
+        second = vllm.new(f"second-{held}", cpu_topology(remotes=[remote]), options={"idle_wait_ms": 0})
         tier = tiers_of(second).parts.remotes[0]
         tier.hold(held)
         asked = request(f"b-{held}", PROMPT)
