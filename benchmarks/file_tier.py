@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from common import arguments, parse, write_result
 
-from tiercache.blocks.codec import payload_checksum
+from tiercache.blocks.value_format import payload_checksum
 from tiercache.config.topology import QueueConfig
 from tiercache.testing.redis_servers import remote_context, slot_views
 from tiercache.tiers.file import FileOptions, FileTier

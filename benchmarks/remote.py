@@ -51,7 +51,8 @@ import redis_ceiling
 from common import arguments, parse, write_result
 from redis_ceiling import rerun, socket_get_rate, socket_loop_rate, sweep
 
-from tiercache.blocks.codec import Codec, payload_checksum
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import payload_checksum
 from tiercache.common.units import US_PER_SECOND
 from tiercache.testing.redis_servers import FINGERPRINT, RedisClusterNodes, RedisServer, remote_context, slot_views
 from tiercache.tiers.redis import RedisOptions, RedisTier

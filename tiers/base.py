@@ -291,7 +291,7 @@ class RemoteTier(ABC):
         """Store each payload (the caller keeps the buffers alive until this returns).
 
         ``checksums`` (only for tiers that declare ``takes_checksums``): each payload's
-        ``codec.payload_checksum`` where the caller knows it, None where it does not.
+        ``value_format.payload_checksum`` where the caller knows it, None where it does not.
         """
 
     @abstractmethod

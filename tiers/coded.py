@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tiercache.blocks.codec import CodedPayload
+from tiercache.blocks.value_format import CodedPayload
 from tiercache.codecs.choice import LevelChooser
 from tiercache.codecs.coding import KVCoding
 from tiercache.codecs.levels import CodecConfig, Level

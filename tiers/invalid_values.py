@@ -23,7 +23,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from tiercache.blocks.codec import DecodeStatus
+from tiercache.blocks.value_format import DecodeStatus
 from tiercache.tiers.shutdown import stop_tasks
 
 MAX_DELETES_IN_FLIGHT = 4

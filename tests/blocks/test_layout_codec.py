@@ -10,7 +10,9 @@ import pytest
 import torch
 import xxhash
 
-from tiercache.blocks.codec import (
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.layout import DTYPES, KVLayout, MemoryOrder
+from tiercache.blocks.value_format import (
     CHECKSUM_OFFSET,
     FINGERPRINT_OFFSET,
     FLAG_MAC,
@@ -19,11 +21,9 @@ from tiercache.blocks.codec import (
     KEY_ID_BYTES,
     MAGIC,
     VERSION_OFFSET,
-    Codec,
     DecodeStatus,
     payload_checksum,
 )
-from tiercache.blocks.layout import DTYPES, KVLayout, MemoryOrder
 
 FINGERPRINT = bytes(range(16))
 KEY = b"k" * 16

@@ -11,7 +11,7 @@ import pytest
 import redis
 import torch
 
-from tiercache.blocks.codec import HEADER_SIZE, DecodeStatus
+from tiercache.blocks.value_format import HEADER_SIZE, DecodeStatus
 from tiercache.codecs.choice import PRIOR_DECODE_BYTES_PER_S, LevelChooser
 from tiercache.codecs.levels import Level
 from tiercache.config import config_from_dict

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiercache.blocks.codec import Codec, CodedPayload, DecodeStatus
+from tiercache.blocks.codec import Codec
 from tiercache.blocks.layout import KVLayout, MemoryOrder, PageLayout
+from tiercache.blocks.value_format import CodedPayload, DecodeStatus
 from tiercache.codecs.coding import KVCoding
 from tiercache.codecs.geometry import KVGeometry, UnsupportedPages
 from tiercache.codecs.int8 import INT8_MAX

@@ -17,7 +17,7 @@ import torch
 import xxhash
 from support.manager_helpers import block_kv, compute_and_store, read_block, topology, until
 
-from tiercache.blocks.codec import CHECKSUM, CHECKSUM_OFFSET, HEADER_SIZE
+from tiercache.blocks.value_format import CHECKSUM, CHECKSUM_OFFSET, HEADER_SIZE
 from tiercache.manager.tier_manager import TierManager
 
 BLOCKS = 6

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tiercache.blocks.codec import HEADER_SIZE, Codec
+from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import Namespace
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.common.breaker import BreakerState
 from tiercache.config.remote import remote_topology_from_dict
 from tiercache.remote.store import RemoteStore

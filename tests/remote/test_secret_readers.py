@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import redis
 
-from tiercache.blocks.codec import HEADER_SIZE, Codec
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.testing.redis_servers import FINGERPRINT, empty_dests, random_blocks
 from tiercache.tiers.base import RemoteContext
 from tiercache.tiers.redis import RedisOptions, RedisTier

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from support import module_command, with_tests_on_path
-from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.testing.redis_servers import remote_context
 from tiercache.tiers.file import FileOptions, FileTier
 from tiercache.tiers.file.capacity import DirectoryLock, SegmentFile, list_segments

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiercache.blocks.codec import DecodeStatus
+from tiercache.blocks.value_format import DecodeStatus
 from tiercache.tiers.base import Presence, RemoteContext, RemoteTier
 
 STORES: dict[str, dict[bytes, bytes]] = {}

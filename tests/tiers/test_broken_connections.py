@@ -18,7 +18,7 @@ import torch
 from support.manager_helpers import block_kv, compute_and_store, read_block, topology, until
 from support.proxies import CutProxy
 
-from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.manager.tier_manager import TierManager
 from tiercache.testing.redis_servers import empty_dests, random_blocks, remote_context
 from tiercache.tiers.base import CallReport, report_calls_into

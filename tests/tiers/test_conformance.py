@@ -24,7 +24,8 @@ import yaml
 from support import plugin_tier
 from support.file_tier_helpers import segments_in
 
-from tiercache.blocks.codec import HEADER_SIZE, Codec
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.config import load_config
 from tiercache.testing.conformance import RemoteTierContract
 from tiercache.testing.harness import StoreHarness

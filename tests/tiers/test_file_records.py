@@ -7,7 +7,8 @@ import time
 
 from support.file_tier_helpers import BLOCK, open_tier, segments_in
 
-from tiercache.blocks.codec import HEADER_SIZE, Codec
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.testing.redis_servers import empty_dests, random_blocks, remote_context
 from tiercache.tiers.file.records import ALIGNED, PACKED, PAYLOAD_ALIGNMENT, Record, RecordKind, scan
 

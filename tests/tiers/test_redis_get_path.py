@@ -16,7 +16,8 @@ import threading
 import pytest
 import redis
 
-from tiercache.blocks.codec import HEADER_SIZE, Codec, DecodeStatus
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import HEADER_SIZE, DecodeStatus
 from tiercache.testing.redis_servers import OTHER_FINGERPRINT, empty_dests, random_blocks, remote_context
 from tiercache.tiers.base import CallReport, report_calls_into
 from tiercache.tiers.redis import RedisOptions, RedisTier

@@ -8,7 +8,7 @@ import pytest
 import redis
 from redis.crc import key_slot as redis_key_slot
 
-from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.config import ConfigError, build_dataclass
 from tiercache.testing.redis_servers import empty_dests, random_blocks, remote_context
 from tiercache.tiers import tier_class

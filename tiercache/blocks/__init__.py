@@ -6,8 +6,9 @@ the one rule every adapter uses), ``namespaces`` (``engine_namespace``: the one 
 "same namespace", model, page format, rank, tenant and LoRA, that every adapter and
 topology builds its namespace with), ``layout`` (``KVLayout``: the bytes of a block and
 how a pool holds them; ``PageLayout``: an engine's opaque pages), ``paged``
-(``PagedKV``: the paged view attention reads) and ``codec`` (a stored value's
-header, checksum or keyed MAC, and optional compression).
+(``PagedKV``: the paged view attention reads), ``value_format`` (a stored value's
+header and what a reader makes of a value) and ``codec`` (writing and checking
+values: checksum or keyed MAC, optional compression, coded lossy payloads).
 
 Imports from: ``common``.
 """

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tiercache.blocks.codec import HEADER_SIZE, CodedPayload
+from tiercache.blocks.value_format import HEADER_SIZE, CodedPayload
 from tiercache.codecs.compact import CompactCoder
 from tiercache.codecs.geometry import KVGeometry
 from tiercache.codecs.int8 import decode_int8, encode_int8

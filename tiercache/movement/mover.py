@@ -8,7 +8,7 @@ bookkeeper, which tells the bookkeeping, wakes loads waiting for those CPU write
 and dispatches whatever comes next: no hop back and forth between threads.
 
 Checksums are taken once, where the bytes are warm. When remotes that take
-checksums lie below, a landed copy's slots are hashed (``codec.payload_checksum``,
+checksums lie below, a landed copy's slots are hashed (``value_format.payload_checksum``,
 ~20 GB/s on bytes already out of the CPU's caches) on the thread that saw the copy
 end, before the bookkeeper hears of it; the slot table keeps each slot's checksum,
 and every put of the slot (write-through to each remote, a write-back later)
@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 
-from tiercache.blocks.codec import payload_checksum
+from tiercache.blocks.value_format import payload_checksum
 from tiercache.bookkeeping.moves import HostCopy, Outbox, RemotePut
 from tiercache.movement.base import Bookkeeper
 from tiercache.movement.lanes import Lane

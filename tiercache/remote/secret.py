@@ -33,8 +33,9 @@ import functools
 import hashlib
 from dataclasses import dataclass
 
-from tiercache.blocks.codec import MAX_SECRET_BYTES, MIN_SECRET_BYTES, Codec
+from tiercache.blocks.codec import Codec
 from tiercache.blocks.keys import KEY_BYTES, Namespace
+from tiercache.blocks.value_format import MAX_SECRET_BYTES, MIN_SECRET_BYTES
 
 SCRYPT_N = 2**15
 """scrypt's CPU/memory cost: 32 MiB and about 0.1-0.2 s per derivation (once per namespace and process)."""

@@ -60,8 +60,8 @@ from collections import Counter, deque
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from tiercache.blocks.codec import payload_checksum
 from tiercache.blocks.keys import KEY_BYTES, Namespace
+from tiercache.blocks.value_format import payload_checksum
 from tiercache.config.remote import RemoteTopology, load_remote_topology, remote_topology_from_dict
 from tiercache.movement.lanes import Lane
 from tiercache.movement.presence import PresenceCache

@@ -35,7 +35,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from tiercache.blocks.codec import FORMAT_OFFSET, HEADER_SIZE, payload_checksum
+from tiercache.blocks.value_format import FORMAT_OFFSET, HEADER_SIZE, payload_checksum
 from tiercache.testing.harness import (
     OTHER_FINGERPRINT,
     OTHER_SECRET,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.blocks.value_format import HEADER_SIZE
 
 RECORD = struct.Struct("<4sB3x16sQQ")
 RECORD_CHECK = struct.Struct("<Q")

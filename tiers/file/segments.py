@@ -25,7 +25,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tiercache.blocks.codec import HEADER_SIZE, Codec, DecodeStatus
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import HEADER_SIZE, DecodeStatus
 from tiercache.tiers.file.entries import DirectoryEntries
 from tiercache.tiers.file.index import Entry, SegmentIndex
 from tiercache.tiers.file.options import FileOptions

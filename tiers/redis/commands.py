@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiercache.blocks.codec import FLAG_CODED, FLAG_LZ4, HEADER_SIZE, Codec, DecodeStatus
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import FLAG_CODED, FLAG_LZ4, HEADER_SIZE, DecodeStatus
 from tiercache.tiers.base import Presence
 from tiercache.tiers.redis.pipelined import RedisJob
 from tiercache.tiers.redis.resp import CRLF, Connection, ConnectionFailed, ServerError, command

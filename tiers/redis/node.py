@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
-from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.common.breaker import CircuitBreaker
 from tiercache.common.units import US_PER_SECOND
 from tiercache.tiers.redis.options import DEFAULT_PORT, RedisOptions, RedisServerOptions

@@ -18,7 +18,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiercache.blocks.codec import CHECKSUM_OFFSET, HEADER_SIZE, VERSION_OFFSET, Codec, DecodeStatus
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import CHECKSUM_OFFSET, HEADER_SIZE, VERSION_OFFSET, DecodeStatus
 from tiercache.common.breaker import CircuitBreaker
 from tiercache.tiers.base import Presence
 from tiercache.tiers.redis.commands import (

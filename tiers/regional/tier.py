@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from typing import ClassVar
 
-from tiercache.blocks.codec import Decoded, DecodeStatus
+from tiercache.blocks.value_format import Decoded, DecodeStatus
 from tiercache.common.units import MS_PER_SECOND
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, ServerReachability, known_checksums
 from tiercache.tiers.redis.control import connect

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import struct
 
-from tiercache.blocks.codec import CHECKSUM_OFFSET, HEADER, HEADER_SIZE, VERSION_OFFSET, Codec
+from tiercache.blocks.codec import Codec
+from tiercache.blocks.value_format import CHECKSUM_OFFSET, HEADER, HEADER_SIZE, VERSION_OFFSET
 
 U64 = struct.Struct("<Q")
 """A version or checksum as stored in the header (little-endian u64)."""

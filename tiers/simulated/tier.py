@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import ClassVar
 
-from tiercache.blocks.codec import HEADER_SIZE
+from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.common.units import MS_PER_SECOND
 from tiercache.tiers.base import Capabilities, Presence, RemoteContext, RemoteTier, known_checksums
 from tiercache.tiers.simulated.options import SimulatedOptions
