@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from restart_rows import connector_line
+from restart_rows import connector_line, written_down
 
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.vllm_server import Streamed, VllmServer
@@ -54,6 +54,7 @@ def measure_mode(model: Path, hits: list[list[int]], decode_prompt: list[int], m
             writer.warm_up()
             for prompt in hits:
                 writer.complete(prompt, max_tokens=1)
+            written_down(redis)
         reader_line = {**line, "kv_connector_extra_config": {**line["kv_connector_extra_config"], "loads": mode}}
         with make_server(model, f"beside_reader_{mode}", reader_line, args) as reader:
             reader.warm_up()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ CHUNK_TOKENS = 1024
 BREAKDOWN = ("lookup_us", "fetch_us", "idle_wait_us", "load_copy_us", "lookups_pending", "fetches_pending")
 """The connector's counters a restart request's time is broken into (``vllm:tiercache_<name>_total``)."""
 METRIC = "vllm:tiercache_{}_total"
+SETTLED_S, SETTLE_POLL_S, SETTLE_TIMEOUT_S = 1.0, 0.1, 30.0
+"""A writer's blocks have reached Redis once its key count has not changed for a second (polled, bounded)."""
 
 
 @dataclass
@@ -101,6 +104,20 @@ def long_chat_prompts(model: Path, count: int, tokens: tuple[int, int]) -> list[
     raise ValueError(f"fewer than {count} conversations reach {tokens[0]}-{tokens[1]} tokens")
 
 
+def written_down(redis: RedisServer) -> int:
+    """Wait until the writer's last blocks have reached Redis (its key count unchanged for ``SETTLED_S``; a server
+    stopped right after a request may not have written its last blocks down yet); the keys held."""
+    deadline, last, since = time.monotonic() + SETTLE_TIMEOUT_S, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        keys = int(redis.cli("DBSIZE").strip())
+        if keys != last:
+            last, since = keys, time.monotonic()
+        elif time.monotonic() - since >= SETTLED_S:
+            break
+        time.sleep(SETTLE_POLL_S)
+    return last
+
+
 def connector_line(tiers: list[dict[str, Any]], base: dict[str, Any], cpu_bytes: str) -> dict[str, Any]:
     """The README's ``--kv-transfer-config`` with ``tiers`` under the CPU tier."""
     topology = {"tiers": [{"type": "cpu", "capacity_bytes": cpu_bytes}, *tiers]}
@@ -118,6 +135,7 @@ def run_once(model: Path, prompts: list[list[int]], make_server: Callable[..., V
             writer.warm_up()
             for prompt in prompts:
                 writer.complete(prompt, max_tokens=1)
+            written_down(redis)
         with make_server(model, "restart_reader", redis_line, chunked) as reader:
             reader.warm_up()
             before = reader.metrics()

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from beside_batch import MODES, measure_mode
+from beside_batch import HITS, MODES, measure_mode
 from beside_batch import print_rows as print_beside_rows
 from common import arguments, parse, write_result
 from restart_rows import long_chat_prompts, run_once, summarize
@@ -213,7 +213,7 @@ def restart_and_beside(models: dict[str, Path], quick: bool) -> dict[str, Any]:
         runs = [run_once(model, restart, user_server, CONNECTOR, CPU_TIER_BYTES, cpu_row=not quick)
                 for _ in range(RESTART_RUNS)]
         result[prefix or "llama"] = {"restart": summarize(runs), "beside_batch": {
-            mode: measure_mode(model, [prompt[:BESIDE_TOKENS] for prompt in restart], decode, mode, user_server,
+            mode: measure_mode(model, [prompt[:BESIDE_TOKENS] for prompt in restart[:HITS]], decode, mode, user_server,
                                CONNECTOR, CPU_TIER_BYTES, []) for mode in MODES}}
         print_restart_rows(prefix or "llama", result[prefix or "llama"]["restart"])
         print_beside_rows(prefix or "llama", result[prefix or "llama"]["beside_batch"])
