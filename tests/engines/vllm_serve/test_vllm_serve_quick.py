@@ -19,10 +19,11 @@ GOALS = {"restart_redis_over_local_hit": OPTIONAL, "miss_redis_over_no_cache": O
 RESTART_RUN = {"restart_ms": NUMBER, "local_hit_ms": NUMBER, "recompute_ms": NUMBER,
                "restart_over_local": NUMBER, "restart_ttfts_ms": [NUMBER], "local_ttfts_ms": [NUMBER],
                "breakdown_per_request": {"lookup_us": NUMBER, "fetch_us": NUMBER, "load_copy_us": NUMBER},
-               "external_tokens": NUMBER, "answers_equal": bool}
+               "external_tokens": NUMBER, "answers_equal": bool, "raw_read_ms": NUMBER, "floor_over_local": NUMBER}
 BESIDE = {"baseline_gap_ms": NUMBER, "gap_median_ms": NUMBER, "gap_p90_ms": NUMBER, "gap_max_ms": NUMBER,
           "hit_ttft_ms": [NUMBER], "decode_tokens": int}
-RESTARTS = {"llama": {"restart": {"runs": [RESTART_RUN], "restart_over_local_median": NUMBER},
+RESTARTS = {"llama": {"restart": {"runs": [RESTART_RUN], "restart_over_local_median": NUMBER,
+                                  "floor_over_local_median": NUMBER},
                       "beside_batch": {"sync": BESIDE, "async": BESIDE}}}
 REAL = "SmolLM2 on ShareGPT"
 
@@ -36,4 +37,5 @@ def test_quick_run_writes_its_json(tmp_path: Path) -> None:
     llama = document["restart_and_beside_batch"]["llama"]
     run = llama["restart"]["runs"][0]
     assert run["answers_equal"] and run["external_tokens"] > 0, "the fresh server loaded from Redis, same answers"
+    assert run["raw_read_ms"] > 0, "the ceiling read the writer's values back from Redis"
     assert all(row["decode_tokens"] > 0 for row in llama["beside_batch"].values())
