@@ -5,7 +5,9 @@ remote, never silent long enough to trip a socket timeout). ``CutProxy`` cuts
 connections in the middle of a value, the way a server killing a client at its
 output-buffer limit, a load balancer or a NAT timeout does: each value-sized
 stretch of reply bytes it forwards is, with probability ``fraction``, the one
-its connection is reset in (at a random byte of it).
+its connection is reset in (at a random byte of it). ``CountingProxy`` counts
+the bursts of request bytes the client sends (a client that waits for a reply
+before it sends more sends one burst per round trip).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class LoopbackProxy:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.connections = 0
+        self.request_bursts = 0
+        """Reads of request bytes from clients (a burst sent at once is read at once, up to ``READ_BYTES``)."""
         self.loop = asyncio.new_event_loop()
         with socket.socket() as spare:
             spare.bind(("127.0.0.1", 0))
@@ -83,6 +87,7 @@ class LoopbackProxy:
                 writer.close()
 
         async def requests(data: bytes) -> bool:
+            self.request_bursts += 1
             server_writer.write(data)
             await server_writer.drain()
             return True
@@ -163,3 +168,7 @@ class CutProxy(LoopbackProxy):
             return True
 
         return forward
+
+
+class CountingProxy(LoopbackProxy):
+    """Forwards both ways unchanged; ``request_bursts`` says how often a client sent."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import redis
 from redis.crc import key_slot as redis_key_slot
+from support.proxies import CountingProxy
 
 from tiercache.blocks.value_format import HEADER_SIZE
 from tiercache.config import ConfigError, build_dataclass
@@ -54,6 +56,23 @@ async def test_round_trip_contains_delete_and_stats(redis_server) -> None:
         assert not [name for name in stats if name.startswith("breaker_")], "a single server's breaker is its lane's"
     finally:
         await tier.close()
+
+
+async def test_a_presence_check_of_a_prompts_blocks_is_one_round_trip(redis_server) -> None:
+    large = 4 << 20  # the window for values this large is one request in flight
+    with CountingProxy(redis_server.port) as proxy:
+        tier = await open_tier(proxy.url, large)
+        try:
+            assert tier.window == 1
+            keys = [os.urandom(16) for _ in range(300)]
+            assert await tier.contains(keys[:1]) == [ABSENT]  # the connection is open
+            before = proxy.request_bursts
+            assert await tier.contains(keys) == [ABSENT] * len(keys)
+            # two sends (a send is half the keys' window), each read by the proxy in one or two parts; a window of
+            # values at a time would be a send per key
+            assert proxy.request_bursts - before <= 4, "the keys were asked a window of values at a time"
+        finally:
+            await tier.close()
 
 
 async def test_one_key_per_block_with_prefix_and_one_value(redis_server) -> None:

@@ -44,6 +44,9 @@ line can be received without looking at pending replies."""
 SET_GROUP_VALUES = 8
 """SETs are checksummed and sent in groups of this many values (at most a third of the window),
 so that the server stores the first group while the next is checksummed."""
+KEYS_IN_FLIGHT = 512
+"""EXISTS or UNLINK requests in flight per connection at most (about 60 bytes each, a reply of 4): a prompt's
+presence check of up to this many blocks is one round trip."""
 INVALID_OUTCOMES = frozenset(status.value for status in DecodeStatus if status is not DecodeStatus.OK)
 """A value that failed validation: reported to the tier's ``invalid_values``, which removes it if damaged."""
 
@@ -301,6 +304,10 @@ class KeysJob(RedisJob):
         self.redis_keys = redis_keys
         self.results = results
         self._missing = missing
+
+    def window(self, values_window: int) -> int:
+        """Keys asked at once: a reply is a few bytes, whatever the window for values."""
+        return KEYS_IN_FLIGHT
 
     def requests(self, start: int, stop: int) -> list[bytes | memoryview]:
         return [b"".join(command(self.verb, self.redis_keys[i]) for i in self.indices[start:stop])]

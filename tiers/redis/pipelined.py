@@ -6,7 +6,10 @@ and back costs more than the server needs per value). A lane instead keeps
 sending: while it reads the replies of one job it sends the requests of the next
 one queued, up to ``window`` requests in flight, topped up whenever a job's send
 group fits again (half a window for reads; small groups for writes, so that the
-server starts storing the first values while the next ones are checksummed).
+server starts storing the first values while the next ones are checksummed). The
+window is sized for values; a job of small requests (a presence check's EXISTS)
+has a window of its own (``RedisJob.window``), so that asking about a prompt's
+blocks is one round trip, not one per half a window of values.
 Coroutines hand jobs over with ``PipelinedConnection.submit`` and await a future that the
 thread completes with ``call_soon_threadsafe``; the event loop never blocks.
 
@@ -71,6 +74,10 @@ class RedisJob:
         """In the thread: requests of this job await replies on the current connection."""
         self.future: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def window(self, values_window: int) -> int:
+        """Requests of this job in flight at most, given the connection's window for value-sized requests."""
+        return values_window
 
     def send_group(self, window: int) -> int:
         """Requests per send: half the window (a reply stream the server never waits on)."""
@@ -286,8 +293,9 @@ class PipelinedConnection:
                 if job.sent == job.count or job.cancelled:
                     sending.popleft()
                     continue
-                size = min(job.send_group(self.window), self.window, job.count - job.sent)
-                if in_flight and in_flight + size > self.window:
+                window = job.window(self.window)
+                size = min(job.send_group(window), window, job.count - job.sent)
+                if in_flight and in_flight + size > window:
                     break
                 if not job.on_wire:
                     job.on_wire = True
@@ -302,8 +310,9 @@ class PipelinedConnection:
             job = reading[0]
             # Read down to where the next send group fits (or half a window when nothing
             # waits to be sent: new jobs are looked for from there on, one reply at a time).
-            next_group = sending[0].send_group(self.window) if sending else self.window // 2
-            replies = min(job.sent - job.read, max(1, in_flight + next_group - self.window))
+            window = (sending[0] if sending else job).window(self.window)
+            next_group = sending[0].send_group(window) if sending else window // 2
+            replies = min(job.sent - job.read, max(1, in_flight + next_group - window))
             job.read_replies(conn, replies, in_flight - replies)
             in_flight -= replies
             self._replies_on_connection += replies
