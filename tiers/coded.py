@@ -20,7 +20,8 @@ regional, a plug-in) wrapped in this one; the stack and the lanes see one tier.
   cheapest level would arrive later than prefill computes the chunk
   (``recompute_seconds``, the cost model's), the chunk and the rest of the read
   are answered as misses. A level never mixes within a chunk. On a link no read
-  has timed yet, a small probe chunk goes first, alone.
+  has timed yet, a small probe chunk goes first, alone (the presence checks' round
+  trip, timed here, is its latency).
 - **Presence** is held where any level the tier reads is held (the first level
   listed asked first, the others only where it is not held).
 """
@@ -51,9 +52,11 @@ CHUNKS_IN_FLIGHT = 2
 round trip is not paid per chunk), and each chunk's level is chosen when its turn comes, from what the chunks
 before it met."""
 
-PROBE_BLOCKS = 4
+PROBE_BLOCKS = 2
 """A tier whose link no read has timed yet reads this many blocks alone first, at the prior's level, so the
-fetch's other chunks are chosen from a measured link rather than from the prior."""
+fetch's other chunks are chosen from a measured link rather than from the prior (its throughput net of the
+presence check's round trip: two blocks are enough, and every block more is paid at a level chosen blind). The
+probe is never answered as a recompute: one round trip, paid once per fetch, is no measure of a chunk's cost."""
 
 RecomputeSeconds = Callable[[int], float | None]
 """The engine's expected prefill time for a number of tokens (None while unknown)."""
@@ -108,7 +111,9 @@ class CodedTier(RemoteTier):
         it does not hold, in one call (a fleet stores all its levels, so one call of ``len(keys)`` questions is
         the rule: a tier counts its requests in flight, and asking every level would multiply its round trips)."""
         first, *others = self.config.levels
+        started = time.perf_counter()
         found = await self.inner.contains(self._keys(keys, first))
+        self.chooser.round_trip(time.perf_counter() - started)
         missing = [i for i, answer in enumerate(found) if answer is not Presence.HELD]
         if others and missing:
             asked = [keys[i] for i in missing]
@@ -152,13 +157,14 @@ class CodedTier(RemoteTier):
         started = time.perf_counter()
         delivered = [0.0]
 
-        async def read_chunk(start: int, end: int) -> None:
+        async def read_chunk(start: int, end: int, probe: bool = False) -> None:
             async with slots:
                 if stop.is_set():
                     return
                 positions = list(range(start, end))
                 tokens = len(positions) * self.coding.geometry.tokens
-                recompute = self.recompute_seconds(tokens) if self.recompute_seconds is not None else None
+                recompute = (self.recompute_seconds(tokens) if self.recompute_seconds is not None and not probe
+                             else None)
                 level = self.chooser.choose(len(positions), recompute)
                 if level is None:
                     self.chooser.recomputed(len(positions))
@@ -171,7 +177,7 @@ class CodedTier(RemoteTier):
 
         first = 0
         if not self.chooser.measured and len(keys) > PROBE_BLOCKS:  # a link never timed: a small chunk alone first
-            await read_chunk(0, PROBE_BLOCKS)
+            await read_chunk(0, PROBE_BLOCKS, probe=True)
             first = PROBE_BLOCKS
         await asyncio.gather(*(read_chunk(start, min(start + chunk, len(keys)))
                                for start in range(first, len(keys), chunk)))

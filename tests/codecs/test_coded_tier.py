@@ -18,7 +18,7 @@ from tiercache.config import config_from_dict
 from tiercache.remote.build import build_tier, model_namespace
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.tiers.base import Presence, RemoteTier
-from tiercache.tiers.coded import CodedTier
+from tiercache.tiers.coded import PROBE_BLOCKS, CodedTier
 
 BLOCK_TOKENS = 16
 HEAD_DIM = 64
@@ -214,3 +214,35 @@ def test_a_slow_links_first_chunk_teaches_its_throughput_not_a_latency() -> None
     chooser.delivered(4 * WIRE[Level.INT8], probe_s)
     assert chooser.measured and chooser.latency_s == 0 and chooser.throughput == pytest.approx(12.5e6)
     assert chooser.choose(16, recompute_seconds=None) is Level.COMPACT
+
+
+def test_a_presence_checks_round_trip_is_the_latency_a_first_chunks_throughput_is_net_of() -> None:
+    chooser = LevelChooser([Level.EXACT, Level.INT8, Level.COMPACT], WIRE, RAW_BLOCK)
+    for seconds in (0.030, 0.020, 0.025):
+        chooser.round_trip(seconds)
+    assert chooser.latency_s == pytest.approx(0.020), "the shortest round trip is the latency"
+    probe_s = 0.020 + 2 * WIRE[Level.INT8] / 1.25e9  # two int8 blocks over 10 Gbit/s behind a 20 ms round trip
+    chooser.observe(Level.INT8, 2, probe_s)
+    chooser.delivered(2 * WIRE[Level.INT8], probe_s)
+    assert chooser.throughput == pytest.approx(1.25e9, rel=0.01), "the round trip is no part of the throughput"
+    assert chooser.choose(16, recompute_seconds=None) is Level.INT8  # as on a 10 Gbit/s link with no delay
+    blind = LevelChooser([Level.EXACT, Level.INT8, Level.COMPACT], WIRE, RAW_BLOCK)
+    blind.observe(Level.INT8, 2, probe_s)
+    blind.delivered(2 * WIRE[Level.INT8], probe_s)
+    assert blind.choose(16, recompute_seconds=None) is Level.COMPACT, "without it the round trip reads as a slow link"
+    chooser.round_trip(0.001)
+    assert chooser.latency_s == pytest.approx(0.020), "once a read has timed the link, chunks teach the latency"
+
+
+def test_an_untimed_links_probe_is_read_even_where_recomputing_looks_cheaper(
+    redis_server: RedisServer, real_kv: list[torch.Tensor]
+) -> None:
+    blocks = blocks_of(real_kv[0], PROBE_BLOCKS + 1)
+    writer = remote(redis_server.url, {"levels": ["int8"]}, real_kv[0])
+    reader = remote(redis_server.url, {"levels": ["int8", "exact"], "adaptive": True}, real_kv[0])
+    assert isinstance(reader, CodedTier)
+    reader.recompute_seconds = lambda tokens: 1e-9  # prefill looks free: every chunk chosen is recomputed
+    decoded = asyncio.run(write_and_read(writer, reader, blocks))
+    assert [slot is not None for slot in decoded] == [True] * PROBE_BLOCKS + [False] * (len(blocks) - PROBE_BLOCKS)
+    stats = reader.stats()
+    assert stats["level_int8_blocks"] == PROBE_BLOCKS and stats["level_recompute_chunks"] == 1

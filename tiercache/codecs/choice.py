@@ -6,7 +6,8 @@ decode with the next one's transfer). The link's time is the chunk's bytes over
 the throughput the tier's reads delivered (a fetch's bytes so far over its time so
 far, chunks in flight together, smoothed across chunks and fetches, so the next
 chunk's choice sees the bandwidth the previous ones met); the latency is what the
-shortest chunk seen took beyond that. Each level's decode rate is measured on this
+shortest chunk seen took beyond that (before any chunk is timed, the shortest
+presence check's round trip). Each level's decode rate is measured on this
 process's decodes (all of them so far; a prior until then). The cheapest level
 wins, unless even it would arrive later than the engine's prefill computes the
 chunk's tokens: then the chunk, and so the rest of the prefix, is recomputed.
@@ -93,6 +94,12 @@ class LevelChooser:
             self._shortest_s = seconds
             self.latency_s = 0.0
             self.latency_s = max(0.0, seconds - self.seconds(level, blocks))
+
+    def round_trip(self, seconds: float) -> None:
+        """A request with no payload (a presence check) took ``seconds``: until a read has timed the link, the
+        shortest such is its latency, so the first chunk read teaches the throughput net of the round trip."""
+        if not self.measured and seconds > 0 and (self.latency_s == 0 or seconds < self.latency_s):
+            self.latency_s = seconds
 
     def decoded(self, level: Level, raw_bytes: int, seconds: float) -> None:
         """This process has decoded ``raw_bytes`` of ``level`` in ``seconds`` in all: the level's decode rate."""
