@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.coded_tiers import view, write_and_read
 from support.lossy_pages import cpu_page, within_int8_bound
 
 from tiercache.blocks.codec import Codec
@@ -46,10 +47,6 @@ def page_coding(slot: torch.Tensor) -> KVCoding:
     layout = PageLayout(slot.numel() * slot.element_size(), BLOCK, PageFormat("vllm-connector", {}),
                         str(slot.dtype).removeprefix("torch."), HEAD)
     return KVCoding(KVGeometry.of(layout), [Level.INT8])
-
-
-def view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
 def round_trip(slot: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -156,25 +153,11 @@ def test_int8_pages_over_redis_load_for_an_int8_reader_and_never_for_an_exact_on
     redis_server: RedisServer, real_kv: list[torch.Tensor]
 ) -> None:
     slots = [slot_of(real_kv[0], torch.bfloat16, start=start) for start in (0, BLOCK)]
-    keys = [bytes([i + 1]) * 16 for i in range(len(slots))]
-
-    async def write_then_read(writer: RemoteTier, reader: RemoteTier) -> list[torch.Tensor | None]:
-        await writer.start()
-        await reader.start()
-        try:
-            assert all(await writer.put(keys, [view(slot) for slot in slots]))
-            targets = [torch.zeros_like(slot) for slot in slots]
-            oks = await reader.get_into(keys, [view(target) for target in targets])
-            return [target if ok else None for target, ok in zip(targets, oks, strict=True)]
-        finally:
-            await writer.close()
-            await reader.close()
-
+    int8 = {"levels": ["int8"]}
     exact = page_tier(redis_server.url, None, slots[0])
-    assert asyncio.run(write_then_read(page_tier(redis_server.url, {"levels": ["int8"]}, slots[0]), exact)) == [
-        None, None]
-    reader = page_tier(redis_server.url, {"levels": ["int8"]}, slots[0])
-    decoded = asyncio.run(write_then_read(page_tier(redis_server.url, {"levels": ["int8"]}, slots[0]), reader))
+    assert asyncio.run(write_and_read(page_tier(redis_server.url, int8, slots[0]), exact, slots)) == [None, None]
+    reader = page_tier(redis_server.url, int8, slots[0])
+    decoded = asyncio.run(write_and_read(page_tier(redis_server.url, int8, slots[0]), reader, slots))
     assert all(out is not None and within_int8_bound(slot, out, HEAD) for out, slot in zip(decoded, slots,
                                                                                             strict=True))
     assert isinstance(reader, CodedTier) and reader.stats()["level_int8_blocks"] == len(slots)
