@@ -117,7 +117,8 @@ class KVGeometry:
         return tensor.reshape(self.layers, 2, self.tokens, self.channels).float().contiguous()
 
     def vectors(self, block: memoryview) -> torch.Tensor:
-        """The block's values as float32 ``[groups, channels]``, K/V in ``values``' order (a copy)."""
+        """The block's values as float32 ``[groups, channels]``, K/V in ``values``' order (only read: float32 pages
+        are the block's own memory)."""
         if self.pages:
             return self._typed(block).float()
         return self.values(block).view(self.groups, self.channels)
