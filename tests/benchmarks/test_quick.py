@@ -25,6 +25,7 @@ ENGINE_RUNS = {
     "sglang_transfers.py": "engines/sglang/test_sglang_transfers_quick.py",
     "vllm_serve.py": "engines/vllm_serve/test_vllm_serve_quick.py",
     "vllm_loaded.py": "engines/vllm_serve/test_vllm_loaded_quick.py",
+    "codec_served.py": "engines/vllm_serve/test_codec_served_quick.py",
 }
 """Benchmarks run by an engine's suite, in its venv (``scripts/test.sh``), and the test that runs each."""
 

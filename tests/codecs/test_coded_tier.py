@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from support.coded_tiers import view, write_and_read
 
 from tiercache.blocks.value_format import HEADER_SIZE, DecodeStatus
 from tiercache.codecs.choice import PRIOR_DECODE_BYTES_PER_S, LevelChooser
@@ -44,27 +45,6 @@ def blocks_of(sample: torch.Tensor, count: int) -> list[torch.Tensor]:
     layers, _, _, channels = sample.shape
     shaped = sample.reshape(layers, 2, -1, channels // HEAD_DIM, HEAD_DIM).half()
     return [shaped[:, :, i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS].contiguous() for i in range(count)]
-
-
-def view(block: torch.Tensor) -> memoryview:
-    return memoryview(block.view(torch.uint8).numpy()).cast("B")
-
-
-async def write_and_read(
-    writer: RemoteTier, reader: RemoteTier, blocks: list[torch.Tensor]
-) -> list[torch.Tensor | None]:
-    keys = [bytes([i]) * 16 for i in range(len(blocks))]
-    await writer.start()
-    await reader.start()
-    try:
-        assert all(await writer.put(keys, [view(block) for block in blocks]))
-        slots = [torch.zeros_like(block) for block in blocks]
-        oks = await reader.get_into(keys, [view(slot) for slot in slots])
-        await reader.settle()
-        return [slot if ok else None for slot, ok in zip(slots, oks, strict=True)]
-    finally:
-        await writer.close()
-        await reader.close()
 
 
 def relative_error(decoded: torch.Tensor, block: torch.Tensor) -> float:

@@ -208,6 +208,10 @@ class Instance:
         """The runner collects the connector's output before ``wait_for_save``, which runs after the drafter: vLLM's
         order with speculative decoding (``defer_finalize``, V1 and V2 runners)."""
         self.worker_stats: list[Any] = []
+        self.page_of: Callable[[int, list[int], int], torch.Tensor] = page_bytes
+        """The "model": a block's page of a layer from its token prefix (``page_bytes``; a lossy test's: floats)."""
+        self.same_page: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal
+        """Whether a page read (bytes) is the model's (bit for bit; a lossy test's: within its level's bound)."""
 
     def add(self, req: Request) -> Request:
         self.scheduler.add_request(req)
@@ -355,8 +359,8 @@ class Instance:
             tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id, group)
             first = 0 if window is None else max(0, start - window + 1) // BLOCK
             for position in range(first, start // BLOCK):
-                expected = page_bytes(layer, tokens[: (position + 1) * BLOCK], self.page_size(name))
-                if blocks[position] == 0 or not torch.equal(self.page(name, blocks[position]), expected):
+                expected = self.page_of(layer, tokens[: (position + 1) * BLOCK], self.page_size(name))
+                if blocks[position] == 0 or not self.same_page(self.page(name, blocks[position]), expected):
                     wrong.append((req.request_id, name, position))
         return wrong
 
@@ -367,7 +371,7 @@ class Instance:
         for req, start, end in self._scheduled(output):
             tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id, self.group_of[name])
             for position in range(start // BLOCK, (end - 1) // BLOCK + 1):
-                page = page_bytes(layer, tokens[: min((position + 1) * BLOCK, end)], self.page_size(name))
+                page = self.page_of(layer, tokens[: min((position + 1) * BLOCK, end)], self.page_size(name))
                 target = self.kv[name][blocks[position]]
                 target.copy_(page.view(target.dtype).view(target.shape))
 

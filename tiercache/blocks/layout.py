@@ -238,12 +238,22 @@ def _unsupported_cache_reasons(config: Any) -> list[str]:
 class PageLayout:
     """A block as an engine's opaque pages: ``block_bytes`` per block of ``block_size`` tokens, moved whole and never
     read as K/V (the engine knows their order). Only below an engine's own pool (``LowerTiers``): a topology says
-    ``layout: {block_bytes: N, block_size: B}``; an engine adds its ``engine_format`` (what fixes those bytes)."""
+    ``layout: {block_bytes: N, block_size: B}``; an engine adds its ``engine_format`` (what fixes those bytes).
+
+    An engine that knows its pages' element dtype and how many contiguous elements belong together (its head size,
+    the innermost dimension of every attention layout) says so in ``element_dtype`` and ``group_elements``; the
+    ``int8`` level then quantizes a page as groups of that many elements (``tiercache.codecs.geometry``), and both
+    are part of the page format, so fleets that group differently never share values."""
 
     block_bytes: int
     block_size: int = 16
     engine_format: PageFormat | None = None
     """The engine's description of its pages (None: only their size and block size are known)."""
+    element_dtype: str | None = None
+    """The float dtype of the pages' elements (torch's name; None: unknown, the pages are bytes to every level)."""
+    group_elements: int | None = None
+    """Contiguous elements that belong together (one head of one token, or one run of a kernel's packed head): the
+    ``int8`` level keeps one scale per group. Given with ``element_dtype``; divides a block's elements."""
 
     dtype = "uint8"
     """Pages are bytes: every tier sizes and copies them as such."""
@@ -253,6 +263,18 @@ class PageLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= highest:
                 raise FieldError(name, f"a positive integer up to {highest}", value)
+        if (self.element_dtype is None) != (self.group_elements is None):
+            raise FieldError("group_elements", "given together with element_dtype, or neither",
+                             self.group_elements)
+        if self.element_dtype is not None:
+            if self.element_dtype not in DTYPES or self.element_dtype == "uint8":
+                raise FieldError("element_dtype", f"one of {sorted(set(DTYPES) - {'uint8'})}", self.element_dtype)
+            group = self.group_elements
+            if not isinstance(group, int) or isinstance(group, bool) or group <= 0 or self.block_bytes % (
+                group * DTYPES[self.element_dtype]
+            ):
+                raise FieldError("group_elements", f"a positive integer whose groups of {self.element_dtype} "
+                                 f"divide a block of {self.block_bytes} bytes", group)
 
     @property
     def bytes_per_block(self) -> int:
@@ -269,7 +291,11 @@ class PageLayout:
         return torch.uint8
 
     def page_format(self) -> PageFormat:
-        """The engine's format, or (declared in a topology) the pages' size and block size."""
-        if self.engine_format is not None:
-            return self.engine_format
-        return PageFormat(PAGES_FORMAT, {"block_bytes": self.block_bytes, "block_size": self.block_size})
+        """The engine's format, or (declared in a topology) the pages' size and block size; with the element dtype
+        and group size where they are known."""
+        base = self.engine_format or PageFormat(PAGES_FORMAT, {"block_bytes": self.block_bytes,
+                                                               "block_size": self.block_size})
+        if self.element_dtype is None:
+            return base
+        return PageFormat(base.engine, {**base.fields, "element_dtype": self.element_dtype,
+                                        "group_elements": self.group_elements})

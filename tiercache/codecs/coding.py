@@ -15,7 +15,7 @@ import numpy as np
 
 from tiercache.blocks.value_format import HEADER_SIZE, CodedPayload
 from tiercache.codecs.compact import CompactCoder
-from tiercache.codecs.geometry import KVGeometry
+from tiercache.codecs.geometry import KVGeometry, UnsupportedPages
 from tiercache.codecs.int8 import decode_int8, encode_int8
 from tiercache.codecs.levels import CODING_LEVELS, Level, level_key
 from tiercache.codecs.tables import DIGEST_BYTES, CompactTables
@@ -26,11 +26,16 @@ SIZE_SMOOTHING = 0.05
 
 
 class KVCoding:
-    """The lossy ``levels`` of one geometry (``tables`` for the compact level)."""
+    """The lossy ``levels`` of one geometry (``tables`` for the compact level); ``UnsupportedPages`` for a level that
+    cannot read the geometry's blocks (compact on an engine's pages)."""
 
     def __init__(self, geometry: KVGeometry, levels: Sequence[Level], tables: CompactTables | None = None) -> None:
         self.geometry = geometry
         self.levels = [level for level in levels if level.lossy]
+        for level in self.levels:
+            why = geometry.unreadable(level)
+            if why is not None:
+                raise UnsupportedPages(f"level {level.value}: {why}")
         self.compact = None
         if Level.COMPACT in self.levels:
             if tables is None:
@@ -47,9 +52,8 @@ class KVCoding:
     def _prior_size(self, level: Level, tables: CompactTables | None) -> float:
         """A value's expected bytes at ``level`` before any was seen (for compact: the tables' entropy)."""
         geometry = self.geometry
-        count = geometry.layers * 2 * geometry.tokens
         if level is Level.INT8:
-            return HEADER_SIZE + count * (2 + geometry.channels)
+            return HEADER_SIZE + geometry.groups * (2 + geometry.channels)
         assert tables is not None and self.compact is not None
         bits = 0.0
         for pair in tables.probabilities:

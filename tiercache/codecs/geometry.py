@@ -1,23 +1,42 @@
-"""A block's bytes seen as K and V per layer: what a lossy level needs to know, or a refusal.
+"""A block's bytes seen as K and V per layer, or as groups of an engine's page elements: what a lossy level needs.
 
-A level quantizes values, so it must know what each byte is: the layout's
-layers, KV heads, head size, dtype, block size and memory order
-(``KVLayout``). An engine's opaque pages (``PageLayout``), or a dtype that is
-not a float, are refused (``UnsupportedPages``): a lossy level never touches
-bytes it does not understand.
+A level quantizes values, so it must know what each byte is. A ``KVLayout``
+says it all: layers, KV heads, head size, dtype, block size and memory order,
+so a block is ``[layers, 2, tokens, channels]``. An engine's pages
+(``PageLayout``) say less: where the engine gives their element dtype and group
+size (``element_dtype``, ``group_elements``: vLLM's head size, the innermost,
+contiguous dimension of every attention layout), a page is a run of groups of
+that many contiguous elements, which ``int8`` quantizes one scale a group
+(``pages``); ``compact`` needs tokens x channels per layer and refuses them
+(``unreadable``). Pages without those fields, or a dtype that is not a float,
+are refused (``UnsupportedPages``): a lossy level never touches bytes it does
+not understand.
+
+What a group is on vLLM's CPU build (0.32, ``cpu_attn.py``: LBHNC, a page per
+head is ``[2 * block_size, head_size]`` elements, the block's K then its V):
+V rows are one token's head, but the attention kernel packs K (the ``vec`` and
+``vec16`` kernels store it transposed, ``[head_size, block_size]``; ``amx``
+packs K and V in tiles), so a group of ``head_size`` elements there may hold
+several tokens' values of a few channels. It is still one layer's, one head's K
+or V, never across them (a head's K is a whole number of groups): a valid
+quantization group, only another one than a token's head.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from tiercache.blocks.layout import KVLayout, MemoryOrder, PageLayout
+from tiercache.blocks.layout import DTYPES, KVLayout, MemoryOrder, PageLayout
+from tiercache.codecs.levels import Level
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"})
 """KV dtypes a lossy level reads as numbers."""
+COMPACT_NEEDS = "the compact level needs tokens x channels per layer (a topology's KVLayout)"
+"""Why ``compact`` refuses an engine's pages, which are known only as groups of elements."""
 
 
 class UnsupportedPages(ValueError):
@@ -26,7 +45,8 @@ class UnsupportedPages(ValueError):
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """K and V of one block: ``layers`` x 2 x ``tokens`` x ``channels`` (heads x head size) in ``dtype``."""
+    """K and V of one block: ``layers`` x 2 x ``tokens`` x ``channels`` (heads x head size) in ``dtype``; or, for
+    an engine's ``pages``, ``block_shape[0]`` groups of ``channels`` contiguous elements (``layers`` 0: unknown)."""
 
     layers: int
     tokens: int
@@ -34,19 +54,35 @@ class KVGeometry:
     dtype: str
     block_shape: tuple[int, ...]
     layer_major: bool
+    pages: bool = False
+    """An engine's pages: only the groups are known (``int8`` reads them, ``compact`` does not)."""
 
     @classmethod
     def of(cls, layout: KVLayout | PageLayout) -> KVGeometry:
-        """The geometry of ``layout``'s blocks; ``UnsupportedPages`` when they are not K/V a level can read."""
-        if not isinstance(layout, KVLayout):
-            raise UnsupportedPages(
-                "a lossy codec needs the K/V structure of a block (a layout of layers, heads, head size and dtype); "
-                "these are an engine's opaque pages"
-            )
+        """The geometry of ``layout``'s blocks; ``UnsupportedPages`` when they are not values a level can read."""
+        if isinstance(layout, PageLayout):
+            return cls._of_pages(layout)
         if layout.dtype not in FLOAT_DTYPES:
             raise UnsupportedPages(f"a lossy codec reads float KV; this layout's dtype is {layout.dtype}")
         return cls(layout.num_layers, layout.block_size, layout.num_kv_heads * layout.head_dim, layout.dtype,
                    layout.block_shape, layout.memory is MemoryOrder.LAYER_MAJOR)
+
+    @classmethod
+    def _of_pages(cls, layout: PageLayout) -> KVGeometry:
+        if layout.element_dtype is None or layout.group_elements is None:
+            raise UnsupportedPages(
+                "a lossy codec needs the values of a block; these are an engine's opaque pages whose element "
+                "dtype and group size (layout element_dtype, group_elements) the engine did not give"
+            )
+        if layout.element_dtype not in FLOAT_DTYPES:
+            raise UnsupportedPages(f"a lossy codec reads float KV; these pages hold {layout.element_dtype}")
+        groups = layout.block_bytes // DTYPES[layout.element_dtype] // layout.group_elements
+        return cls(0, layout.block_size, layout.group_elements, layout.element_dtype, (groups, layout.group_elements),
+                   False, pages=True)
+
+    def unreadable(self, level: Level) -> str | None:
+        """Why ``level`` cannot code these blocks (None: it can)."""
+        return COMPACT_NEEDS + "; these are an engine's pages" if self.pages and level is Level.COMPACT else None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,24 +90,45 @@ class KVGeometry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=self.torch_dtype).element_size()
+        return DTYPES[self.dtype]
+
+    @property
+    def groups(self) -> int:
+        """Runs of ``channels`` values a block holds (a token's K or V of a layer; a page group)."""
+        return math.prod(self.block_shape) // self.channels
 
     @property
     def block_bytes(self) -> int:
-        return self.layers * 2 * self.tokens * self.channels * self.itemsize
+        return math.prod(self.block_shape) * self.itemsize
+
+    def _typed(self, block: memoryview) -> torch.Tensor:
+        """``block`` as ``dtype`` in ``block_shape`` (the same memory)."""
+        with warnings.catch_warnings():  # a read-only slot: torch warns that it could be written, it is not
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(block, dtype=torch.uint8).view(self.torch_dtype).view(self.block_shape)
 
     def values(self, block: memoryview) -> torch.Tensor:
         """The block's K/V as float32, ``[layers, 2, tokens, channels]`` (a copy; ``block`` is only read)."""
-        with warnings.catch_warnings():  # a read-only slot: torch warns that it could be written, it is not
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(block, dtype=torch.uint8).view(self.torch_dtype).view(self.block_shape)
+        if self.pages:
+            raise UnsupportedPages(COMPACT_NEEDS + "; these are an engine's pages, known only as groups")
+        tensor = self._typed(block)
         if not self.layer_major:  # [2, layers, tokens, heads, dim]
             tensor = tensor.transpose(0, 1)
         return tensor.reshape(self.layers, 2, self.tokens, self.channels).float().contiguous()
 
+    def vectors(self, block: memoryview) -> torch.Tensor:
+        """The block's values as float32 ``[groups, channels]``, K/V in ``values``' order (only read: float32 pages
+        are the block's own memory)."""
+        if self.pages:
+            return self._typed(block).float()
+        return self.values(block).view(self.groups, self.channels)
+
     def write(self, values: torch.Tensor, dest: memoryview) -> None:
-        """Write ``[layers, 2, tokens, channels]`` values into ``dest`` in the block's own order and dtype."""
+        """Write ``values`` (``values``' or ``vectors``' shape) into ``dest`` in the block's own order and dtype."""
         target = torch.frombuffer(dest, dtype=torch.uint8).view(self.torch_dtype).view(self.block_shape)
+        if self.pages:
+            target.copy_(values.view(self.block_shape))
+            return
         shaped = values.view(self.layers, 2, self.tokens, *self.block_shape[-2:])
         if not self.layer_major:
             shaped = shaped.transpose(0, 1)

@@ -14,6 +14,7 @@ tiers to start.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from tiercache.blocks.layout import KVLayout, PageLayout
 from tiercache.blocks.namespaces import engine_namespace
 from tiercache.codecs.coding import KVCoding
 from tiercache.codecs.geometry import KVGeometry, UnsupportedPages
-from tiercache.codecs.levels import Level
+from tiercache.codecs.levels import CodecConfig, Level
 from tiercache.codecs.tables import load_tables
 from tiercache.common.units import MS_PER_SECOND
 from tiercache.config.topology import QueueConfig, TierCacheConfig, TierConfig
@@ -76,8 +77,9 @@ def build_tier(
     source: str = "<topology>",
 ) -> RemoteTier:
     """One remote tier of a topology, with its options and the namespace's codec (not started); a tier whose
-    ``codec`` lists lossy levels is wrapped in a ``CodedTier`` for ``layout``'s K/V. Pages a lossy level cannot
-    read (an engine's opaque pages, no layout) fall back to the exact level, with a log line saying why."""
+    ``codec`` lists lossy levels is wrapped in a ``CodedTier`` for ``layout``'s values. A level that cannot read
+    the blocks (any lossy level on opaque pages or no layout; ``compact`` on an engine's pages, known only as groups
+    of elements) is declined with a log line saying why; with no lossy level left the tier stores exact KV."""
     cls = tier_class(tier.type)
     if not tier.codec.lossy:
         return cls(RemoteContext(tier.name, codec, block_bytes), tier.options)
@@ -87,20 +89,38 @@ def build_tier(
         log.warning("tier %s: codec levels %s declined, storing exact KV: %s", tier.name,
                     [level.value for level in tier.codec.levels], why)
         return cls(RemoteContext(tier.name, codec, block_bytes), tier.options)
+    config = _readable_levels(tier, geometry)
+    if config is None:
+        return cls(RemoteContext(tier.name, codec, block_bytes), tier.options)
     tables = None
-    if Level.COMPACT in tier.codec.levels:
+    if Level.COMPACT in config.levels:
         try:
             tables = load_tables(str(tier.codec.tables))
         except (OSError, ValueError, KeyError) as error:
             raise ConfigError(source, f"tiers.{tier.name}.codec.tables", "a tables file tiercache wrote",
                               str(error)) from None
     try:
-        coding = KVCoding(geometry, tier.codec.levels, tables)
+        coding = KVCoding(geometry, config.levels, tables)
     except ValueError as error:
         raise ConfigError(source, f"tiers.{tier.name}.codec.tables", "tables learned for this layout",
                           str(error)) from None
     inner = cls(RemoteContext(tier.name, codec.reading(coding), block_bytes), tier.options)
-    return CodedTier(inner, coding, tier.codec)
+    return CodedTier(inner, coding, config)
+
+
+def _readable_levels(tier: TierConfig, geometry: KVGeometry) -> CodecConfig | None:
+    """``tier``'s codec without the levels ``geometry``'s blocks refuse (each logged); None when no lossy level is
+    left (the tier then stores exact KV, logged)."""
+    refused = {level: why for level in tier.codec.levels if (why := geometry.unreadable(level)) is not None}
+    if not refused:
+        return tier.codec
+    for level, why in refused.items():
+        log.warning("tier %s: codec level %s declined: %s", tier.name, level.value, why)
+    kept = [level for level in tier.codec.levels if level not in refused]
+    if not any(level.lossy for level in kept):
+        log.warning("tier %s: no lossy codec level left, storing exact KV", tier.name)
+        return None
+    return dataclasses.replace(tier.codec, levels=kept)
 
 
 def build_remotes(

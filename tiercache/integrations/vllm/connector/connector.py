@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.integrations.vllm.connector.geometry import describe_groups, instance_geometry
+from tiercache.integrations.vllm.connector.levels import LevelReads
 from tiercache.integrations.vllm.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.metrics import (
     SchedulerCounters,
@@ -111,6 +112,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
             self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events),
                                                  idle_wait_s=options.idle_wait_s, load_mode=options.loads)
+            self._levels = LevelReads(tiers.parts.remotes)
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
                                            staging_bytes=options.staging_bytes,
@@ -213,11 +215,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @guarded(lambda: None)
     def get_kv_connector_stats(self) -> TierCacheConnectorStats | None:
-        """The scheduler side's counts; a worker's bytes and copy time per direction (summed over workers)."""
+        """The scheduler side's counts (with the blocks the remotes served per codec level); a worker's bytes and copy
+        time per direction (summed over workers)."""
         if self._worker is not None:
             moved = self._worker.take_moved()
             return TierCacheConnectorStats(data=moved) if moved else None
-        return (self._scheduler.counters if self._scheduler is not None else self._declines).take()
+        if self._scheduler is None:
+            return self._declines.take()
+        for name, count in self._levels.take().items():
+            self._scheduler.counters.add(name, count)
+        return self._scheduler.counters.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierCacheConnectorStats | None:

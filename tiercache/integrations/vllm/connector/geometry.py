@@ -14,8 +14,11 @@ check runs this on a machine without vLLM).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from tiercache.blocks.layout import DTYPES
 
 FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 """vLLM KV cache specs whose groups keep every block of a prefix."""
@@ -23,6 +26,8 @@ REPLICATED_SPECS = ("MLAAttentionSpec",)
 """vLLM KV cache specs whose pages every tensor-parallel rank holds alike (one latent head, not split by rank)."""
 SLIDING_SPECS = ("SlidingWindowSpec",)
 """vLLM KV cache specs whose groups keep only the blocks inside an attention window."""
+ELEMENT_DTYPES = frozenset(DTYPES) - {"uint8"}
+"""KV cache dtypes whose elements the connector names to the codec (vLLM's fp8 caches as uint8 stay bytes)."""
 
 
 class UnsupportedLayoutError(ValueError):
@@ -64,6 +69,11 @@ class SlotGeometry:
     groups: tuple[GroupGeometry, ...]
     world: int
     block_size: int
+    element_dtype: str | None = None
+    """The KV cache's element dtype, the same in every group (None: groups differ, or not a float)."""
+    group_elements: int | None = None
+    """Elements per quantization group: the head sizes' greatest common divisor (the innermost, contiguous
+    dimension of every vLLM attention layout), so no group straddles a head, K and V, a page or a rank's share."""
 
     @property
     def rank_bytes(self) -> int:
@@ -162,7 +172,22 @@ def instance_geometry(vllm_config: Any, kv_cache_config: Any) -> InstanceGeometr
         else:
             geometries.append(GroupGeometry(GroupKind.FULL, tuple(group.layer_names), _page_bytes(spec),
                                             replicated=spec_name(spec) in REPLICATED_SPECS))
-    return InstanceGeometry(SlotGeometry(tuple(geometries), int(parallel.tensor_parallel_size), block_size))
+    dtype, group = _elements([group.kv_cache_spec for group in groups], geometries)
+    return InstanceGeometry(SlotGeometry(tuple(geometries), int(parallel.tensor_parallel_size), block_size, dtype,
+                                         group))
+
+
+def _elements(specs: list[Any], geometries: list[GroupGeometry]) -> tuple[str | None, int | None]:
+    """The slots' element dtype and elements per quantization group (see ``SlotGeometry``), or (None, None)."""
+    dtypes = {str(spec.dtype).removeprefix("torch.") for spec in specs}
+    sizes = [int(size) for spec in specs for size in (getattr(spec, "head_size", 0), getattr(spec, "head_size_v", 0))
+             if isinstance(size, int) and size > 0]
+    if len(dtypes) != 1 or not sizes:
+        return None, None
+    dtype, group = dtypes.pop(), math.gcd(*sizes)
+    if dtype not in ELEMENT_DTYPES or any(g.page_bytes % (group * DTYPES[dtype]) for g in geometries):
+        return None, None
+    return dtype, group
 
 
 def _page_bytes(spec: Any) -> int:

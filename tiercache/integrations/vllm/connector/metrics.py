@@ -4,7 +4,8 @@ The scheduler side counts per step (``SchedulerCounters``); vLLM takes the count
 as ``TierCacheConnectorStats`` each step, carries them to its API server and
 hands them to ``TierCachePromMetrics``, whose counters appear on vLLM's own
 ``/metrics`` as ``vllm:tiercache_<name>_total`` (``hit_blocks`` with a ``tier``
-label: which tiercache tier served the blocks loaded).
+label: which tiercache tier served the blocks loaded; ``level_blocks`` with a
+``level`` label: the codec level of the values the remotes served).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 PREFIX = "vllm:tiercache_"
 TIER_SEPARATOR = ":"
-"""``hit_blocks:<tier>`` counts blocks a tier served (a ``tier`` label in Prometheus)."""
+"""``hit_blocks:<tier>`` counts blocks a tier served (a ``tier`` label in Prometheus), ``level_blocks:<level>``
+blocks a remote served at a codec level (a ``level`` label)."""
+LABELS = {"hit_blocks": "tier", "level_blocks": "level"}
+"""The counts that carry a label, and its name."""
 DOCUMENTATION = {
     "lookups": "Requests whose prompt tiercache looked up beyond vLLM's own prefix cache",
     "lookups_pending": "Scheduler steps a request waited for a remote's answer",
@@ -36,6 +40,7 @@ DOCUMENTATION = {
     "failed_loads": "Load jobs a worker failed (their blocks recomputed by vLLM)",
     "failed_stores": "Store jobs a worker failed (nothing written)",
     "hit_blocks": "Blocks loaded, by the tiercache tier that served them",
+    "level_blocks": "Blocks the remote tiers served, by the codec level of the values read (exact, int8, compact)",
     "load_copy_bytes": "Bytes the workers copied from the CPU tier into vLLM's KV cache (summed over workers)",
     "load_copy_us": "Microseconds the workers' loads took (summed over workers; CUDA: between the copies' events)",
     "store_copy_bytes": "Bytes the workers copied from vLLM's KV cache into the CPU tier (summed over workers)",
@@ -89,7 +94,7 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
         self._counters = {
             name: self._counter_cls(
                 name=f"{PREFIX}{name}", documentation=documentation,
-                labelnames=labelnames + (["tier"] if name == "hit_blocks" else []),
+                labelnames=labelnames + ([LABELS[name]] if name in LABELS else []),
             )
             for name, documentation in DOCUMENTATION.items()
         }

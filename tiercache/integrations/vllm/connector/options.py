@@ -18,9 +18,12 @@
   of it. By default it is what the step's largest prefill fills: ``max_num_batched_tokens`` over the
   block size, plus one block, of this rank's KV (logged at start).
 - ``codec``: a remote tier's ``codec`` (``tiercache.codecs.levels.CodecConfig``) for every remote tier of
-  the topology that names none. The connector's pages are opaque to tiercache (vLLM's layout, packed per
-  the CPU attention kernel's instruction set on the CPU build), so a lossy level is declined there with a
-  log line and the tier stores exact KV.
+  the topology that names none. The connector's pages stay vLLM's bytes (its layout, packed per the CPU
+  attention kernel's instruction set on the CPU build), but the connector tells the layout their element
+  dtype and group size (the head size, from vLLM's KV cache spec: ``SlotGeometry``), so ``int8`` stores
+  each group of ``head_size`` contiguous elements as 8-bit integers under one float16 scale; ``compact``
+  (tokens x channels per layer) is declined with a log line, and a KV cache whose elements are not floats
+  (an fp8 cache vLLM keeps as uint8) or whose groups differ in dtype stores exact KV, logged.
 
 A key that is none of these is refused with the one it resembles. Every error names the flag,
 the field and what was expected, before vLLM serves a request.
@@ -130,8 +133,9 @@ class ConnectorOptions:
                    idle_wait / MS_PER_SECOND, LoadMode(loads), codec)
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
-        """The whole topology: the user's tiers with vLLM's model and its slots as opaque pages of ``page_format``
-        (the namespace is then ``engine_namespace(model, page_format)``, built by the stack)."""
+        """The whole topology: the user's tiers with vLLM's model and its slots as pages of ``page_format`` with
+        their element dtype and group size (the namespace is then ``engine_namespace(model, page_format)`` with
+        those two, built by the stack)."""
         data = dict(self.topology)
         model_section = data.get("model") or {}
         if not isinstance(model_section, Mapping):
@@ -148,7 +152,9 @@ class ConnectorOptions:
             data["tiers"] = [tier if index == 0 or not isinstance(tier, Mapping) or "codec" in tier
                              else {**tier, "codec": dict(self.codec)} for index, tier in enumerate(tiers)]
         config = config_from_dict(data, self.source, engine_pool=True)
-        config.layout = dataclasses.replace(config.layout, engine_format=page_format)
+        config.layout = dataclasses.replace(config.layout, engine_format=page_format,
+                                            element_dtype=geometry.element_dtype,
+                                            group_elements=geometry.group_elements)
         if self.force_latest and not any(tier_class(t.type).capabilities.versioned for t in config.tiers[1:]):
             raise ConfigError(SOURCE, "force_latest", "false, or a topology with a versioned tier (type: regional)",
                               True)
