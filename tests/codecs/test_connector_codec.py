@@ -1,6 +1,7 @@
 """The vLLM connector's ``codec`` key: every remote tier that names none gets it; the connector names its pages'
-element dtype and group size (the head size) in the layout, so ``int8`` codes them, while ``compact``, and any level
-on pages whose elements vLLM did not type as floats, is declined with a log line (the tier stores exact KV)."""
+element dtype and group size (the head size) in the layout, so ``int8`` codes them, while ``compact`` on pages
+without the token map (``token_order`` adds it where it can read one), and any level on pages whose elements vLLM
+did not type as floats, is declined with a log line (the tier stores exact KV)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.lossy_pages import compact_bound
 
 from tiercache.blocks.codec import Codec
 from tiercache.blocks.layout import KVLayout, MemoryOrder, PageLayout
@@ -57,21 +58,6 @@ def int8_bound(original: torch.Tensor, dtype: str) -> torch.Tensor:
     """Half a step of each token's scale, plus the engine dtype's rounding of the result."""
     scale = original.abs().amax(-1, keepdim=True) / INT8_MAX
     return scale / 2 * (1 + 2**-10) + original.abs() * DTYPE_RELATIVE_ERROR[dtype] * 2 + TINY
-
-
-def compact_bound(original: torch.Tensor, tables: CompactTables, dtype: str) -> torch.Tensor:
-    """The module's stated bound: anchors as int8; other values half a step from the decoded anchor plus their
-    delta, plus what lies beyond the clipped range, plus the dtype's rounding."""
-    steps = torch.from_numpy(tables.steps)[:, :, None, :]
-    half = torch.from_numpy(1 << (tables.bits - 1)).float()[:, None, None, None]
-    anchors = original[:, :, ::CHUNK_TOKENS]
-    anchor_error = anchors.abs().amax(-1, keepdim=True) / INT8_MAX / 2 * (1 + 2**-10)
-    chunk = torch.arange(original.shape[2]) // CHUNK_TOKENS
-    delta = original - anchors[:, :, chunk]
-    beyond = (delta.abs() + anchor_error[:, :, chunk] - (half - 1) * steps).clamp_min(0)
-    bound = anchor_error[:, :, chunk] * 2 + steps / 2 + beyond
-    bound[:, :, ::CHUNK_TOKENS] = anchor_error
-    return bound + original.abs() * DTYPE_RELATIVE_ERROR[dtype] * 2 + TINY
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])

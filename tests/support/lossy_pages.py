@@ -4,7 +4,8 @@
 LBHNC: per head ``[2 * block, head_size]``, K stored transposed as the ``vec``
 kernel writes it, then V row-major); ``value_page`` makes a page of seeded
 values for a test's "model"; ``within_int8_bound`` checks a decoded page against
-``tiercache.codecs.int8``'s bound, group by group (a bound, never equality).
+``tiercache.codecs.int8``'s bound, group by group, and ``compact_bound`` is the
+compact level's stated bound per value (bounds, never equality).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import torch
 
 from tiercache.codecs.int8 import INT8_MAX
+from tiercache.codecs.tables import CHUNK_TOKENS, CompactTables
 
 DTYPE_RELATIVE_ERROR = {"float32": 2**-23, "float16": 2**-10, "bfloat16": 2**-7, "float8_e4m3fn": 2**-3}
 """Half an ulp of each engine dtype, relative: the decoded value is rounded to it once more."""
@@ -55,3 +57,18 @@ def value_page(seed: object, elements: int, dtype: torch.dtype, group: int) -> t
     outliers = torch.rand(values.shape, generator=generator) < 0.01
     values[outliers] *= 8
     return values.flatten().to(dtype)
+
+
+def compact_bound(original: torch.Tensor, tables: CompactTables, dtype: str) -> torch.Tensor:
+    """The module's stated bound: anchors as int8; other values half a step from the decoded anchor plus their
+    delta, plus what lies beyond the clipped range, plus the dtype's rounding."""
+    steps = torch.from_numpy(tables.steps)[:, :, None, :]
+    half = torch.from_numpy(1 << (tables.bits - 1)).float()[:, None, None, None]
+    anchors = original[:, :, ::CHUNK_TOKENS]
+    anchor_error = anchors.abs().amax(-1, keepdim=True) / INT8_MAX / 2 * (1 + 2**-10)
+    chunk = torch.arange(original.shape[2]) // CHUNK_TOKENS
+    delta = original - anchors[:, :, chunk]
+    beyond = (delta.abs() + anchor_error[:, :, chunk] - (half - 1) * steps).clamp_min(0)
+    bound = anchor_error[:, :, chunk] * 2 + steps / 2 + beyond
+    bound[:, :, ::CHUNK_TOKENS] = anchor_error
+    return bound + original.abs() * DTYPE_RELATIVE_ERROR[dtype] * 2 + TINY

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiercache.blocks.namespaces import PageFormat
+from tiercache.blocks.token_map import PageTokenMap
 from tiercache.common.fields import FieldError
 
 if TYPE_CHECKING:
@@ -243,7 +244,8 @@ class PageLayout:
     An engine that knows its pages' element dtype and how many contiguous elements belong together (its head size,
     the innermost dimension of every attention layout) says so in ``element_dtype`` and ``group_elements``; the
     ``int8`` level then quantizes a page as groups of that many elements (``tiercache.codecs.geometry``), and both
-    are part of the page format, so fleets that group differently never share values."""
+    are part of the page format, so fleets that group differently never share values. An engine that knows where
+    each token's K and V lie in its pages gives a ``token_map`` too, and the ``compact`` level reads them."""
 
     block_bytes: int
     block_size: int = 16
@@ -254,6 +256,8 @@ class PageLayout:
     group_elements: int | None = None
     """Contiguous elements that belong together (one head of one token, or one run of a kernel's packed head): the
     ``int8`` level keeps one scale per group. Given with ``element_dtype``; divides a block's elements."""
+    token_map: PageTokenMap | None = None
+    """Where each token's K and V of each channel lie in a block (None: unknown; ``compact`` then declines)."""
 
     dtype = "uint8"
     """Pages are bytes: every tier sizes and copies them as such."""
@@ -275,6 +279,11 @@ class PageLayout:
             ):
                 raise FieldError("group_elements", f"a positive integer whose groups of {self.element_dtype} "
                                  f"divide a block of {self.block_bytes} bytes", group)
+        mapped = self.token_map
+        if mapped is not None and (self.element_dtype is None or mapped.tokens != self.block_size
+                                   or mapped.elements * DTYPES[self.element_dtype] != self.block_bytes):
+            raise FieldError("token_map", f"a map of {self.block_size} tokens whose elements of the element dtype "
+                             f"fill a block of {self.block_bytes} bytes", mapped.source)
 
     @property
     def bytes_per_block(self) -> int:

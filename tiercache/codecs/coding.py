@@ -53,7 +53,7 @@ class KVCoding:
         """A value's expected bytes at ``level`` before any was seen (for compact: the tables' entropy)."""
         geometry = self.geometry
         if level is Level.INT8:
-            return HEADER_SIZE + geometry.groups * (2 + geometry.channels)
+            return HEADER_SIZE + geometry.groups * (2 + geometry.group_size)
         assert tables is not None and self.compact is not None
         bits = 0.0
         for pair in tables.probabilities:

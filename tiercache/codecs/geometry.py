@@ -7,7 +7,9 @@ so a block is ``[layers, 2, tokens, channels]``. An engine's pages
 size (``element_dtype``, ``group_elements``: vLLM's head size, the innermost,
 contiguous dimension of every attention layout), a page is a run of groups of
 that many contiguous elements, which ``int8`` quantizes one scale a group
-(``pages``); ``compact`` needs tokens x channels per layer and refuses them
+(``pages``). ``compact`` needs tokens x channels per layer: it reads pages whose
+engine gave a ``token_map`` (``tiercache.blocks.token_map``: where each token's K
+and V lie, a kernel's packing included) through that map, and refuses others
 (``unreadable``). Pages without those fields, or a dtype that is not a float,
 are refused (``UnsupportedPages``): a lossy level never touches bytes it does
 not understand.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,8 +37,9 @@ from tiercache.codecs.levels import Level
 
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"})
 """KV dtypes a lossy level reads as numbers."""
-COMPACT_NEEDS = "the compact level needs tokens x channels per layer (a topology's KVLayout)"
-"""Why ``compact`` refuses an engine's pages, which are known only as groups of elements."""
+COMPACT_NEEDS = ("the compact level needs tokens x channels per layer (a topology's KVLayout, or an engine's "
+                 "pages with a token_map)")
+"""Why ``compact`` refuses an engine's pages known only as groups of elements."""
 
 
 class UnsupportedPages(ValueError):
@@ -46,7 +49,8 @@ class UnsupportedPages(ValueError):
 @dataclass(frozen=True)
 class KVGeometry:
     """K and V of one block: ``layers`` x 2 x ``tokens`` x ``channels`` (heads x head size) in ``dtype``; or, for
-    an engine's ``pages``, ``block_shape[0]`` groups of ``channels`` contiguous elements (``layers`` 0: unknown)."""
+    an engine's ``pages``, ``block_shape[0]`` groups of ``block_shape[1]`` contiguous elements, and where a token
+    map was given, its ``index`` (``layers`` 0: no map)."""
 
     layers: int
     tokens: int
@@ -55,7 +59,9 @@ class KVGeometry:
     block_shape: tuple[int, ...]
     layer_major: bool
     pages: bool = False
-    """An engine's pages: only the groups are known (``int8`` reads them, ``compact`` does not)."""
+    """An engine's pages: groups (``int8`` reads them), and K/V only through ``index`` (``compact``)."""
+    index: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """Pages with a token map: each value's element in the block, ``[layers, 2, tokens, channels]``."""
 
     @classmethod
     def of(cls, layout: KVLayout | PageLayout) -> KVGeometry:
@@ -77,12 +83,18 @@ class KVGeometry:
         if layout.element_dtype not in FLOAT_DTYPES:
             raise UnsupportedPages(f"a lossy codec reads float KV; these pages hold {layout.element_dtype}")
         groups = layout.block_bytes // DTYPES[layout.element_dtype] // layout.group_elements
-        return cls(0, layout.block_size, layout.group_elements, layout.element_dtype, (groups, layout.group_elements),
-                   False, pages=True)
+        mapped = layout.token_map
+        if mapped is None:
+            return cls(0, layout.block_size, layout.group_elements, layout.element_dtype,
+                       (groups, layout.group_elements), False, pages=True)
+        return cls(mapped.layers, layout.block_size, mapped.channels, layout.element_dtype,
+                   (groups, layout.group_elements), False, pages=True, index=mapped.index())
 
     def unreadable(self, level: Level) -> str | None:
         """Why ``level`` cannot code these blocks (None: it can)."""
-        return COMPACT_NEEDS + "; these are an engine's pages" if self.pages and level is Level.COMPACT else None
+        if self.pages and self.index is None and level is Level.COMPACT:
+            return COMPACT_NEEDS + "; these are an engine's pages without one"
+        return None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -93,9 +105,14 @@ class KVGeometry:
         return DTYPES[self.dtype]
 
     @property
+    def group_size(self) -> int:
+        """Values under one ``int8`` scale: a token's K or V of a layer (``channels``), or a page group."""
+        return self.block_shape[-1] if self.pages else self.channels
+
+    @property
     def groups(self) -> int:
-        """Runs of ``channels`` values a block holds (a token's K or V of a layer; a page group)."""
-        return math.prod(self.block_shape) // self.channels
+        """Runs of ``group_size`` values a block holds."""
+        return math.prod(self.block_shape) // self.group_size
 
     @property
     def block_bytes(self) -> int:
@@ -110,15 +127,17 @@ class KVGeometry:
     def values(self, block: memoryview) -> torch.Tensor:
         """The block's K/V as float32, ``[layers, 2, tokens, channels]`` (a copy; ``block`` is only read)."""
         if self.pages:
-            raise UnsupportedPages(COMPACT_NEEDS + "; these are an engine's pages, known only as groups")
+            if self.index is None:
+                raise UnsupportedPages(COMPACT_NEEDS + "; these are an engine's pages, known only as groups")
+            return self._typed(block).view(-1)[self.index].float()
         tensor = self._typed(block)
         if not self.layer_major:  # [2, layers, tokens, heads, dim]
             tensor = tensor.transpose(0, 1)
         return tensor.reshape(self.layers, 2, self.tokens, self.channels).float().contiguous()
 
     def vectors(self, block: memoryview) -> torch.Tensor:
-        """The block's values as float32 ``[groups, channels]``, K/V in ``values``' order (only read: float32 pages
-        are the block's own memory)."""
+        """The block's values as float32 ``[groups, group_size]``, K/V in ``values``' order (only read: float32
+        pages are the block's own memory)."""
         if self.pages:
             return self._typed(block).float()
         return self.values(block).view(self.groups, self.channels)
@@ -126,6 +145,9 @@ class KVGeometry:
     def write(self, values: torch.Tensor, dest: memoryview) -> None:
         """Write ``values`` (``values``' or ``vectors``' shape) into ``dest`` in the block's own order and dtype."""
         target = torch.frombuffer(dest, dtype=torch.uint8).view(self.torch_dtype).view(self.block_shape)
+        if self.pages and self.index is not None and values.dim() == len(self.index.shape):
+            target.view(-1)[self.index.view(-1)] = values.reshape(-1).to(self.torch_dtype)
+            return
         if self.pages:
             target.copy_(values.view(self.block_shape))
             return

@@ -46,11 +46,11 @@ def decode_int8(geometry: KVGeometry, stored: memoryview, dest: memoryview) -> b
     """Decode an int8 payload into ``dest``; False when its length is not this geometry's."""
     count = geometry.groups
     scale_bytes = count * 2
-    if len(stored) != scale_bytes + count * geometry.channels:
+    if len(stored) != scale_bytes + count * geometry.group_size:
         return False
     scales = torch.from_numpy(np.frombuffer(stored, dtype=np.float16, count=count).astype(np.float32))
     integers = torch.from_numpy(np.frombuffer(stored, dtype=np.int8, offset=scale_bytes).astype(np.float32))
-    values = integers.view(count, geometry.channels)
+    values = integers.view(count, geometry.group_size)
     values.mul_(scales.view(count, 1))
     geometry.write(values, dest)
     return True

@@ -12,6 +12,8 @@ stale ones removed),
 ``geometry`` (how a slot holds a vLLM block of each KV-cache group),
 ``namespace`` (who shares a slot: the model's identity and the page format),
 ``groups`` (what a hit needs and a store keeps of each KV-cache group),
+``token_order`` (where the attention backend keeps each token's K and V: the
+compact level's token map, read from vLLM's CPU kernel itself),
 ``options`` (``kv_connector_extra_config``), ``metadata`` (the jobs sent each
 step and the reports back) and ``metrics`` (vLLM's connector stats and
 Prometheus counters); ``geometry``, ``pages``, ``transfers``, ``staged``,

@@ -44,6 +44,7 @@ from tiercache.integrations.vllm.connector.namespace import model_identity, page
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
 from tiercache.integrations.vllm.connector.region import RegionDeclined, SharedRegion, region_path
 from tiercache.integrations.vllm.connector.scheduler import ConnectorScheduler
+from tiercache.integrations.vllm.connector.token_order import compact_order
 from tiercache.integrations.vllm.connector.worker import ConnectorWorker
 from tiercache.manager.lower_tiers import LowerTiers
 
@@ -95,6 +96,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         geometry = instance.slots
         formats = page_format(vllm_config, kv_cache_config, geometry)
         config = options.config(model_identity(vllm_config), geometry, formats)
+        order = compact_order(config, vllm_config, kv_cache_config, geometry)
         num_slots = config.tiers[0].capacity_blocks
         path = region_path(options.shared_dir, self._kv_transfer_config.engine_id,
                            vllm_config.parallel_config.data_parallel_rank)
@@ -117,7 +119,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
                                            staging_bytes=options.staging_bytes,
                                            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                                           num_blocks=getattr(kv_cache_config, "num_blocks", None))
+                                           num_blocks=getattr(kv_cache_config, "num_blocks", None),
+                                           token_order=order)
         self._tier_sources = [_hit_source(tier.type) for tier in config.tiers]
 
     @property

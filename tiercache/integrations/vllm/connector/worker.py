@@ -40,6 +40,7 @@ from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.shmfile import RegionFile
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
+from tiercache.integrations.vllm.connector.token_order import TokenOrder
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -87,8 +88,10 @@ class ConnectorWorker:
 
     def __init__(self, geometry: SlotGeometry, num_slots: int, region_path: Any, rank: int, *,
                  staging_bytes: int | None = None, max_num_batched_tokens: int | None = None,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, token_order: TokenOrder | None = None) -> None:
         self.geometry = geometry
+        self.token_order = token_order or TokenOrder(None)
+        """The order the compact level decodes pages in, and the backends it holds for."""
         self.num_slots = num_slots
         self.region_path = region_path
         self.rank = rank
@@ -130,6 +133,9 @@ class ConnectorWorker:
         cannot make (``RegionSpaceError``: no room on its file system; no access) is a start-up error, raised."""
         try:
             views = page_views(kv_caches, self.geometry, self.num_blocks, backends)
+            wrong_order = self.token_order.mismatch(dict(backends or {}))
+            if wrong_order is not None:
+                raise UnsupportedLayoutError(wrong_order)
         except UnsupportedLayoutError as error:
             log.error("tiercache connector: cannot map vLLM's KV cache, so it declines every request: %s", error)
             self._decline(str(error))
