@@ -214,13 +214,23 @@ def total(server: VllmServer, name: str, **labels: str) -> int:
     return round(settled(server).total(name, **labels))
 
 
+SHUTDOWN_TRIGGERED = "[shutdown] API server: shutdown triggered"
+ENGINE_KILLED = "EngineDeadError"
+"""vLLM's front end may report the engine core it has just killed as dead (``--shutdown-timeout 0``, the default,
+kills it at once): a race of vLLM's own shutdown, not a problem of the run."""
+
+
 def log_problems(server: VllmServer) -> list[str]:
-    """Tracebacks and errors in the server's log (every vLLM process writes there), one entry each."""
+    """Tracebacks and errors in the server's log (every vLLM process writes there), one entry each; after the
+    server was told to stop, vLLM's report of the engine core it killed is not one."""
     lines = server.log_path.read_text(errors="replace").splitlines()
+    stopping = next((i for i, line in enumerate(lines) if SHUTDOWN_TRIGGERED in line), len(lines))
     problems = []
     for i, line in enumerate(lines):
         if "Traceback" in line or ("tiercache connector:" in line and "failed" in line) or " ERROR " in line:
-            problems.append("\n".join(lines[i : i + 30]))
+            problem = "\n".join(lines[i : i + 30])
+            if i < stopping or ENGINE_KILLED not in problem:
+                problems.append(problem)
     return problems
 
 
@@ -275,3 +285,18 @@ def redis_store(workdir: Path) -> Iterator[RedisServer]:
         yield server.start()
     finally:
         server.close()
+
+
+# ---- lossy levels ------------------------------------------------------------------------------------------
+TABLE_PROMPTS = [random_prompt_ids(256, seed=seed) for seed in (911, 912, 913)]
+"""Prompts whose K/V the compact tables of a served test are learned on (no served test sends them)."""
+
+
+def compact_tables(model: Path, path: Path) -> Path:
+    """The compact level's tables of ``model``'s own K/V over ``TABLE_PROMPTS`` (transformers), saved at ``path``."""
+    from tiercache.codecs.tables import learn_tables
+    from tiercache.tools.real_kv import context_kv, load_model
+
+    _, transformer = load_model(model)
+    learn_tables([context_kv(transformer, ids) for ids in TABLE_PROMPTS]).save(path)
+    return path

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from support.vllm_serving import (
     Counted,
+    compact_tables,
     log_problems,
     redis_config,
     redis_store,
@@ -32,17 +33,13 @@ from support.vllm_serving import (
     wait_until,
 )
 
-from tiercache.codecs.tables import learn_tables
 from tiercache.testing.redis_servers import RedisServer
 from tiercache.testing.server_formats import ServerMetrics
 from tiercache.testing.tiny_llama import random_prompt_ids
 from tiercache.testing.vllm_server import VllmServer
-from tiercache.tools.real_kv import context_kv, load_model
 
 PROMPTS = {"lossy_a": random_prompt_ids(1500, seed=901), "lossy_b": random_prompt_ids(1100, seed=902)}
 """This module's own prompts (lossy answers are not the session baseline's to compare)."""
-TABLE_PROMPTS = [random_prompt_ids(256, seed=seed) for seed in (911, 912, 913)]
-"""Other prompts, whose K/V the compact tables are learned on."""
 ANSWER_TOKENS = 16
 BLOCK = 32
 
@@ -74,13 +71,11 @@ def level(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def codec(level: str, model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The connector's ``codec`` for ``level`` (compact: tables learned on the model's K/V of ``TABLE_PROMPTS``)."""
+    """The connector's ``codec`` for ``level`` (compact: tables learned on the model's own K/V of other prompts)."""
     if level == "int8":
         return {"levels": ["int8"]}
-    _, model = load_model(model_dirs["seed0"])
-    path = tmp_path_factory.mktemp("compact-tables") / "tiny-llama.npz"
-    learn_tables([context_kv(model, ids) for ids in TABLE_PROMPTS]).save(path)
-    return {"levels": ["compact"], "tables": str(path)}
+    tables = compact_tables(model_dirs["seed0"], tmp_path_factory.mktemp("compact-tables") / "tiny-llama.npz")
+    return {"levels": ["compact"], "tables": str(tables)}
 
 
 def answer_all(server: VllmServer, level: str) -> Served:
