@@ -25,105 +25,18 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
+from support.doc_pages import BLOCKS, ENGINE_CONFIGS, ENGINE_PAGE, LINK, PAGES, REPO, example, load_topology, parse, run
 from support.doc_references import anchors, missing_paths_and_names, names_something
 
-from tiercache.blocks.paged import PagedKV
-from tiercache.config import TierCacheConfig, config_from_dict
-from tiercache.manager.tier_manager import TierManager
-from tiercache.tiers.simulated import SimulatedStore
-from tiercache.tools.reference_model import ModelSpec, ReferenceModel
+from tiercache.config import config_from_dict
 
-REPO = Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-ENGINE_PAGE = REPO / "docs" / "engines.md"
-"""Where the engine suites (``tests/*/{vllm,sglang}/test_*_readme.py``) read their configurations."""
-ENGINE_CONFIGS = {
-    "vllm": (r"--kv-transfer-config '(\{\s*\"kv_connector\": \"OffloadingConnector\".*?\})'", 3, 3),
-    "vllm-connector": (r"--kv-transfer-config '(\{\"kv_connector\":\"TierCacheConnector\".*?\})'", 3, 4),
-    "sglang": (r"--hicache-storage-backend-extra-config '(\{.*?\})'", 2, 2),
-}
-"""Per engine: the pattern its suite extracts a configuration with, how many configurations it expects,
-and how many blocks docs/engines.md marks for it (the connector's fourth is the ``LLM(...)`` form)."""
-MARK = re.compile(r"<!-- (example|engine|not run): (.+?) -->")
-FENCE = re.compile(r"```(\S*)\s*$")
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@dataclass(frozen=True)
-class Block:
-    """One fenced code block and the mark before it."""
-
-    page: str
-    line: int
-    lang: str
-    kind: str
-    """``example``, ``engine``, ``not run``, or ``""`` when the block is unmarked."""
-    label: str
-    text: str
-
-    @property
-    def where(self) -> str:
-        return f"{self.page}:{self.line}"
-
-
-def parse(path: Path) -> tuple[list[Block], list[str]]:
-    """The page's fenced blocks, and what is wrong with its code blocks (unfenced, unclosed, ``~~~``)."""
-    lines, page = path.read_text().splitlines(), path.relative_to(REPO).as_posix()
-    blocks: list[Block] = []
-    problems: list[str] = []
-    index = 0
-    while index < len(lines):
-        line = lines[index]
-        opened = FENCE.fullmatch(line)
-        if line.startswith("~~~"):
-            problems.append(f"{page}:{index + 1}: a ~~~ fence (use ```)")
-        elif opened:
-            end = next((i for i in range(index + 1, len(lines)) if lines[i] == "```"), None)
-            if end is None:
-                problems.append(f"{page}:{index + 1}: a fence never closed")
-                break
-            mark = MARK.fullmatch(lines[index - 1]) if index else None
-            kind, label = (mark.group(1), mark.group(2)) if mark else ("", "")
-            text = "\n".join(lines[index + 1 : end]) + "\n"
-            blocks.append(Block(page, index + 1, opened.group(1), kind, label, text))
-            index = end
-        elif line.startswith(("    ", "\t")) and index and not lines[index - 1].strip() and line.strip():
-            problems.append(f"{page}:{index + 1}: an indented code block (fence it and mark it)")
-        index += 1
-    return blocks, problems
-
-
-BLOCKS = [block for path in PAGES for block in parse(path)[0]]
-
-
-def example(name: str) -> str:
-    """The text of the one block marked ``<!-- example: name -->``."""
-    found = [block for block in BLOCKS if block.kind == "example" and block.label == name]
-    assert len(found) == 1, f"{len(found)} blocks are marked 'example: {name}'"
-    return found[0].text
-
-
-def run(name: str, **names: Any) -> dict[str, Any]:
-    """Execute the Python example ``name`` in a fresh namespace (plus ``names``); that namespace after."""
-    namespace: dict[str, Any] = {"__name__": f"docs_example_{name}", **names}
-    exec(compile(example(name), f"<example {name}>", "exec"), namespace)
-    return namespace
-
-
-def load_topology(data: Any, environ: dict[str, str] | None = None) -> TierCacheConfig:
-    """A topology from a mapping, validated as a file would be (environment overrides only from ``environ``)."""
-    return config_from_dict(data, source="<docs example>", environ=environ or {})
 
 
 # ---- the mechanism ---------------------------------------------------------------------------------------
@@ -141,9 +54,10 @@ def test_every_code_block_is_fenced_and_marked() -> None:
 
 
 def test_every_example_is_run_by_a_test_here() -> None:
-    """The examples in the pages are exactly the names this module asks for, each marked once."""
+    """The examples in the pages are exactly the names the docs tests ask for, each marked once."""
     marked = [block.label for block in BLOCKS if block.kind == "example"]
-    asked = set(re.findall(r"""(?:example|run)\("([a-z0-9-]+)"\)""", Path(__file__).read_text()))
+    tests = Path(__file__).parent.glob("test_*.py")
+    asked = {name for test in tests for name in re.findall(r"""(?:example|run)\("([a-z0-9-]+)"\)""", test.read_text())}
     assert len(marked) == len(set(marked)), f"an example name is used twice: {sorted(marked)}"
     assert set(marked) == asked, f"marked but not run: {set(marked) - asked}; run but not marked: {asked - set(marked)}"
 
@@ -202,125 +116,6 @@ def test_transformers_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     again = run("transformers")["again"]
     assert again.reused == {"gpu": 64, "cpu": 0} and again.computed_tokens == 8
     assert capsys.readouterr().out.strip() == "{'gpu': 64, 'cpu': 0} computed 8"
-
-
-# ---- docs/embedding.md: the scheduler loop ----------------------------------------------------------------
-
-BLOCK_SIZE, PREFIX_BLOCKS, SUFFIX, DECODE_STEPS = 4, 5, 3, 4
-PREFIX = PREFIX_BLOCKS * BLOCK_SIZE
-STEP_PAUSE_S = 0.001
-MAX_STEPS = 5000
-"""A scheduler step loop gives a pending remote answer up to about five seconds before failing."""
-STORE = "docs-scheduler"
-
-
-class Request:
-    """What the documented loop expects of a request: tokens, max_new, and decode(logits)."""
-
-    def __init__(self, mgr: TierManager, model: ReferenceModel, kv: PagedKV, tokens: list[int]) -> None:
-        self.mgr, self.model, self.kv = mgr, model, kv
-        self.tokens, self.max_new = tokens, DECODE_STEPS
-        self.table: list[int] = []
-        self.cached = 0
-        self.load: Any = None
-        self.result: tuple[list[int], list[torch.Tensor]] | None = None
-
-    def decode(self, logits: torch.Tensor) -> None:
-        """Greedy decoding from the prefill's logits (as ``ReferenceModel.generate``), then release."""
-        outputs, history, position = [], [logits], len(self.tokens)
-        for _ in range(self.max_new):
-            token = int(logits[-1].argmax())
-            outputs.append(token)
-            logits = self.model.forward([token], position, self.table, self.kv)
-            history.append(logits)
-            position += 1
-        self.result = (outputs, history)
-        self.mgr.release(self.table)
-
-
-def topology(gpu_blocks: int = 32) -> TierCacheConfig:
-    """GPU + CPU + a simulated remote that outlives the manager (by its store's name)."""
-    remote = {"name": "remote", "type": "simulated", "options": {"store": STORE, "latency_ms": 1}}
-    layout = {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32", "block_size": BLOCK_SIZE}
-    tiers = [
-        {"name": "gpu", "type": "gpu", "capacity_blocks": gpu_blocks, "options": {"device": "cpu"}},
-        {"name": "cpu", "type": "cpu", "capacity_blocks": 64},
-        remote,
-    ]
-    return load_topology({"model": {"id": "docs"}, "layout": layout, "tiers": tiers})
-
-
-def model_for(mgr: TierManager) -> ReferenceModel:
-    return ReferenceModel(ModelSpec.for_layout(mgr.layout, heads_per_kv_head=2, vocab_size=128, seed=3))
-
-
-def serve(schedule_step: Callable[..., None], mgr: TierManager, prompts: list[list[int]]) -> list[Request]:
-    """Run the documented loop until every request has decoded."""
-    model, kv = model_for(mgr), PagedKV(mgr.layout, mgr.gpu.tensors)
-    requests = [Request(mgr, model, kv, prompt) for prompt in prompts]
-    waiting, loading = list(requests), []
-    for _ in range(MAX_STEPS):
-        if all(r.result is not None for r in requests):
-            return requests
-        schedule_step(mgr, waiting, loading, model, kv)
-        time.sleep(STEP_PAUSE_S)
-    raise AssertionError(f"requests not served: {len(waiting)} waiting, {len(loading)} loading")
-
-
-def recompute(mgr: TierManager, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """A private pool: the prefix in one pass, then the same continuation."""
-    model = model_for(mgr)
-    kv = PagedKV(mgr.layout, mgr.layout.allocate_pool(16, "cpu"))
-    table = list(range(16))
-    model.forward(prompt[:PREFIX], 0, table, kv)
-    return model.generate(prompt, PREFIX, table, kv, DECODE_STEPS)
-
-
-def assert_same(expected: tuple[list[int], list[torch.Tensor]], got: tuple[list[int], list[torch.Tensor]]) -> None:
-    assert got[0] == expected[0]
-    for want, have in zip(expected[1], got[1], strict=True):
-        assert torch.equal(want, have)
-
-
-@pytest.fixture
-def schedule_step() -> Iterator[Callable[..., None]]:
-    """The documented ``schedule_step``, with the simulated remote's store emptied before and after."""
-    SimulatedStore.forget(STORE)
-    yield run("scheduler-loop")["schedule_step"]
-    SimulatedStore.forget(STORE)
-
-
-def test_scheduler_loop_reuses_gpu_cpu_and_remote_prefixes_bitwise(schedule_step: Callable[..., None]) -> None:
-    prompt = torch.randint(0, 128, (PREFIX + SUFFIX,), generator=torch.Generator().manual_seed(1)).tolist()
-    with TierManager(topology()) as first:
-        serve(schedule_step, first, [prompt[:PREFIX]])  # computes and stores the prefix
-        hit = first.lookup(prompt)
-        assert hit.tier_blocks["gpu"] == PREFIX_BLOCKS
-        first.release(hit.gpu_block_ids)
-        (from_gpu,) = serve(schedule_step, first, [prompt])
-        first.release(first.allocate(first.gpu.num_blocks))  # the prefix now lives in the CPU tier
-        (from_cpu,) = serve(schedule_step, first, [prompt])
-    with TierManager(topology()) as second:  # a fresh engine: only the remote has it
-        assert second.lookup_wait(prompt).tier_blocks["remote"] == PREFIX_BLOCKS
-        (from_remote,) = serve(schedule_step, second, [prompt])
-    expected = recompute(second, prompt)
-    for request in (from_gpu, from_cpu, from_remote):
-        assert request.cached + request.load.result() == PREFIX
-        assert_same(expected, request.result)
-
-
-def test_scheduler_loop_backs_off_when_the_pool_is_full(schedule_step: Callable[..., None]) -> None:
-    prompt = torch.randint(0, 128, (PREFIX + SUFFIX,), generator=torch.Generator().manual_seed(2)).tolist()
-    with TierManager(topology(gpu_blocks=PREFIX_BLOCKS + 3)) as mgr:
-        serve(schedule_step, mgr, [prompt[:PREFIX]])
-        held = mgr.allocate(3)  # another request holds the free blocks: the next one cannot fit
-        model, kv = model_for(mgr), PagedKV(mgr.layout, mgr.gpu.tensors)
-        waiting, loading = [Request(mgr, model, kv, prompt)], []
-        schedule_step(mgr, waiting, loading, model, kv)
-        assert waiting and not loading
-        mgr.release(held)
-        (served,) = serve(schedule_step, mgr, [prompt])
-    assert_same(recompute(mgr, prompt), served.result)
 
 
 # ---- docs/embedding.md: RemoteStore -----------------------------------------------------------------------

@@ -12,13 +12,13 @@ then the connector's output into a ``ModelRunnerOutput`` for
 computes, a page derived from the block's whole token prefix and the layer
 (``page_bytes``), so a page loaded from elsewhere can be checked bit for bit;
 right after each ``wait_for_layer_load`` the step records every page of the
-prefix the attention is about to read that differs from that.
+prefix the attention is about to read that differs from that. Its configs, KV tensors and topologies are
+``support.vllm_parts``'.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -27,15 +27,7 @@ from typing import Any
 
 import torch
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -44,94 +36,22 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
-from tiercache.testing.tiny_llama import tiny_llama_config
+from support.vllm_parts import BLOCK, HEAD_SIZE, KV_HEADS, kv_cache_config, kv_tensors, model_dir, vllm_config
 
-BLOCK = 16
-"""Tokens per vLLM block."""
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-KV_HEADS, HEAD_SIZE = 1, 8
-NUM_BLOCKS = 64
-"""vLLM's own pool, in blocks (small: a test sees what it frees and reuses)."""
-PAGE_SHAPE = (KV_HEADS, BLOCK, 2 * HEAD_SIZE)
-"""A block's page of one layer as vLLM's CPU backend lays it out (``[H, N, 2D]``, LBHNC)."""
-CONNECTOR = {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.integrations.vllm.connector"}
 SAMPLED = 7
 """The token the "model" samples."""
 WAIT_S = 20.0
 """Bound on steps spent waiting for background work: a hang detector, never a speed judgement."""
 PROMPT = list(range(3, 103))
 """100 tokens: 6 full blocks and 4 tokens."""
-_STORES = itertools.count()
 
 init_none_hash(sha256)
-
-
-def model_dir(root: Path, name: str = "m", vocab_size: int = 512) -> Path:
-    """A model directory with a tiny Llama's ``config.json`` only (vLLM reads no weights here)."""
-    directory = root / name
-    directory.mkdir(parents=True, exist_ok=True)
-    config = tiny_llama_config(hidden_size=64, num_layers=len(LAYERS), num_heads=2, num_kv_heads=KV_HEADS,
-                               vocab_size=vocab_size, max_position_embeddings=1024)
-    config.save_pretrained(directory)
-    return directory
-
-
-def cpu_topology(blocks: int = 48, remotes: Iterable[dict[str, Any]] = (), **top: Any) -> dict[str, Any]:
-    """A connector topology: a CPU tier of ``blocks`` slots, then ``remotes``."""
-    return {"tiers": [{"type": "cpu", "capacity_blocks": blocks}, *remotes], **top}
-
-
-def vllm_config(model: Path, engine_id: str, extra: dict[str, Any], *, kv_role: str = "kv_both",
-                events: KVEventsConfig | None = None, tensor_parallel_size: int = 1) -> VllmConfig:
-    """The smallest real ``VllmConfig`` with the connector (float32, prefix caching, chunked prefill)."""
-    model_config = ModelConfig(model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True,
-                               max_model_len=1024)
-    config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=engine_id,
-                                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
-        device_config=DeviceConfig("cpu"),
-        kv_events_config=events,
-    )
-    config.parallel_config.tensor_parallel_size = tensor_parallel_size
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return config
-
-
-def kv_cache_config(layers: Iterable[str] = LAYERS) -> KVCacheConfig:
-    """One group of full attention over ``layers``, as vLLM's engine core resolves it for the CPU backend."""
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(layers),
-                         spec)], kv_cache_layout="LBHNC")
-
-
-def kv_tensors(config: KVCacheConfig) -> dict[str, torch.Tensor]:
-    """vLLM's CPU KV cache, filled with a marker: one ``[blocks, H, N, 2D]`` view per layer of one storage, or
-    where ``config.kv_cache_tensors`` places the layers (vLLM's planner: an allocation, strides per layer and
-    block), a view per layer of its allocation."""
-    if not config.kv_cache_tensors:
-        names = [name for group in config.kv_cache_groups for name in group.layer_names]
-        storage = torch.full((len(names), config.num_blocks, *PAGE_SHAPE), -1.0, dtype=torch.float32)
-        return {name: storage[i] for i, name in enumerate(names)}
-    kv = {}
-    item = torch.float32.itemsize
-    page = [KV_HEADS * BLOCK * 2 * HEAD_SIZE, BLOCK * 2 * HEAD_SIZE, 2 * HEAD_SIZE, 1]  # a page's own strides
-    for tensor in config.kv_cache_tensors:
-        backing = torch.full((tensor.size // item,), -1.0, dtype=torch.float32)
-        for index, name in enumerate(tensor.layers):
-            start = (tensor.offset + index * tensor.layer_stride) // item
-            shape = (config.num_blocks, *PAGE_SHAPE)
-            kv[name] = backing.as_strided(shape, (tensor.block_stride // item, *page[1:]), start)
-    return kv
 
 
 def totals(records: Iterable[StepRecord]) -> dict[str, int]:
@@ -415,21 +335,6 @@ class Instances:
     def close(self) -> None:
         for instance in self.built:
             instance.shutdown()
-
-
-def redis_remote(url: str) -> dict[str, Any]:
-    return {"type": "redis", "name": "redis", "options": {"url": url}}
-
-
-def simulated_remote(store: str | None = None, **options: Any) -> dict[str, Any]:
-    """A simulated remote over ``store`` (by default a store no other remote of the run shares)."""
-    store = fresh_store() if store is None else store
-    return {"type": "simulated", "name": "sim", "options": {"store": store, "latency_ms": 0, **options}}
-
-
-def fresh_store() -> str:
-    """A simulated store's name no other test of the run uses (for remotes that must share one)."""
-    return f"connector-{next(_STORES)}"
 
 
 def tiers_of(instance: Instance) -> Any:

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
-from support.vllm_connector import BLOCK, HEAD_SIZE, KV_HEADS
+from support.vllm_parts import BLOCK, HEAD_SIZE, KV_HEADS
 
 LAYOUT = "LBHNC"
 """The CPU backend's layout (``support.vllm_connector.PAGE_SHAPE``)."""

@@ -3,19 +3,9 @@ run, asking again while it runs others, and a hybrid model's ends asked about in
 
 from __future__ import annotations
 
-from support.vllm_connector import (
-    BLOCK,
-    PROMPT,
-    Instance,
-    Instances,
-    cpu_topology,
-    remote_written,
-    request,
-    simulated_remote,
-    tiers_of,
-    totals,
-)
+from support.vllm_connector import PROMPT, Instance, Instances, remote_written, request, tiers_of, totals
 from support.vllm_groups import kv_config_of
+from support.vllm_parts import BLOCK, cpu_topology, simulated_remote
 
 LATENCY_MS = 30
 """The simulated remote's latency per call: several of vLLM's steps."""

@@ -16,15 +16,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from support.vllm_connector import (
-    BLOCK,
-    PROMPT,
-    Instance,
-    Instances,
-    cpu_topology,
-    request,
-    totals,
-)
+from support.vllm_connector import PROMPT, Instance, Instances, request, totals
+from support.vllm_parts import BLOCK, cpu_topology
 from vllm.v1.request import RequestStatus
 
 from tiercache.integrations.vllm.connector.transfers import Completed, HostTransfers

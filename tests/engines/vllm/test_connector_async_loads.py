@@ -3,18 +3,9 @@ runs on, is scheduled once every worker reported its copy, and a failed one is r
 
 from __future__ import annotations
 
-from support.vllm_connector import (
-    BLOCK,
-    PROMPT,
-    Instance,
-    Instances,
-    cpu_topology,
-    remote_written,
-    request,
-    simulated_remote,
-    totals,
-)
+from support.vllm_connector import PROMPT, Instance, Instances, remote_written, request, totals
 from support.vllm_groups import kv_config_of
+from support.vllm_parts import BLOCK, cpu_topology, simulated_remote
 from vllm.v1.request import RequestStatus
 
 OTHER = list(range(600, 700))

@@ -16,23 +16,10 @@ from typing import Any
 import pytest
 import torch
 from support.lossy_pages import value_page, within_int8_bound
-from support.vllm_connector import (
-    BLOCK,
-    LAYERS,
-    NUM_BLOCKS,
-    PROMPT,
-    Instance,
-    Instances,
-    cpu_topology,
-    remote_written,
-    request,
-    simulated_remote,
-    tiers_of,
-    totals,
-    vllm_config,
-)
+from support.vllm_connector import PROMPT, Instance, Instances, remote_written, request, tiers_of, totals
 from support.vllm_groups import HEAD_SIZE as GROUP_HEAD_SIZE
 from support.vllm_groups import WINDOW_BLOCKS, kv_config_of
+from support.vllm_parts import BLOCK, LAYERS, NUM_BLOCKS, cpu_topology, simulated_remote, vllm_config
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from tiercache.codecs.levels import Level

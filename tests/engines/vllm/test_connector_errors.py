@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from support.vllm_connector import PROMPT, Instance, Instances, cpu_topology, request, tiers_of, totals
+from support.vllm_connector import PROMPT, Instance, Instances, request, tiers_of, totals
+from support.vllm_parts import cpu_topology
 
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers
 

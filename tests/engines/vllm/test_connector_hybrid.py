@@ -11,17 +11,9 @@ blocks for a sliding one (a null block there is wrong too).
 from __future__ import annotations
 
 import pytest
-from support.vllm_connector import (
-    BLOCK,
-    Instance,
-    Instances,
-    cpu_topology,
-    remote_written,
-    request,
-    simulated_remote,
-    totals,
-)
+from support.vllm_connector import Instance, Instances, remote_written, request, totals
 from support.vllm_groups import WINDOW_BLOCKS, kv_config_of
+from support.vllm_parts import BLOCK, cpu_topology, simulated_remote
 from vllm.v1.request import RequestStatus
 
 from tiercache.integrations.vllm.connector.groups import ANCHOR_WINDOWS, NULL_BLOCK

@@ -16,22 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.vllm_connector import (
+from support.vllm_connector import PROMPT, Instance, Instances, remote_written, request, totals
+from support.vllm_parts import (
     BLOCK,
     HEAD_SIZE,
     KV_HEADS,
     LAYERS,
     NUM_BLOCKS,
-    PROMPT,
-    Instance,
-    Instances,
     cpu_topology,
     kv_cache_config,
     model_dir,
-    remote_written,
-    request,
     simulated_remote,
-    totals,
     vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

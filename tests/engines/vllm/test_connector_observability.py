@@ -20,18 +20,8 @@ import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
-from support.vllm_connector import (
-    BLOCK,
-    LAYERS,
-    PROMPT,
-    Instances,
-    cpu_topology,
-    redis_remote,
-    remote_written,
-    request,
-    tiers_of,
-    totals,
-)
+from support.vllm_connector import PROMPT, Instances, remote_written, request, tiers_of, totals
+from support.vllm_parts import BLOCK, LAYERS, cpu_topology, redis_remote
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging

@@ -18,14 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.vllm_connector import (
-    LAYERS,
-    Instances,
-    cpu_topology,
-    kv_cache_config,
-    kv_tensors,
-    vllm_config,
-)
+from support.vllm_connector import Instances
+from support.vllm_parts import LAYERS, cpu_topology, kv_cache_config, kv_tensors, vllm_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
 

@@ -12,22 +12,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from support.vllm_connector import (
+from support.vllm_connector import PROMPT, Instance, Instances, page_bytes, remote_written, request, tiers_of, totals
+from support.vllm_parts import (
     BLOCK,
     LAYERS,
-    PROMPT,
-    Instance,
-    Instances,
     cpu_topology,
     fresh_store,
     kv_cache_config,
-    page_bytes,
     redis_remote,
-    remote_written,
-    request,
     simulated_remote,
-    tiers_of,
-    totals,
     vllm_config,
 )
 from vllm.v1.core.sched.scheduler import Scheduler

@@ -21,19 +21,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from support.vllm_connector import (
-    BLOCK,
-    HEAD_SIZE,
-    LAYERS,
-    PROMPT,
-    Instances,
-    cpu_topology,
-    remote_written,
-    request,
-    simulated_remote,
-    tiers_of,
-    totals,
-)
+from support.vllm_connector import PROMPT, Instances, remote_written, request, tiers_of, totals
+from support.vllm_parts import BLOCK, HEAD_SIZE, LAYERS, cpu_topology, simulated_remote
 from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheLayout, MLAAttentionSpec

@@ -11,16 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from support.checkpoints import copy_checkpoint, write_weights
-from support.vllm_connector import (
-    BLOCK,
-    PROMPT,
-    Instances,
-    cpu_topology,
-    model_dir,
-    remote_written,
-    request,
-    simulated_remote,
-)
+from support.vllm_connector import PROMPT, Instances, remote_written, request
+from support.vllm_parts import BLOCK, cpu_topology, model_dir, simulated_remote
 from support.vllm_tiers import engine_over
 
 from tiercache.testing.redis_servers import RedisServer
