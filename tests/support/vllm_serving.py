@@ -114,8 +114,12 @@ def cpu_tier() -> dict[str, Any]:
     return {"type": "cpu", "capacity_bytes": CPU_CAPACITY}
 
 
-def redis_config(url: str, *, role: str = "kv_both") -> dict[str, Any]:
-    return connector_config([cpu_tier(), {"type": "redis", "options": {"url": url}}], role=role)
+def redis_config(url: str, *, role: str = "kv_both", codec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """README's Redis line (with the connector's ``codec`` when given)."""
+    config = connector_config([cpu_tier(), {"type": "redis", "options": {"url": url}}], role=role)
+    if codec is not None:
+        config["kv_connector_extra_config"]["codec"] = codec
+    return config
 
 
 def regional_config(region_url: str, central_url: str) -> dict[str, Any]:

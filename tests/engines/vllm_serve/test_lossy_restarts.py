@@ -57,13 +57,6 @@ class Served:
     problems: list[str]
 
 
-def lossy_config(url: str, codec: dict[str, Any]) -> dict[str, Any]:
-    """The README's Redis line with ``codec``."""
-    config = redis_config(url)
-    config["kv_connector_extra_config"]["codec"] = codec
-    return config
-
-
 @pytest.fixture(scope="module", params=["int8", "compact"])
 def level(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -101,7 +94,7 @@ def servers(level: str, codec: dict[str, Any], model_dirs: dict[str, Path], logs
     """Server 1 (the level) writes; a fresh server 2 (the level) and a fresh server 3 (exact) answer the same
     prompts."""
     served = {}
-    line = lossy_config(store.url, codec)
+    line = redis_config(store.url, codec=codec)
     with serving(model_dirs["seed0"], logs / f"{level}_writer.log", kv_transfer_config=line) as one:
         served["writer"] = answer_all(one, level)
         metrics: ServerMetrics = settled(one)

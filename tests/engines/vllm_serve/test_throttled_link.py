@@ -39,12 +39,6 @@ BLOCK = 32
 LINK_BITS_PER_S = 100e6
 
 
-def coded_line(url: str, codec: dict[str, Any]) -> dict[str, Any]:
-    config = redis_config(url)
-    config["kv_connector_extra_config"]["codec"] = codec
-    return config
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     with redis_store(tmp_path_factory.mktemp("slow-link-redis")) as server:
@@ -56,7 +50,7 @@ def slow_reader(model_dirs: dict[str, Path], logs: Path, store: RedisServer,
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What the writer stored, and what the reader behind the throttled link loaded and answered."""
     tables = str(compact_tables(model_dirs["seed0"], tmp_path_factory.mktemp("slow-tables") / "tiny-llama.npz"))
-    writer_line = coded_line(store.url, {"levels": ["compact", "int8", "exact"], "tables": tables})
+    writer_line = redis_config(store.url, codec={"levels": ["compact", "int8", "exact"], "tables": tables})
     with serving(model_dirs["seed0"], logs / "slow_link_writer.log", kv_transfer_config=writer_line) as writer:
         written = {name: writer.complete(prompt, max_tokens=ANSWER_TOKENS).token_ids
                    for name, prompt in PROMPTS.items()}
@@ -64,7 +58,7 @@ def slow_reader(model_dirs: dict[str, Path], logs: Path, store: RedisServer,
         assert wait_until(lambda: int(store.cli("DBSIZE")) == 3 * stored, timeout_s=60), "three copies of each block"
     adaptive = {"levels": ["exact", "int8", "compact"], "adaptive": True, "tables": tables}
     with ThrottledLink(("127.0.0.1", store.port), LINK_BITS_PER_S, 0.0) as link, serving(
-        model_dirs["copy"], logs / "slow_link_reader.log", kv_transfer_config=coded_line(link.url, adaptive)
+        model_dirs["copy"], logs / "slow_link_reader.log", kv_transfer_config=redis_config(link.url, codec=adaptive)
     ) as reader, Counted(reader) as seen:
         answers = {name: reader.complete(prompt, max_tokens=ANSWER_TOKENS).token_ids
                    for name, prompt in PROMPTS.items()}
