@@ -45,7 +45,7 @@ from tiercache.testing.throttled_link import ThrottledLink
 from tiercache.tools.real_kv import context_kv, load_model, real_contexts
 
 PROMPT_TOKENS = 1024
-REPEATS = 3
+REPEATS = 5
 """Fresh engines per reader and link: a single restart moves by 10-15% on a small machine (the median is kept)."""
 LINKS = [(10e9, 0.0), (1e9, 0.0), (100e6, 0.0), (10e9, 0.020), (1e9, 0.020), (100e6, 0.020)]
 """(bits per second, round trip in seconds): 10 Gbit/s, 1 Gbit/s and 100 Mbit/s, with 0 and 20 ms."""
