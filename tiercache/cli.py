@@ -1,4 +1,4 @@
-"""The ``tiercache`` command: demo, simulate, inspect and stats.
+"""The ``tiercache`` command: demo, simulate, inspect, stats and tables.
 
 * ``demo``: a trained chat model (SmolLM2-135M-Instruct, built from the installed
   GGUF) answering ShareGPT conversations turn by turn, its KV reused through a
@@ -13,6 +13,10 @@
 * ``stats``: the metrics of a running manager, read from its loopback
   ``StatsServer`` (``simulate --stats-port`` starts one; an engine can too), or
   from a JSON file that ``simulate --stats-out`` wrote.
+* ``tables``: the compact level's entropy tables for a model (a Hugging Face
+  checkpoint directory), learned on its own K/V over ShareGPT conversations
+  (``tiercache.codecs.tables.learn_tables``), written where a tier's
+  ``codec.tables`` names them.
 
 The simulation core lives in ``tiercache.tools.simulate``.
 """
@@ -59,6 +63,8 @@ CHAT_QUESTION_TOKENS = (16, 400)
 CHAT_ANSWER_TOKENS = 32
 WARM_UP_SALT = "tiercache-demo-warm-up"
 """Mixed into the warm-up request's keys, so no turn reuses its blocks."""
+TABLE_CONTEXTS, TABLE_TOKENS = 24, 896
+"""What ``tables`` learns on by default: as ``benchmarks/codec.py``, whose quality table used such tables."""
 CHAT_GPU_BLOCKS = 32
 """The chat demo's GPU pool (blocks): room for the request being served, so the other chats live in the CPU tier."""
 
@@ -269,7 +275,32 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--prometheus", action="store_true", help="print the Prometheus text exposition")
     stats.add_argument("--timeout", type=float, default=FETCH_TIMEOUT_S)
     stats.set_defaults(handler=_stats)
+
+    tables = commands.add_parser("tables", help="the compact level's tables, learned on a model's own K/V")
+    tables.add_argument("model", help="a Hugging Face checkpoint directory (transformers loads it, float32)")
+    tables.add_argument("--out", required=True, help="the tables file to write (a tier's codec.tables)")
+    tables.add_argument("--contexts", type=int, default=TABLE_CONTEXTS, help="ShareGPT conversations to learn on")
+    tables.add_argument("--tokens", type=int, default=TABLE_TOKENS, help="tokens of each conversation")
+    tables.add_argument("--skip", type=int, default=0, help="usable conversations to skip first (to hold some apart)")
+    tables.set_defaults(handler=_tables)
     return parser
+
+
+def _tables(args: argparse.Namespace) -> int:
+    from tiercache.codecs.tables import learn_tables
+    from tiercache.tools.real_kv import context_kv, load_model, real_contexts
+
+    try:
+        tokenizer, model = load_model(Path(args.model))
+        contexts = real_contexts(tokenizer, args.contexts, args.tokens, skip=args.skip)
+    except (MissingPackage, ImportError, OSError, ValueError) as error:
+        print(f"tiercache tables: {error}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    tables = learn_tables(context_kv(model, ids) for ids in contexts)
+    tables.save(args.out)
+    print(f"{args.out}: tables for {tables.layers} layers x {tables.channels} channels (digest "
+          f"{tables.digest.hex()}), learned on {len(contexts)} conversations of {args.tokens} tokens")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

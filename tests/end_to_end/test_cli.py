@@ -1,4 +1,4 @@
-"""The ``tiercache`` command: demo, simulate, inspect, stats; and the simulation core."""
+"""The ``tiercache`` command: demo, simulate, inspect, stats, tables; and the simulation core."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tiercache import cli
+from tiercache.blocks.layout import KVLayout
 from tiercache.cli import main
 from tiercache.config import ConfigError, config_from_dict
 from tiercache.manager.tier_manager import TierManager
@@ -215,3 +216,24 @@ def test_inspect_keeps_columns_apart_for_a_plugin_tier_and_policy(
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a-long-tier-name"))
     columns = ["a-long-tier-name", "support.plugin_tier:DictTier", "support.plugin_policy:FifoPolicy", "write_through"]
     assert row.split()[:4] == columns
+
+
+def test_tables_learns_a_models_compact_tables_a_topology_then_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    from tiercache.codecs.coding import KVCoding
+    from tiercache.codecs.geometry import KVGeometry
+    from tiercache.codecs.levels import Level
+    from tiercache.codecs.tables import load_tables
+    from tiercache.testing.real_model import build_smollm2
+
+    out = tmp_path / "smollm2.npz"
+    assert main(["tables", str(build_smollm2()), "--out", str(out), "--contexts", "2", "--tokens", "64"]) == 0
+    tables = load_tables(out)
+    assert (tables.layers, tables.channels) == (30, 3 * 64), "SmolLM2: 30 layers, 3 KV heads of 64"
+    assert f"{out}: tables for 30 layers x 192 channels (digest {tables.digest.hex()})" in capsys.readouterr().out
+    layout = KVLayout(30, 3, 64, "float16", 16)
+    assert KVCoding(KVGeometry.of(layout), [Level.COMPACT], tables).compact is not None
+    assert main(["tables", str(tmp_path / "no-model"), "--out", str(tmp_path / "x.npz")]) == 3
+    assert "tiercache tables:" in capsys.readouterr().err and not (tmp_path / "x.npz").exists()
