@@ -18,7 +18,7 @@ from support.benchmark_runs import BENCHMARKS, NUMBER, Each, assert_shape, run_q
 
 TESTS = Path(__file__).resolve().parents[1]
 HELPERS = {"common.py", "oracle.py", "redis_ceiling.py", "gpu_connector_parts.py", "gpu_connector_async.py",
-           "restart_rows.py", "beside_batch.py"}
+           "beside_batch.py"}
 """Modules the scripts import; not benchmarks themselves."""
 ENGINE_RUNS = {
     "vllm_lookup.py": "engines/vllm/test_vllm_lookup_quick.py",
@@ -26,6 +26,7 @@ ENGINE_RUNS = {
     "vllm_serve.py": "engines/vllm_serve/test_vllm_serve_quick.py",
     "vllm_loaded.py": "engines/vllm_serve/test_vllm_loaded_quick.py",
     "codec_served.py": "engines/vllm_serve/test_codec_served_quick.py",
+    "restart_rows.py": "engines/vllm_serve/test_restart_rows_quick.py",
 }
 """Benchmarks run by an engine's suite, in its venv (``scripts/test.sh``), and the test that runs each."""
 

@@ -26,6 +26,14 @@ HANG_GUARD_S = 1800
 OUTPUT_TAIL = 4000
 
 
+RESTART_RUN = {"restart_ms": NUMBER, "local_hit_ms": NUMBER, "recompute_ms": NUMBER,
+               "restart_over_local": NUMBER, "restart_ttfts_ms": [NUMBER], "local_ttfts_ms": [NUMBER],
+               "breakdown_per_request": {"lookup_us": NUMBER, "fetch_us": NUMBER, "load_copy_us": NUMBER},
+               "external_tokens": NUMBER, "answers_equal": bool, "raw_read_ms": NUMBER, "raw_read_hot_ms": NUMBER,
+               "floor_over_local": NUMBER}
+"""One run of ``benchmarks/restart_rows.py`` (in ``vllm_serve.py``'s JSON and in its own)."""
+
+
 @dataclass(frozen=True)
 class Each:
     """A non-empty dict whose keys are free (a trace's or a configuration's name) and whose values match ``of``."""

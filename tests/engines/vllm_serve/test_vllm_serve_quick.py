@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.benchmark_runs import NUMBER, Each, assert_shape, run_quick
+from support.benchmark_runs import NUMBER, RESTART_RUN, Each, assert_shape, run_quick
 
 PASS = {"requests": int, "ttft_p50_ms": NUMBER, "ttft_p99_ms": NUMBER, "prompt_tokens": NUMBER,
         "local_hit_tokens": NUMBER, "external_hit_tokens": NUMBER, "prefill_saved": NUMBER,
@@ -16,10 +16,6 @@ OPTIONAL = (*NUMBER, type(None))
 GOALS = {"restart_redis_over_local_hit": OPTIONAL, "miss_redis_over_no_cache": OPTIONAL,
          "sliding_restart_redis_over_local_hit": OPTIONAL, "sliding_miss_redis_over_no_cache": OPTIONAL,
          "real_restart_redis_over_local_hit": OPTIONAL, "real_miss_redis_over_no_cache": OPTIONAL}
-RESTART_RUN = {"restart_ms": NUMBER, "local_hit_ms": NUMBER, "recompute_ms": NUMBER,
-               "restart_over_local": NUMBER, "restart_ttfts_ms": [NUMBER], "local_ttfts_ms": [NUMBER],
-               "breakdown_per_request": {"lookup_us": NUMBER, "fetch_us": NUMBER, "load_copy_us": NUMBER},
-               "external_tokens": NUMBER, "answers_equal": bool, "raw_read_ms": NUMBER, "floor_over_local": NUMBER}
 BESIDE = {"baseline_gap_ms": NUMBER, "gap_median_ms": NUMBER, "gap_p90_ms": NUMBER, "gap_max_ms": NUMBER,
           "hit_ttft_ms": [NUMBER], "decode_tokens": int}
 RESTARTS = {"llama": {"restart": {"runs": [RESTART_RUN], "restart_over_local_median": NUMBER,
