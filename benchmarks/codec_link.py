@@ -12,8 +12,9 @@ int8, compact) to Redis, directly. Then, for each link, the readers take turns
 (exact, int8, compact, adaptive, then again, ``--repeats`` rounds, so a machine's
 drift over minutes falls on every reader alike rather than on whichever ran
 last): each turn a fresh engine (a restart: empty pool and CPU tier) serves the
-same prompt and its time to first token is taken: the lookup, the load from Redis through the proxy with
-its decode, the prefill of what was not loaded, the first token. ``recompute``
+same prompt and its time to first token is taken: the lookup, the load from
+Redis through the proxy with its decode, the prefill of what was not loaded, the
+first token. ``recompute``
 is the engine with no remote at all. ``adaptive`` reads each chunk at the level
 the link calls for (``codec: {adaptive: true}``) with the cost model's prefill
 rate set to the one ``recompute`` measured, so it may recompute too. Writes

