@@ -1,8 +1,8 @@
 """The local tiers' bookkeeping: pure, no threads, no I/O, no bytes; tested step by step.
 
 ``slots`` (``SlotTable``: one tier's slots, keys and ref counts under the protocol of
-docs/architecture.md, "Entry state", its policy choosing victims), ``memory_tiers`` (the GPU pool
-and CPU tier read and pinned together; a lookup's pins; the engine's holds),
+docs/architecture.md, "Entry state", its policy choosing victims; ``free_slots``, its free
+list), ``memory_tiers`` (the GPU pool and CPU tier read and pinned together; a lookup's pins; the engine's holds),
 ``hierarchy`` (the GPU pool and the CPU tier filling each other: write policy,
 admission, ``exclusive``, demotions and promotions turned into moves, an
 operator's reset of the CPU tier), ``remote_writes`` (the remotes below the CPU

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from tiercache.bookkeeping.free_slots import FreeSlots
 from tiercache.policies import EvictionPolicy
 
 WRITING = -1
@@ -49,7 +50,7 @@ class SlotTable:
     def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
         self.num_slots = num_slots
         self.policy = policy
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = FreeSlots(num_slots)
         self._ref = [0] * num_slots
         self._key: list[bytes | None] = [None] * num_slots
         self._slot: dict[bytes, int] = {}

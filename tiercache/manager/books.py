@@ -70,11 +70,12 @@ class Books:
             if self.lookup.presence_cache is not None:
                 self.lookup.presence_cache.forget(asker)
 
-    def answers_in_flight(self) -> list[concurrent.futures.Future[Any]]:
-        """The presence checks in flight (to wait on without the lock)."""
+    def answer_signal(self) -> threading.Event | None:
+        """An event set once a presence check in flight answers, to wait on without the lock (None: none in
+        flight)."""
         with self.lock:
             cache = self.lookup.presence_cache
-            return cache.answers_in_flight() if cache is not None else []
+            return cache.answer_signal() if cache is not None else None
 
     def abandon(self, pins: LookupPins) -> None:
         """A Lookup was dropped unused (from its finalizer, any thread): its lower pins go at the next call."""

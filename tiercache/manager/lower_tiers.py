@@ -150,11 +150,8 @@ class LowerTiers:
     def wait_for_answers(self, timeout_s: float) -> bool:
         """Block until a presence check in flight has answered, at most ``timeout_s``; whether one had (for an
         engine with nothing else to do than wait for it, instead of asking again in a busy loop)."""
-        waiting = self._books.answers_in_flight()
-        if not waiting:
-            return False
-        done, _ = concurrent.futures.wait(waiting, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
-        return bool(done)
+        answered = self._books.answer_signal()
+        return answered is not None and answered.wait(timeout_s)
 
     def release(self, hit: HostHit) -> None:
         """Drop a hit the engine will not fetch."""

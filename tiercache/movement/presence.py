@@ -19,16 +19,24 @@ at a time, every step a request waits). ``answer`` never waits on the network:
 ``key_map`` maps the keys as asked into the keys the tiers store, on the
 background loop (an adapter asks by the engine's own block keys). Not
 thread-safe: call it from one thread at a time (the caller's lock).
+
+A call costs what it is asked about, never what is held (docs/architecture.md,
+"Presence"): a key's answer, the bound on answers no asker keeps and a settled
+batch are O(1) a key whatever the keys remembered or the batches in flight (a GPU
+server holds hundreds of requests' keys while their checks are out). Batches that
+answered are handed over by their futures' callbacks; those past ``give_up_s`` are
+found oldest first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tiercache.movement.lanes import Lane
 from tiercache.movement.runtime import Runtime
@@ -53,13 +61,45 @@ class _Batch:
     sent: float = 0.0
 
 
-@dataclass(eq=False)
+class _Askers(set):  # type: ignore[type-arg]
+    """Two or more askers keeping one key (one asker is kept as itself: most keys have one, and a set a key is
+    two hundred bytes and an object the garbage collector scans)."""
+
+
+@dataclass(eq=False, slots=True)
 class _Entry:
-    """What is known of one key: its batch until answered, then per lane its presence."""
+    """What is known of one key: its batch until answered, then per lane its presence; who keeps it."""
 
     batch: _Batch | None
     presence: tuple[Presence, ...] | None = None
-    askers: set[Hashable] = field(default_factory=set)
+    askers: Hashable | _Askers | None = None
+    """None, the one asker keeping it, or ``_Askers``."""
+
+    def kept_by(self, asker: Hashable) -> bool:
+        askers = self.askers
+        return asker in askers if isinstance(askers, _Askers) else askers is not None and askers == asker
+
+    def keep(self, asker: Hashable) -> None:
+        askers = self.askers
+        if askers is None:
+            self.askers = asker
+        elif isinstance(askers, _Askers):
+            askers.add(asker)
+        else:
+            self.askers = _Askers((askers, asker))
+
+    def let_go(self, asker: Hashable) -> None:
+        askers = self.askers
+        if isinstance(askers, _Askers):
+            askers.discard(asker)
+            if len(askers) == 1:
+                self.askers = next(iter(askers))
+        elif askers is not None and askers == asker:
+            self.askers = None
+
+    def keepers(self) -> tuple[Hashable, ...]:
+        askers = self.askers
+        return () if askers is None else tuple(askers) if isinstance(askers, _Askers) else (askers,)
 
 
 def first_holder(answers: Sequence[Sequence[Presence]], position: int) -> int | None:
@@ -89,10 +129,18 @@ class PresenceCache:
         self.give_up_s = GIVE_UP_FACTOR * max((lane.lookup_timeout_s for lane in self.lanes), default=0.0)
         self.key_map = key_map
         self.max_keys = max_keys
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: dict[bytes, _Entry] = {}
+        self._unkept: OrderedDict[bytes, None] = OrderedDict()
+        """The remembered keys no asker keeps, oldest first: the only ones ``_bound`` drops."""
         self._asked: dict[Hashable, set[bytes]] = {}
+        """Per asker, the remembered keys it keeps."""
         self._pending = _Batch([])
-        self._in_flight: list[_Batch] = []
+        self._in_flight: OrderedDict[_Batch, None] = OrderedDict()
+        """Batches sent and not yet applied, in the order they were sent (the oldest is the first to give up on)."""
+        self._landed: deque[_Batch] = deque()
+        """Batches whose answer came, appended by their futures' callbacks (any thread), applied at ``flush``."""
+        self._answered = threading.Event()
+        """Set when a batch in flight answers (``answer_signal``)."""
         self.counts: Counter[Presence] = Counter()
         """Keys answered, by their combined presence (``combined``), counted once per batch."""
 
@@ -109,7 +157,7 @@ class PresenceCache:
             assert presence is not None
             for lane, found in enumerate(presence):
                 answers[lane].append(found)
-            if not entry.askers or Presence.UNKNOWN in presence:
+            if entry.askers is None or Presence.UNKNOWN in presence:
                 self._drop(key)
         return answers
 
@@ -118,20 +166,35 @@ class PresenceCache:
         if entry is None:
             entry = self._entries[key] = _Entry(self._pending)
             self._pending.keys.append(key)
+            if asker is None:
+                self._unkept[key] = None
             self._bound()
-        if asker is not None and asker not in entry.askers:
-            entry.askers.add(asker)
+        elif asker is not None and entry.askers is None:
+            self._unkept.pop(key, None)
+        if asker is not None and not entry.kept_by(asker):
+            entry.keep(asker)
             self._asked.setdefault(asker, set()).add(key)
         return entry
 
     def flush(self) -> None:
         """Send the pending keys as one batch; settle batches that answered or passed ``give_up_s``."""
-        for batch in list(self._in_flight):
-            self._settle(batch)
+        while self._landed:
+            self._settle(self._landed.popleft())
+        now = time.monotonic()
+        while self._in_flight:
+            oldest = next(iter(self._in_flight))
+            if now - oldest.sent <= self.give_up_s or not self._settle(oldest):
+                break
         batch, self._pending = self._pending, _Batch([])
         if batch.keys:
-            batch.future, batch.sent = self.runtime.submit(self._ask(list(batch.keys))), time.monotonic()
-            self._in_flight.append(batch)
+            batch.future, batch.sent = self.runtime.submit(self._ask(list(batch.keys))), now
+            self._in_flight[batch] = None
+            batch.future.add_done_callback(lambda _, landed=batch: self._land(landed))
+
+    def _land(self, batch: _Batch) -> None:
+        """A batch's answer came (on the thread that finished it): the next ``flush`` applies it."""
+        self._landed.append(batch)
+        self._answered.set()
 
     async def _ask(self, keys: list[bytes]) -> Answers:
         stored = self.key_map(keys) if self.key_map is not None else keys
@@ -144,6 +207,8 @@ class PresenceCache:
         future = batch.future
         if future is None:
             return False
+        if batch not in self._in_flight:
+            return True  # applied already
         if future.done():
             try:
                 answers = future.result()
@@ -153,13 +218,12 @@ class PresenceCache:
             answers = [[Presence.UNKNOWN] * len(batch.keys) for _ in self.lanes]
         else:
             return False
+        del self._in_flight[batch]
         for position, key in enumerate(batch.keys):
             self.counts[combined(answers, position)] += 1
             entry = self._entries.get(key)
             if entry is not None and entry.batch is batch:
                 entry.batch, entry.presence = None, tuple(answer[position] for answer in answers)
-        if batch in self._in_flight:
-            self._in_flight.remove(batch)
         return True
 
     def mark_absent(self, keys: Sequence[bytes]) -> None:
@@ -170,31 +234,48 @@ class PresenceCache:
                 entry.presence = (Presence.ABSENT,) * len(self.lanes)
 
     def forget(self, asker: Hashable) -> None:
-        """``asker`` is done: drop what only it kept (answers in flight stay until they land)."""
+        """``asker`` is done: drop what only it kept (an answer still in flight stays, kept by no one, until read or
+        bounded)."""
         for key in self._asked.pop(asker, ()):
             entry = self._entries.get(key)
             if entry is None:
                 continue
-            entry.askers.discard(asker)
-            if not entry.askers and entry.batch is None:
+            entry.let_go(asker)
+            if entry.askers is not None:
+                continue
+            if entry.batch is None:
                 self._drop(key)
+            else:
+                self._unkept[key] = None
 
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            for asker in entry.askers:
+            self._unkept.pop(key, None)
+            for asker in entry.keepers():
                 self._asked.get(asker, set()).discard(key)
 
     def _bound(self) -> None:
-        """Drop the oldest answers no asker keeps once more than ``max_keys`` are remembered."""
-        excess = len(self._entries) - self.max_keys
-        for key in [key for key, entry in self._entries.items() if not entry.askers][: max(excess, 0)]:
-            self._drop(key)
+        """Drop the oldest answers no asker keeps while more than ``max_keys`` are remembered."""
+        while len(self._entries) > self.max_keys and self._unkept:
+            del self._entries[self._unkept.popitem(last=False)[0]]
 
-    def answers_in_flight(self) -> list[concurrent.futures.Future[Answers]]:
-        """The futures of the batches sent and not yet applied: a caller may wait on them (outside its lock), then
-        ask again."""
-        return [batch.future for batch in self._in_flight if batch.future is not None]
+    def answer_signal(self) -> threading.Event | None:
+        """An event set once a batch in flight has answered (set already if one has, not yet applied); None when
+        none is in flight. A caller waits on it outside its lock, then asks again."""
+        if not self._in_flight:
+            return None
+        self._answered.clear()  # cleared before looking, so an answer landing meanwhile still sets it
+        if self._landed:
+            self._answered.set()
+        return self._answered
+
+    def __len__(self) -> int:
+        """Keys remembered: kept by an asker, in flight, or answered and not read yet."""
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
     @property
     def busy(self) -> bool:

@@ -168,7 +168,8 @@ class HitAdmission:
 
     def _candidate_keys(self, state: RequestState, skip: int, end: int) -> list[bytes]:
         """The keys of every group's blocks from ``skip`` to ``end``: whatever end a hybrid lookup tries."""
-        return [key for group in range(len(self.geometry.groups)) for key in self.group_keys(state, group, end)[skip:]]
+        groups = range(len(self.geometry.groups))
+        return [key for group in groups for key in self.group_keys(state, group, end)[skip:end]]
 
     def _may_wait(self, fetching: Fetching) -> bool:
         """Whether a request may still be held back for its remote blocks (the topology's prefetch policy)."""
@@ -176,7 +177,8 @@ class HitAdmission:
         return waited < self.queues.prefetch_wait_s(len(fetching.fetch.items) * self.block_size)
 
     def group_keys(self, state: RequestState, group: int, blocks: int) -> list[bytes]:
-        """The keys of ``group``'s first ``blocks`` blocks of the request (the chained keys for a one-group model)."""
+        """At least the keys of ``group``'s first ``blocks`` blocks of the request, those first (the chained keys for
+        a one-group model)."""
         return state.keys.of_group(self.tiers.hasher, group, blocks, self._derive)
 
     def _group_key(self, key: bytes, group: int) -> bytes:

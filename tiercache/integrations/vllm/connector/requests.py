@@ -19,6 +19,7 @@ steps hand them out, and how far each group's stores are planned. Its keys
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,24 +42,25 @@ class RequestKeys:
     """Per group of a model of several, its blocks' keys so far (derived once, whatever the lookups tried)."""
 
     def chained(self, hasher: BlockHasher, blocks: int) -> list[bytes]:
-        """The keys of the request's first ``blocks`` full blocks (hashing only what is new)."""
+        """At least the keys of the request's first ``blocks`` full blocks, those first (hashing only what is new):
+        the chain itself, never a copy, for a running request asks every step."""
         if len(self.chain) < blocks:
             size = hasher.block_size
             new = self.request.all_token_ids[len(self.chain) * size : blocks * size]
             parent = self.chain[-1] if self.chain else None
             self.chain.extend(hasher.keys(new, self.extra, parent=parent))
-        return self.chain[:blocks]
+        return self.chain
 
     def of_group(self, hasher: BlockHasher, group: int, blocks: int, derive: Callable[[bytes, int], bytes] | None
                  ) -> list[bytes]:
-        """The keys of ``group``'s first ``blocks`` blocks (``derive``: a chained key -> the group's; None: one
-        group, whose keys are the chained ones)."""
+        """At least the keys of ``group``'s first ``blocks`` blocks, those first (``derive``: a chained key -> the
+        group's; None: one group, whose keys are the chained ones)."""
         chain = self.chained(hasher, blocks)
         if derive is None:
             return chain
         derived = self.by_group.setdefault(group, [])
-        derived.extend(derive(key, group) for key in chain[len(derived) :])
-        return derived[:blocks]
+        derived.extend(derive(key, group) for key in itertools.islice(chain, len(derived), None))
+        return derived
 
 
 @dataclass(eq=False)

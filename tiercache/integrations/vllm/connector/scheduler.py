@@ -71,6 +71,8 @@ class ConnectorScheduler:
         self.block_size = geometry.block_size
         self.requests: dict[str, RequestState] = {}
         self._in_flight: dict[int, InFlightJob] = {}
+        self._loads_out = 0
+        """Load jobs among ``_in_flight`` (asked every admission while vLLM idles: counted, never searched)."""
         self._loads: list[CopyJob] = []
         """Loads admitted since the last step's metadata."""
         self._job_ids = itertools.count()
@@ -88,7 +90,7 @@ class ConnectorScheduler:
         return self.admission.matched_tokens(self._state(request), num_computed_tokens)
 
     def _loads_in_flight(self) -> bool:
-        return any(isinstance(job, InFlightLoad) for job in self._in_flight.values())
+        return self._loads_out > 0
 
     def track(self, request: Any) -> None:
         """Keep a request tiercache does not load for (a kv_producer's): its blocks are still stored."""
@@ -120,6 +122,7 @@ class ConnectorScheduler:
         fetch = state.admitted()
         assert fetch is not None
         self._in_flight[job.job_id] = InFlightLoad(fetch=fetch, request_id=request.request_id)
+        self._loads_out += 1
         self._loads.append(job)
         self.counters.add("loaded_blocks", len(pairs))
         self.counters.add("loaded_bytes", self._bytes(job.groups))
@@ -219,6 +222,7 @@ class ConnectorScheduler:
 
     def _finish(self, job: InFlightJob) -> None:
         if isinstance(job, InFlightLoad):
+            self._loads_out -= 1
             job.fetch.release()
             if job.failed:
                 self.counters.add("failed_loads")
@@ -261,6 +265,7 @@ class ConnectorScheduler:
             if isinstance(job, InFlightLoad):
                 job.fetch.release()
         self._in_flight.clear()
+        self._loads_out = 0
         self.tiers.close()
 
     # ---- keys ----------------------------------------------------------------------------
