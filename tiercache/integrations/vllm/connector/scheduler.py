@@ -97,9 +97,13 @@ class ConnectorScheduler:
         self._state(request)
 
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
-        """vLLM allocated the request's blocks (per group): pair the offered slots with the blocks that take them."""
+        """vLLM allocated the request's blocks (per group): pair the offered slots with the blocks that take them.
+        The remotes' answers kept for its lookups go now (a preempted request that comes back asks again)."""
         state = self.requests.get(request.request_id)
-        if state is None or not isinstance(state.admission, Fetching):
+        if state is None:
+            return
+        self.tiers.forget(request.request_id)
+        if not isinstance(state.admission, Fetching):
             return
         fetching = state.admission
         count = num_external_tokens // self.block_size
@@ -244,7 +248,8 @@ class ConnectorScheduler:
         return events
 
     def finished(self, request: Any) -> None:
-        """A request finished or was aborted: what only it held goes (jobs in flight finish on their own)."""
+        """A request finished or was aborted (allocated or not): what only it held goes (jobs in flight finish on
+        their own)."""
         state = self.requests.pop(request.request_id, None)
         if state is not None:
             state.drop_admission()
