@@ -1,16 +1,18 @@
 """vLLM transfer jobs in flight on a ``RemoteStore``, each reported finished exactly once.
 
 A job is the store's future for its keys plus what vLLM's ``JobResult`` needs.
-The store's loop thread only stamps a finished job's end time (its done
-callback); the scheduler thread collects the jobs whose futures are done in
+The thread that finishes a job's future only stamps its end time and queues it
+(its done callback); the scheduler thread collects the queued jobs in
 ``finished``, so every submitted id comes back once, and only once, whatever
-the store answered, including a failure or a cancelled future at close.
+the store answered, including a failure or a cancelled future at close. A step
+costs the jobs that finished, never the jobs in flight.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import OffloadKey
@@ -41,6 +43,8 @@ class JobBook:
 
     def __init__(self) -> None:
         self._jobs: dict[int, Job] = {}
+        self._ended: deque[Job] = deque()
+        """Jobs whose futures are done, queued by their done callbacks (any thread)."""
 
     def add(
         self, job_id: int, keys: list[OffloadKey], is_promotion: bool, future: concurrent.futures.Future[list[bool]]
@@ -49,19 +53,28 @@ class JobBook:
             raise ValueError(f"job {job_id} is already in flight")
         job = Job(job_id, keys, is_promotion, future, time.monotonic())
         self._jobs[job_id] = job
-        future.add_done_callback(lambda _: setattr(job, "ended", time.monotonic()))
+        future.add_done_callback(lambda _: self._end(job))
+
+    def _end(self, job: Job) -> None:
+        job.ended = time.monotonic()
+        self._ended.append(job)
 
     def finished(self) -> list[Job]:
         """Jobs that finished since the last call (never one twice)."""
-        done = [job for job in self._jobs.values() if job.future.done()]
-        for job in done:
-            del self._jobs[job.job_id]
-            job.ended = job.ended or time.monotonic()
+        done = []
+        while self._ended:
+            job = self._ended.popleft()
+            if self._jobs.pop(job.job_id, None) is job:
+                done.append(job)
         return done
 
     def wait_all(self) -> None:
         """Block until every job in flight has finished (its result is then waiting in ``finished``)."""
-        concurrent.futures.wait([job.future for job in list(self._jobs.values())])
+        jobs = list(self._jobs.values())
+        concurrent.futures.wait([job.future for job in jobs])
+        for job in jobs:  # wait() may return before a future's callbacks ran: queue those (twice is harmless)
+            if not job.ended:
+                self._end(job)
 
     def __len__(self) -> int:
         return len(self._jobs)
