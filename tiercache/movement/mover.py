@@ -17,7 +17,9 @@ carries it in its move, so a remote's write path sends bytes without reading the
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import logging
 from collections.abc import Callable
 
 from tiercache.blocks.value_format import payload_checksum
@@ -26,6 +28,8 @@ from tiercache.movement.base import Bookkeeper
 from tiercache.movement.lanes import Lane
 from tiercache.movement.runtime import Runtime
 from tiercache.movement.swap.queue import SwapQueue
+
+log = logging.getLogger(__name__)
 
 
 class Mover:
@@ -47,7 +51,7 @@ class Mover:
 
     def dispatch(self) -> list[concurrent.futures.Future[bool]]:
         """Start every move in the outbox (call under the bookkeeping's lock); returns the copies started."""
-        copies = []
+        copies, puts = [], []
         while (move := self.outbox.take()) is not None:
             if isinstance(move, HostCopy):
                 if self.swap is None:
@@ -56,7 +60,9 @@ class Mover:
                 copy.add_done_callback(lambda done, move=move: self._copied(move, done.result()))
                 copies.append(copy)
             else:
-                self.runtime.submit(self._put(move))
+                puts.append(move)
+        if puts:  # one hand-off to the loop for them all: each wakes its thread and may take the GIL for a while
+            self.runtime.submit(self._put_all(puts))
         return copies
 
     @property
@@ -72,6 +78,13 @@ class Mover:
         if ok and self._hash_copies:
             checksums = [payload_checksum(self.views(slot)) for slot in move.cpu_slots]
         self._books.copy_done(move, ok, checksums)
+
+    async def _put_all(self, moves: list[RemotePut]) -> None:
+        """Run ``moves`` side by side, each reported on its own; a put that raised is logged."""
+        outcomes = await asyncio.gather(*(self._put(move) for move in moves), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                log.error("tiercache background put failed", exc_info=outcome)
 
     async def _put(self, move: RemotePut) -> None:
         views = [self.views(slot) for slot in move.cpu_slots]

@@ -146,7 +146,8 @@ class PresenceCache:
 
     def answer(self, keys: Sequence[bytes], asker: Hashable | None = None, *, send: bool = True) -> Answers | None:
         """Per lane, each key's presence; None while any of ``keys`` is in flight."""
-        entries = [self._entry(key, asker) for key in keys]
+        asked = None if asker is None else self._asked.setdefault(asker, set())
+        entries = [self._entry(key, asker, asked) for key in keys]
         if send:
             self.flush()
         if any(entry.presence is None and not self._settle(entry.batch) for entry in entries):
@@ -161,7 +162,8 @@ class PresenceCache:
                 self._drop(key)
         return answers
 
-    def _entry(self, key: bytes, asker: Hashable | None) -> _Entry:
+    def _entry(self, key: bytes, asker: Hashable | None, asked: set[bytes] | None) -> _Entry:
+        """The entry of ``key``, new in the pending batch if unknown, kept for ``asker`` (whose keys are ``asked``)."""
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(self._pending)
@@ -171,9 +173,9 @@ class PresenceCache:
             self._bound()
         elif asker is not None and entry.askers is None:
             self._unkept.pop(key, None)
-        if asker is not None and not entry.kept_by(asker):
+        if asked is not None and not entry.kept_by(asker):
             entry.keep(asker)
-            self._asked.setdefault(asker, set()).add(key)
+            asked.add(key)
         return entry
 
     def flush(self) -> None:

@@ -189,6 +189,8 @@ class ConnectorScheduler:
         full = min(computed, len(state.request.all_token_ids)) // self.block_size
         if not progress.stored:
             progress.stored = [0] * len(self.geometry.groups)
+        elif full <= min(progress.stored):
+            return None  # no block filled since the last store (a decode step, 15 times in 16)
         prompt_blocks = state.request.num_prompt_tokens // self.block_size
         wanted: list[_StoreBlock] = []
         for group, blocks in enumerate(progress.block_ids):
