@@ -220,27 +220,37 @@ class ConnectorScheduler:
         """Act on the jobs every worker has finished (or one has failed)."""
         if report is None:
             return
+        stores: list[InFlightStore] = []
         for counts, failed in ((report.done, False), (report.failed, True)):
             for job_id, count in counts.items():
                 job = self._in_flight.get(job_id)
                 if job is not None and job.reported(count, failed, self.world):
-                    self._finish(self._in_flight.pop(job_id))
+                    del self._in_flight[job_id]
+                    if isinstance(job, InFlightLoad):
+                        self._finish_load(job)
+                    else:
+                        stores.append(job)
+        if stores:
+            self._finish_stores(stores)
 
-    def _finish(self, job: InFlightJob) -> None:
-        if isinstance(job, InFlightLoad):
-            self._loads_out -= 1
-            job.fetch.release()
-            if job.failed:
-                self.counters.add("failed_loads")
-                state = self.requests.get(job.request_id)
-                if state is not None:
-                    state.load_failed = True
-            return
-        self.tiers.end_writes(job.keys, job.slots, [not job.failed] * len(job.keys))
+    def _finish_load(self, job: InFlightLoad) -> None:
+        self._loads_out -= 1
+        job.fetch.release()
         if job.failed:
-            self.counters.add("failed_stores")
-        elif self.events is not None:
-            self.events.extend(stored_events(job.request, job.positions, self.block_size, self.tiers.names[0]))
+            self.counters.add("failed_loads")
+            state = self.requests.get(job.request_id)
+            if state is not None:
+                state.load_failed = True
+
+    def _finish_stores(self, jobs: list[InFlightStore]) -> None:
+        """The step's stores every worker finished, committed in one call (one hand-off to the remotes' writes)."""
+        self.tiers.end_writes([key for job in jobs for key in job.keys], [slot for job in jobs for slot in job.slots],
+                              [not job.failed for job in jobs for _ in job.keys])
+        for job in jobs:
+            if job.failed:
+                self.counters.add("failed_stores")
+            elif self.events is not None:
+                self.events.extend(stored_events(job.request, job.positions, self.block_size, self.tiers.names[0]))
 
     def take_events(self) -> list[Any]:
         """The KV events since the last call."""
