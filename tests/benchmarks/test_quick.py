@@ -18,15 +18,17 @@ from support.benchmark_runs import BENCHMARKS, NUMBER, Each, assert_shape, run_q
 
 TESTS = Path(__file__).resolve().parents[1]
 HELPERS = {"common.py", "oracle.py", "redis_ceiling.py", "gpu_connector_parts.py", "gpu_connector_async.py",
-           "beside_batch.py"}
+           "beside_batch.py", "scale_vllm_parts.py"}
 """Modules the scripts import; not benchmarks themselves."""
 ENGINE_RUNS = {
     "vllm_lookup.py": "engines/vllm/test_vllm_lookup_quick.py",
+    "scale_vllm.py": "engines/vllm/test_scale_vllm_quick.py",
     "sglang_transfers.py": "engines/sglang/test_sglang_transfers_quick.py",
     "vllm_serve.py": "engines/vllm_serve/test_vllm_serve_quick.py",
     "vllm_loaded.py": "engines/vllm_serve/test_vllm_loaded_quick.py",
     "codec_served.py": "engines/vllm_serve/test_codec_served_quick.py",
     "restart_rows.py": "engines/vllm_serve/test_restart_rows_quick.py",
+    "scale_served.py": "engines/vllm_serve/test_scale_served_quick.py",
 }
 """Benchmarks run by an engine's suite, in its venv (``scripts/test.sh``), and the test that runs each."""
 
@@ -62,7 +64,24 @@ FILE_GET_COLUMNS = {"reader_threads": int, "dd_parallel_gbps": N, "tier_vs_dd_pa
 CODEC_ROW = {"level": str, "size_vs_16bit": N, "size_vs_engine_dtype": N, "perplexity_change_mean": N,
              "perplexity_change_worst": N, "top1_agreement": N, "mean_kl_nats": N, "positions": int}
 RESTART = {"ttft_s": N, "loaded_tokens": int, "computed_tokens": int, "levels": dict}
+SWEEP_LOAD = {"load_average": {"before": LOAD, "after": LOAD}, "seconds": N}
+SCALE_SWEEPS = {
+    "requests": {**SWEEP_LOAD, "rows": [{"requests": int, "blocks": int, "keys_held": int, "new_request_us": N,
+                                         "phases_us": Each(N), "step_us_per_request": N, "growth": N,
+                                         "step_growth": N, "complete": bool}]},
+    "cpu_tier": {**SWEEP_LOAD, "rows": [{"policy": str, "capacity_blocks": int, "store_us_per_block": N,
+                                         "evict_us_per_block": N, "lookup_us_per_block": N, "dict_lookup_us": N,
+                                         "growth": Each(N), "dict_growth": N}],
+                 "metadata_bytes_per_block": Each({"empty_tier": N, "filled": N, "steady": N})},
+    "redis_keys": {**SWEEP_LOAD, "rows": [{"keys_held": int, "contains_held_lane_us": N, "contains_held_raw_us": N,
+                                           "get_lane_us": N, "get_raw_us": N, "beyond_value_bytes": N}]},
+    "small_hit": {**SWEEP_LOAD, "rows": [{"block": str, "ceiling_p50_us": N, "tier_manager_ratio": N,
+                                          "lower_tiers_ratio": N}], "bulk": [dict]},
+    "events": {**SWEEP_LOAD, "rows": [{"blocks_held": int, "added_us_per_block": N, "zmq_8_events_per_s": N,
+                                       "callback_8_events_per_s": N}]},
+}
 QUICK_RUNS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "scale.py": ((), {"sweeps": SCALE_SWEEPS}),
     "codec.py": ((), {"learned": int, "judged": int, "tables_digest": str, "rows": [CODEC_ROW]}),
     "codec_link.py": ((), {"prompt_tokens": int, "block_bytes": int, "rows": [{
         "link_bits_per_s": N, "round_trip_s": N, "recompute": RESTART, "exact": RESTART, "int8": RESTART,

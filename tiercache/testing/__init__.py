@@ -15,8 +15,10 @@ converted from the GGUF an installed package ships; needs the ``real`` extra),
 ``tiny_models`` (small hybrid and
 sliding-window models built locally) and
 ``vllm_server`` (vLLM's OpenAI server as a subprocess; its ``/metrics`` and
-streamed answers parsed by ``server_formats``) and ``throttled_link`` (a TCP
-proxy with a slower link's bandwidth and round trip).
+streamed answers parsed by ``server_formats``; ``timed_scheduler``, vLLM's
+scheduler timing each step and the connector's hooks, read back by
+``step_times``) and ``throttled_link`` (a TCP proxy with a slower link's
+bandwidth and round trip).
 
 Imports from: ``common``, ``policies``, ``blocks``, ``codecs``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
 ``config``, ``remote``, ``manager``.
