@@ -185,6 +185,10 @@ class TierManager:
         if not plan:
             self._finish(transfer, 0, [])
             return transfer
+        loads = self.parts.loads
+        if loads is not None and loads.resident(plan):  # a local hit: copied from here, no hop to the loop
+            loads.run_resident(transfer, plan, lambda blocks: self._complete(transfer, blocks * self.block_size))
+            return transfer
         wait_s = self.config.queues.prefetch_wait_s(len(plan) * self.block_size)
         deadline = wait_s if 0 < wait_s < math.inf else None  # a wait of 0 settles at the next poll instead
         running = self.parts.run_load(transfer, plan, force_latest, deadline)

@@ -15,6 +15,12 @@ settles at its deadline; ``best_effort`` settles at the engine's next ``poll``. 
 or ``cancel`` ends the load after the copy in flight, with what has landed; a
 fetch still in flight then finishes in the background and its blocks stay
 cached in the CPU tier.
+
+A load whose every block is resident already (pinned in the GPU pool or the CPU
+tier: a local hit) has nothing to wait for: ``run_resident`` starts its copies
+from the caller's thread in one batch, with no hop to the background loop (a
+small one on the CPU device is copied there and then, see
+``tiercache.movement.swap.queue``), and reports when they land.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 from tiercache.bookkeeping.load_plan import LoadItem
@@ -114,6 +121,51 @@ class LoadRunner:
         self.metrics.add("all", "loaded_blocks", loaded)
         return loaded
 
+    @staticmethod
+    def resident(plan: Sequence[LoadItem]) -> bool:
+        """Every block of ``plan`` is pinned where it lies (GPU pool or CPU tier): nothing to fetch or wait for."""
+        return all(item.pinned and not item.staged for item in plan)
+
+    def run_resident(self, transfer: Transfer, plan: list[LoadItem], loaded: Callable[[int], None]) -> None:
+        """Copy a ``resident`` plan into its GPU blocks, started from the caller's thread; ``loaded(blocks)`` once
+        the copies land (on the caller's thread when they are made at once: ``SwapQueue.copies_now``)."""
+        swap = self.swap
+        if swap is None:
+            raise RuntimeError("a load into a GPU pool tiercache does not manage (fetch into the CPU tier instead)")
+        from_cpu = [item for item in plan if not item.on_gpu]
+        on_gpu = [item for item in plan if item.on_gpu]
+        slots, ids = [item.cpu_slot for item in from_cpu], [_gpu_block(item) for item in from_cpu]
+        sources, destinations = [item.place.index for item in on_gpu], [_gpu_block(item) for item in on_gpu]
+        if swap.copies_now(len(plan)):
+            ok = not from_cpu or swap.to_device_now(slots, ids)
+            ok = ok and (not on_gpu or swap.on_device_now(sources, destinations))
+            self._resident_landed(transfer, plan, ok, loaded)
+            return
+        copies = []
+        if from_cpu:
+            copy, layer_events = swap.to_device(slots, ids)
+            copies.append(copy)
+            if layer_events is not None:
+                transfer.layer_events.append(layer_events)
+        if on_gpu:
+            copies.append(swap.on_device(sources, destinations))
+        landed = _Landing(len(copies), lambda ok: self._resident_landed(transfer, plan, ok, loaded))
+        for copy in copies:
+            copy.add_done_callback(lambda done: landed.one(done.result()))
+
+    def _resident_landed(
+        self, transfer: Transfer, plan: list[LoadItem], ok: bool, loaded: Callable[[int], None]
+    ) -> None:
+        """Every copy of a resident load ended: index the blocks (or drop the pins of a failed one) and report."""
+        if ok:
+            self.books.handed_over(plan)
+        else:
+            self.books.release(plan)
+        blocks = len(plan) if ok else 0
+        transfer.progress_blocks = blocks
+        self.metrics.add("all", "loaded_blocks", blocks)
+        loaded(blocks)
+
     async def fetch(self, items: list[LoadItem], force_latest: bool) -> list[bool]:
         """Get a chunk's bytes into pinned CPU slots (GPU-resident items are ready as they are): per item,
         whether it is ready."""
@@ -187,6 +239,24 @@ class LoadRunner:
             return 0
         self.books.handed_over(items)
         return len(items)
+
+
+class _Landing:
+    """Counts the copies of one load as they end (on any thread); calls ``ended(all landed)`` after the last."""
+
+    def __init__(self, copies: int, ended: Callable[[bool], None]) -> None:
+        self._left = copies
+        self._ok = True
+        self._ended = ended
+        self._lock = threading.Lock()
+
+    def one(self, ok: bool) -> None:
+        with self._lock:
+            self._left -= 1
+            self._ok = self._ok and ok
+            last = self._left == 0
+        if last:
+            self._ended(self._ok)
 
 
 def _gpu_block(item: LoadItem) -> int:

@@ -113,9 +113,12 @@ def contiguous_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def paired_runs(sources: Sequence[int], destinations: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first source, first destination, length) runs where both sides are consecutive."""
+    """(first source, first destination, length) runs where both sides are consecutive, the pairs taken in order
+    of their source: a batch's copies are unordered, and a load's pairs often come descending on both sides (blocks
+    and slots handed out tail first), which makes one run, not one per block (on the CPU device one memcpy: four of
+    80 MiB ran at 0.6-0.7x one of 320 MiB on the 2-core host)."""
     runs: list[tuple[int, int, int]] = []
-    for source, destination in zip(sources, destinations, strict=True):
+    for source, destination in sorted(zip(sources, destinations, strict=True)):
         if runs and runs[-1][0] + runs[-1][2] == source and runs[-1][1] + runs[-1][2] == destination:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
