@@ -20,6 +20,7 @@ this answer and is never taken as "not held".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +42,10 @@ class TierNames:
     cpu: str | None
     remotes: tuple[str, ...]
 
-    @property
-    def all(self) -> list[str]:
-        return [*([self.gpu] if self.gpu else []), *([self.cpu] if self.cpu else []), *self.remotes]
+    @functools.cached_property
+    def all(self) -> tuple[str, ...]:
+        """Every tier's name, fastest first (taken once: every lookup counts its blocks under them)."""
+        return (*([self.gpu] if self.gpu else []), *([self.cpu] if self.cpu else []), *self.remotes)
 
     def of(self, place: Place) -> str:
         """The tier serving a place of a prefix."""
@@ -129,7 +131,8 @@ class PrefixLookup:
         places, verdicts, cut_blocks = self._cost_cut(keys, places)
         run, lower = self.local.prefix(places)
         pins = self.local.hold(run, lower)
-        tiers = [self.names.of(Place(Source.GPU, block)) for block in run] + [self.names.of(p) for p in lower]
+        tiers = [self.names.of(Place(Source.GPU, 0))] * len(run) if run else []
+        tiers += [self.names.of(place) for place in lower]
         tier_blocks = dict.fromkeys(self.names.all, 0)
         for name in tiers:
             tier_blocks[name] += 1

@@ -152,7 +152,7 @@ class Stack:
             lane.link = self.books
             lane.tier.on_evicted(functools.partial(self.books.evicted, lane.index))
 
-        self.names = self.tier_names.all
+        self.names = list(self.tier_names.all)
         """Every tier's name, fastest first."""
 
     async def start_remotes(self) -> None:
