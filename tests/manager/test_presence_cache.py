@@ -99,3 +99,26 @@ def test_a_batch_past_give_up_answers_could_not_tell_and_is_asked_again(opened: 
     assert all(key not in cache for key in keys), "'could not tell' was kept"
     assert tiers.lookup(keys, asker="a") is None, "the next lookup did not ask again"
     remote(tiers).unhold("contains")
+
+
+def test_lookups_that_do_not_send_share_one_batch_sent_at_the_flush(opened: list[LowerTiers]) -> None:
+    tiers, cache = _tiers(opened)
+    sim = remote(tiers)
+    prompts = [chain(tiers, 3, salt=10 + request) for request in range(5)]
+    for request, keys in enumerate(prompts):
+        assert tiers.lookup(keys, asker=request, send=False) is None
+    assert sim.calls["contains"] == 0 and cache.busy, "a lookup that does not send sent"
+    tiers.flush_presence()
+    for request, keys in enumerate(prompts):
+        tiers.release(until(lambda request=request, keys=keys: tiers.lookup(keys, asker=request, send=False)))
+    assert sim.calls["contains"] == 1, "a step's lookups were not sent as one batch"
+
+
+def test_waiting_sends_what_lookups_queued(opened: list[LowerTiers]) -> None:
+    tiers, _ = _tiers(opened)
+    keys = chain(tiers, 2, salt=20)
+    assert tiers.lookup(keys, asker="a", send=False) is None
+    assert tiers.wait_for_answers(WAIT_S), "a wait found nothing in flight: the queued check was never sent"
+    hit = tiers.lookup(keys, asker="a", send=False)
+    assert hit is not None
+    tiers.release(hit)

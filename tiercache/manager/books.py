@@ -52,17 +52,24 @@ class Books:
         mover.books = self
 
     # ---- the engine's calls ----------------------------------------------------------------
-    def find(self, keys: Sequence[bytes], *, local_only: bool, asker: Hashable | None = None) -> Found | None:
+    def find(self, keys: Sequence[bytes], *, local_only: bool, asker: Hashable | None = None, send: bool = True
+             ) -> Found | None:
         """The lookup's answer (pinned), or None while a remote's answer is in flight."""
         with self.lock:
             self._reap()
             self.metrics.add("all", "lookups")
-            return self.lookup.find(keys, local_only=local_only, asker=asker)
+            return self.lookup.find(keys, local_only=local_only, asker=asker, send=send)
 
-    def ask(self, keys: Sequence[bytes], asker: Hashable) -> None:
-        """Send the presence checks a later ``find`` by ``asker`` of any of ``keys`` will need."""
+    def ask(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = True) -> None:
+        """Send (or, without ``send``, queue) the presence checks a later ``find`` by ``asker`` of ``keys`` needs."""
         with self.lock:
-            self.lookup.ask(keys, asker)
+            self.lookup.ask(keys, asker, send=send)
+
+    def flush_presence(self) -> None:
+        """Send the presence checks queued since the last flush, as one batch."""
+        with self.lock:
+            if self.lookup.presence_cache is not None:
+                self.lookup.presence_cache.flush()
 
     def forget(self, asker: Hashable) -> None:
         """``asker`` is done: the remote answers kept only for it go."""

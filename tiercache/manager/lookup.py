@@ -109,17 +109,19 @@ class PrefixLookup:
         self.explore: Callable[[int, Sequence[bytes]], None] | None = None
         """Starts an exploration of (lane, keys) in the background (``Explorer.start``)."""
 
-    def find(self, keys: Sequence[bytes], *, local_only: bool = False, asker: Hashable | None = None) -> Found | None:
+    def find(self, keys: Sequence[bytes], *, local_only: bool = False, asker: Hashable | None = None,
+             send: bool = True) -> Found | None:
         """The prefix of ``keys`` the tiers can serve, pinned; None while a remote's answer is in flight.
 
         ``local_only``: GPU and CPU only (remote tiers count as misses), never None. ``asker``: the remote
-        answers are kept for it (a request looking up again) until the presence cache ``forget``s it.
+        answers are kept for it (a request looking up again) until the presence cache ``forget``s it. ``send``: a
+        key not asked before is sent now, else at the presence cache's next ``flush``.
         """
         places = self.local.locate(keys)
         absent: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
         missing = [key for key, place in zip(keys, places, strict=True) if place is None]
         if missing and self.presence_cache is not None and self.presence_cache.lanes and not local_only:
-            answers = self.presence_cache.answer(missing, asker)
+            answers = self.presence_cache.answer(missing, asker, send=send)
             if answers is None:
                 return None
             holders = (first_holder(answers, position) for position in range(len(missing)))
@@ -140,14 +142,14 @@ class PrefixLookup:
         learned = Learned(absent, self.remote_writes.written_clock(), tuple(verdicts), cut_blocks)
         return Found(tiers, pins, tier_blocks, learned)
 
-    def ask(self, keys: Sequence[bytes], asker: Hashable) -> None:
+    def ask(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = True) -> None:
         """Send the presence checks of the keys no local tier holds, answers kept for ``asker``: a later ``find``
         of any of them answers from memory (a request that will look up several ends asks once)."""
         if self.presence_cache is None or not self.presence_cache.lanes:
             return
         missing = [key for key, place in zip(keys, self.local.locate(keys), strict=True) if place is None]
         if missing:
-            self.presence_cache.answer(missing, asker)
+            self.presence_cache.answer(missing, asker, send=send)
 
     def commit(self, found: Found, keys: Sequence[bytes]) -> None:
         """The request goes ahead with ``found`` (its load): count its hits, tell what it learned, once."""

@@ -129,19 +129,26 @@ class LowerTiers:
             self.parts.close()
 
     # ---- the engine's calls --------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes], *, local_only: bool = False, asker: Hashable | None = None
-               ) -> HostHit | None:
+    def lookup(self, keys: Sequence[bytes], *, local_only: bool = False, asker: Hashable | None = None,
+               send: bool = True) -> HostHit | None:
         """The longest prefix of ``keys`` the CPU tier and the remotes hold; None while a remote's answer is in
         flight (ask again, or ``wait_for_answers``). Pins its CPU slots until ``fetch`` or ``release``. ``asker``
-        (a request): the remotes' answers are kept for its later lookups until ``forget``."""
-        found = self._books.find(list(keys), local_only=local_only or self._closed, asker=asker)
+        (a request): the remotes' answers are kept for its later lookups until ``forget``. ``send=False``: the
+        presence checks of keys not asked before wait for ``flush_presence`` (a scheduler step's requests then
+        share one batch and one hand-off to the background loop)."""
+        found = self._books.find(list(keys), local_only=local_only or self._closed, asker=asker, send=send)
         return None if found is None else HostHit(list(keys), found)
 
-    def ask(self, keys: Sequence[bytes], asker: Hashable) -> None:
+    def ask(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = True) -> None:
         """Start the remotes' presence checks of ``keys`` that ``asker``'s later lookups will need, in one batch
         (a request that looks up several ends of a hit asks once)."""
         if not self._closed:
-            self._books.ask(list(keys), asker)
+            self._books.ask(list(keys), asker, send=send)
+
+    def flush_presence(self) -> None:
+        """Send the presence checks lookups queued (``send=False``) since the last flush, in one batch."""
+        if not self._closed:
+            self._books.flush_presence()
 
     def forget(self, asker: Hashable) -> None:
         """``asker`` is done: the remote answers kept only for it go."""
@@ -150,7 +157,7 @@ class LowerTiers:
     def wait_for_answers(self, timeout_s: float) -> bool:
         """Block until a presence check in flight has answered, at most ``timeout_s``; whether one had (for an
         engine with nothing else to do than wait for it, instead of asking again in a busy loop)."""
-        answered = self._books.answer_signal()
+        answered = self._books.answer_signal()  # what lookups queued is sent, then waited for too
         return answered is not None and answered.wait(timeout_s)
 
     def release(self, hit: HostHit) -> None:

@@ -187,6 +187,10 @@ class PresenceCache:
             oldest = next(iter(self._in_flight))
             if now - oldest.sent <= self.give_up_s or not self._settle(oldest):
                 break
+        self._send(now)
+
+    def _send(self, now: float) -> None:
+        """Send the pending keys as one batch (nothing when none is pending)."""
         batch, self._pending = self._pending, _Batch([])
         if batch.keys:
             batch.future, batch.sent = self.runtime.submit(self._ask(list(batch.keys))), now
@@ -264,7 +268,9 @@ class PresenceCache:
 
     def answer_signal(self) -> threading.Event | None:
         """An event set once a batch in flight has answered (set already if one has, not yet applied); None when
-        none is in flight. A caller waits on it outside its lock, then asks again."""
+        none is in flight. Keys still pending are sent first. A caller waits on it outside its lock, then asks
+        again."""
+        self._send(time.monotonic())
         if not self._in_flight:
             return None
         self._answered.clear()  # cleared before looking, so an answer landing meanwhile still sets it

@@ -3,7 +3,10 @@
 For each request vLLM asks about (``get_num_new_matched_tokens``), the hit
 beyond vLLM's own prefix-cache hit, per KV-cache group (``groups``: every block
 of a full-attention group, a sliding group's window before the end; the longest
-end held whole, tried end by end, every end's presence asked in one batch).
+end held whole, tried end by end, every end's presence asked in one batch). The
+presence checks a step's lookups need are sent together when the step's metadata
+is built (``LowerTiers.flush_presence``): one batch and one hand-off to the
+background loop a step, whatever the requests arriving.
 CPU-resident blocks are pinned at once; blocks only a remote holds are read into
 CPU slots in the background while vLLM is told to ask again (``None``), as long
 as the topology's prefetch policy lets a request wait
@@ -134,14 +137,14 @@ class HitAdmission:
         geometry = self.geometry
         asker = state.request.request_id
         if geometry.hybrid and not looking.asked:  # every end it may try, in one batch of presence checks
-            self.tiers.ask(self._candidate_keys(state, looking.skip, end), asker)
+            self.tiers.ask(self._candidate_keys(state, looking.skip, end), asker, send=False)
             looking.asked = True
         while True:
             looking.end = end
             entries = hit_entries(geometry, looking.skip, end)
             keys = {group: self.group_keys(state, group, end) for group in range(len(geometry.groups))}
             hit = self.tiers.lookup([keys[entry.group][entry.position] for entry in entries], local_only=not entries,
-                                    asker=asker)
+                                    asker=asker, send=False)  # sent with the step's others (``step_metadata``)
             if hit is None:
                 return None
             if hit.num_blocks == len(entries) or (hit.num_blocks and not geometry.hybrid):

@@ -154,6 +154,7 @@ class ConnectorScheduler:
     def step_metadata(self, output: Any, *, store: bool = True) -> TierCacheConnectorMetadata:
         """This step's jobs: the loads admitted, and (``store``: not a kv_consumer) stores of the blocks this step
         fills."""
+        self.tiers.flush_presence()  # the presence checks this step's lookups queued: one batch, one hand-off
         metadata = TierCacheConnectorMetadata(loads=self._loads)
         self._loads = []
         self.admission.idle = not output.num_scheduled_tokens
