@@ -17,18 +17,19 @@ connector driven by vLLM's own scheduler and vLLM's prefix cache as the referenc
 ``.venv-vllm``); the served check with 256 requests in flight is ``scale_served.py`` (in ``.venv-vllm-cpu``).
 
 ``.venv/bin/python benchmarks/scale.py [--only requests,cpu_tier] [--quick] [--out PATH]`` prints every table and
-writes ``scale.json`` (with the load average before and after each sweep); a full run takes about 40 minutes on
-the 2-core machine, run it with nothing else running.
+writes ``scale.json`` (with the load average before and after each sweep; ``--only`` replaces those sweeps in it and
+keeps the others); a full run takes about 25 minutes on the 2-core machine, run it with nothing else running.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import time
 from typing import Any
 
-from common import arguments, parse, write_result
+from common import arguments, parse, result_path, write_result
 
 SWEEPS = ("requests", "cpu_tier", "redis_keys", "small_hit", "events")
 """The sweeps, in the order they run (``scaling.heap`` is a helper of theirs)."""
@@ -52,6 +53,9 @@ def main() -> None:
         sections[name] = section
         print(f"\n## {name} ({section['seconds']:.0f} s, load {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f})")
         print("\n".join(module.table(section)), flush=True)
+    earlier = result_path(__file__, args.out)
+    if not args.quick and earlier.exists():  # --only reruns some sweeps into the same file: keep the others
+        sections = {**json.loads(earlier.read_text()).get("sweeps", {}), **sections}
     path = write_result(__file__, {"sweeps": sections}, args.out, args.quick)
     print(f"\nwrote {path}")
 
