@@ -67,10 +67,12 @@ RESTART = {"ttft_s": N, "loaded_tokens": int, "computed_tokens": int, "levels": 
 SWEEP_LOAD = {"load_average": {"before": LOAD, "after": LOAD}, "seconds": N}
 SCALE_SWEEPS = {
     "requests": {**SWEEP_LOAD, "rows": [{"requests": int, "blocks": int, "keys_held": int, "new_request_us": N,
+                                         "reference_us": N, "reference_step_us": N,
                                          "phases_us": Each(N), "step_us_per_request": N, "growth": N,
                                          "step_growth": N, "complete": bool}]},
     "cpu_tier": {**SWEEP_LOAD, "rows": [{"policy": str, "capacity_blocks": int, "store_us_per_block": N,
-                                         "evict_us_per_block": N, "lookup_us_per_block": N, "dict_lookup_us": N,
+                                         "evict_us_per_block": N, "lookup_us_per_block": N,
+                                         "prompt_lookup_us_per_block": N, "dict_lookup_us": N,
                                          "growth": Each(N), "dict_growth": N}],
                  "metadata_bytes_per_block": Each({"empty_tier": N, "filled": N, "steady": N})},
     "redis_keys": {**SWEEP_LOAD, "rows": [{"keys_held": int, "contains_held_lane_us": N, "contains_held_raw_us": N,
