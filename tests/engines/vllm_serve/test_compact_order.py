@@ -17,7 +17,8 @@ from tiercache.integrations.vllm.connector.geometry import GroupGeometry, GroupK
 from tiercache.integrations.vllm.connector.token_order import CPU_BACKEND, TokenOrder, token_order
 
 SHAPES = [(32, 64), (32, 128), (16, 64), (32, 80)]
-"""(block size, head size): 32/64 and 32/128 run the ``vec`` kernel here, 16 and head size 80 ``vec16``."""
+"""(block size, head size): 32/64 and 32/128 run the ``vec`` kernel (``amx`` for bfloat16 on an AMX CPU), 16 and
+head size 80 ``vec16``."""
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEADS, LAYERS = 3, 2
 
@@ -54,7 +55,15 @@ def test_the_map_reads_back_what_vllms_cpu_kernel_wrote(dtype: torch.dtype, bloc
     block_pages = cache[:, 1].contiguous().flatten()  # the slot: [layer][page] of the second block
     read = block_pages[token_map.index()]
     assert torch.equal(read[:, 0], keys.flatten(-2)) and torch.equal(read[:, 1], values.flatten(-2))
-    assert isa in {"vec", "vec16"} and (isa == "vec16") == (block % 32 != 0 or head % 32 != 0)
+    assert isa == expected_isa(dtype, block, head)
+
+
+def expected_isa(dtype: torch.dtype, block: int, head: int) -> str:
+    """The x86 kernel vLLM's CPU backend runs for this shape: ``vec16`` for blocks or heads not a multiple of 32,
+    ``amx`` for bfloat16 where the CPU has AMX tiles, ``vec`` otherwise."""
+    if block % 32 or head % 32:
+        return "vec16"
+    return "amx" if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() else "vec"
 
 
 def test_a_model_the_order_cannot_describe_gets_no_map_and_a_reason() -> None:
