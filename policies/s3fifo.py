@@ -29,7 +29,11 @@ MAX_FREQUENCY = 3
 
 
 class S3FIFOPolicy(EvictionPolicy):
-    """Two resident FIFOs and a ghost FIFO (OrderedDicts, oldest first) plus one frequency map."""
+    """Two resident FIFOs and a ghost FIFO (OrderedDicts, oldest first); a resident key's value is its frequency.
+
+    The frequency rides in the FIFO that holds the key, not in a map of its own: one table fewer a resident key
+    (about 100 bytes a block at a million blocks) and one random access fewer an eviction.
+    """
 
     name = "s3fifo"
 
@@ -54,18 +58,21 @@ class S3FIFOPolicy(EvictionPolicy):
         self.main_capacity = capacity - self.small_capacity
         self.ghost_capacity = int(capacity * ghost_ratio)
         self.move_to_main_threshold = move_to_main_threshold
-        self._freq: dict[Key, int] = {}  # every resident key, small or main
-        self._small: OrderedDict[Key, None] = OrderedDict()
-        self._main: OrderedDict[Key, None] = OrderedDict()
+        self._small: OrderedDict[Key, int] = OrderedDict()  # key -> its frequency
+        self._main: OrderedDict[Key, int] = OrderedDict()
         self._ghost: OrderedDict[Key, None] = OrderedDict()
         self._ghost_hit: object = NO_KEY  # the missed key found in the ghost, until inserted
         self._has_evicted = False
 
     def access(self, key: Key) -> bool:
-        freq = self._freq.get(key)
+        fifo = self._small
+        freq = fifo.get(key)
+        if freq is None:
+            fifo = self._main
+            freq = fifo.get(key)
         if freq is not None:
             if freq < MAX_FREQUENCY:
-                self._freq[key] = freq + 1
+                fifo[key] = freq + 1  # an existing key keeps its place in its FIFO
             return True
         ghost = self._ghost
         if key in ghost:
@@ -82,15 +89,14 @@ class S3FIFOPolicy(EvictionPolicy):
         finds the small FIFO full goes to the main FIFO, so the cache fills up
         without pushing the warm-up keys through the small FIFO.
         """
-        self._freq[key] = 0
         ghost_hit = self._ghost_hit
         if ghost_hit is not NO_KEY and key == ghost_hit:
             self._ghost_hit = NO_KEY
-            self._main[key] = None
+            self._main[key] = 0
         elif not self._has_evicted and len(self._small) >= self.small_capacity:
-            self._main[key] = None
+            self._main[key] = 0
         else:
-            self._small[key] = None
+            self._small[key] = 0
 
     def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Key:
         """Evict from the main FIFO while it is over its share (or the small one is empty).
@@ -119,15 +125,14 @@ class S3FIFOPolicy(EvictionPolicy):
         A pinned cold key is rotated to the head of the small FIFO (it gets another
         pass); after a full round of pinned keys, returns NO_KEY.
         """
-        small, main, freq = self._small, self._main, self._freq
+        small, main = self._small, self._main
         threshold = self.move_to_main_threshold
         rotated = 0
         while small:
             key = next(iter(small))
-            if freq[key] >= threshold:
+            if small[key] >= threshold:
                 del small[key]
-                main[key] = None
-                freq[key] = 0  # libCacheSim re-creates the object in main: no credit carried
+                main[key] = 0  # libCacheSim re-creates the object in main: no credit carried
                 continue
             if can_evict is not None and not can_evict(key):
                 if rotated >= len(small):
@@ -136,7 +141,6 @@ class S3FIFOPolicy(EvictionPolicy):
                 rotated += 1
                 continue
             del small[key]
-            del freq[key]
             remember(self._ghost, key, self.ghost_capacity)
             return key
         return NO_KEY
@@ -147,7 +151,7 @@ class S3FIFOPolicy(EvictionPolicy):
         A pinned tail key is rotated with its frequency intact; after a full round
         of consecutive pinned keys, returns NO_KEY.
         """
-        main, freq = self._main, self._freq
+        main = self._main
         pinned_run = 0
         while main:
             key = next(iter(main))
@@ -158,24 +162,21 @@ class S3FIFOPolicy(EvictionPolicy):
                 pinned_run += 1
                 continue
             pinned_run = 0
-            count = freq[key]
+            count = main[key]
             if count:
                 main.move_to_end(key)
-                freq[key] = count - 1
+                main[key] = count - 1
                 continue
             del main[key]
-            del freq[key]
             return key
         return NO_KEY
 
     def remove(self, key: Key) -> None:
-        if self._freq.pop(key, NO_KEY) is NO_KEY:
-            return
         if self._small.pop(key, NO_KEY) is NO_KEY:
-            del self._main[key]
+            self._main.pop(key, None)
 
     def __len__(self) -> int:
-        return len(self._freq)
+        return len(self._small) + len(self._main)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._freq
+        return key in self._small or key in self._main
