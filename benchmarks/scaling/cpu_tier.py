@@ -14,7 +14,8 @@ C, on the caller's thread:
   a large table's random accesses miss the CPU's caches whatever the code).
 
 Growth is each figure at C over at the smallest C. Metadata a block: the Python objects the tier allocates
-for it (``tracemalloc``, which sees no tensor memory), the 16-byte keys' own objects (49 bytes) counted too, at
+for it (``tracemalloc``, which sees no tensor memory), the 16-byte keys' own objects (49 bytes) counted too (a
+ghost's as well: the tier is all that keeps it), at
 ``TRACED_BLOCKS`` blocks: an empty tier, once filled, and once as many more were stored, each evicting one (the
 steady state, where ARC, 2Q and S3-FIFO keep their ghosts' keys). Tracing slows a fill threefold: the largest
 size is not traced. The heap is frozen once a tier is built, as vLLM's engine core freezes its own.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import random
-import sys
 import time
 import tracemalloc
 from typing import Any
@@ -132,29 +132,27 @@ def _dict_reference(capacity: int, keys: list[bytes], lookups: int) -> float:
 
 def _metadata_bytes(policy: str, blocks: int, keys: list[bytes]) -> dict[str, float]:
     """Python bytes the tier holds a block (tracemalloc), the keys' objects included: once ``blocks`` are stored
-    (``filled``), and once as many more have been stored, each evicting one (``steady``: ghosts full)."""
+    (``filled``), and once as many more have been stored, each evicting one (``steady``: ghosts full). The keys
+    are copies made under the trace that only the tier keeps, so a ghost's key counts as the tier's."""
     gc.collect()
     tracemalloc.start()
     try:
         empty = tracemalloc.get_traced_memory()[0]
         tiers = _tiers(policy, blocks)
         sizes = {"empty_tier": tracemalloc.get_traced_memory()[0] - empty}
-        for batch in _batches(keys, 0, blocks):
-            _store(tiers, batch)
-        gc.collect()
-        sizes["filled"] = tracemalloc.get_traced_memory()[0] - empty
-        fresh = [bytes(key) for key in _evicting_keys(keys, blocks)]  # new objects: the tier keeps what it keeps
-        for batch in _batches(fresh, 0, blocks):
-            _store(tiers, batch)
-        del fresh
-        gc.collect()
-        sizes["steady"] = tracemalloc.get_traced_memory()[0] - empty
+        for phase in ("filled", "steady"):
+            source = keys[:blocks] if phase == "filled" else _evicting_keys(keys, blocks)
+            stored = [bytes(bytearray(key)) for key in source]  # new objects: the tier keeps what it keeps
+            del source
+            for batch in _batches(stored, 0, blocks):
+                _store(tiers, batch)
+            del stored, batch
+            gc.collect()
+            sizes[phase] = tracemalloc.get_traced_memory()[0] - empty
     finally:
         tracemalloc.stop()
     tiers.close()
-    key_bytes = sys.getsizeof(keys[0])
-    return {"empty_tier": sizes["empty_tier"] / blocks, "filled": sizes["filled"] / blocks + key_bytes,
-            "steady": sizes["steady"] / blocks}
+    return {name: size / blocks for name, size in sizes.items()}
 
 
 def _evicting_keys(keys: list[bytes], blocks: int) -> list[bytes]:
