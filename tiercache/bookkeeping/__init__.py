@@ -2,7 +2,8 @@
 
 ``slots`` (``SlotTable``: one tier's slots, keys and ref counts under the protocol of
 docs/architecture.md, "Entry state", its policy choosing victims; ``free_slots``, its free
-list), ``memory_tiers`` (the GPU pool and CPU tier read and pinned together; a lookup's pins; the engine's holds),
+list; ``slot_checksums``, its slots' checksums), ``memory_tiers`` (the GPU pool and CPU
+tier read and pinned together; a lookup's pins; the engine's holds),
 ``hierarchy`` (the GPU pool and the CPU tier filling each other: write policy,
 admission, ``exclusive``, demotions and promotions turned into moves, an
 operator's reset of the CPU tier), ``remote_writes`` (the remotes below the CPU

@@ -19,16 +19,14 @@ evictable before touching anything.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from tiercache.bookkeeping.free_slots import FreeSlots
+from tiercache.bookkeeping.slot_checksums import SlotChecksums
 from tiercache.policies import EvictionPolicy
 
 WRITING = -1
-CHECKSUM_BYTES = 8
-"""A slot's checksum: the 64-bit ``payload_checksum``."""
 
 
 class CapacityError(RuntimeError):
@@ -62,9 +60,7 @@ class SlotTable:
         self._reserved: dict[int, bytes] = {}  # held unbound slot -> the key the policy admitted for it
         self._reserved_slot: dict[bytes, int] = {}  # the inverse
         self._reported: set[bytes] = set()  # bound from a reservation; the holding request's access is counted
-        # Each slot's bytes' checksum, if noted (cleared on reuse): 9 bytes a slot, not a 36-byte int object a block.
-        self._checksum = array("Q", bytes(CHECKSUM_BYTES * num_slots))
-        self._noted = bytearray(num_slots)
+        self._checksums = SlotChecksums(num_slots)
         self.evictions = 0
 
     # ---- queries -------------------------------------------------------------------
@@ -107,12 +103,8 @@ class SlotTable:
 
     def occupancy(self) -> dict[str, int]:
         """Slots in all, cached, free and evictable (the tier's numbers in ``stats()``)."""
-        return {
-            "capacity_blocks": self.num_slots,
-            "cached_blocks": self.num_cached,
-            "free_blocks": self.num_free,
-            "evictable_blocks": self.num_evictable,
-        }
+        return {"capacity_blocks": self.num_slots, "cached_blocks": self.num_cached, "free_blocks": self.num_free,
+                "evictable_blocks": self.num_evictable}
 
     def touch(self, key: bytes) -> None:
         """Record a hit on a readable key with the policy."""
@@ -157,7 +149,7 @@ class SlotTable:
         slots = [self._free.pop() for _ in range(count)]
         for slot in slots:
             self._ref[slot] = 1
-            self._noted[slot] = 0
+        self._checksums.forget(slots)
         return slots, victims
 
     def _evict_one(self, incoming: bytes | None) -> tuple[bytes, int]:
@@ -201,7 +193,7 @@ class SlotTable:
             policy.insert(key)
             reserved[key] = slot = self._free.pop()
             self._ref[slot] = 1
-            self._noted[slot] = 0
+        self._checksums.forget(reserved.values())
         for key in incoming:
             self._reserved[reserved[key]] = key
         self._reserved_slot.update(reserved)
@@ -334,12 +326,11 @@ class SlotTable:
         """Record the ``payload_checksum`` of the bytes just written into a held slot (until it is reallocated)."""
         if self._ref[slot] == 0:
             raise ValueError(f"slot {slot} is not held")
-        self._checksum[slot] = checksum
-        self._noted[slot] = 1
+        self._checksums.note(slot, checksum)
 
     def checksum(self, slot: int) -> int | None:
         """The checksum noted for the slot's current bytes; None if none was."""
-        return self._checksum[slot] if self._noted[slot] else None
+        return self._checksums.get(slot)
 
     def pin(self, slot: int) -> None:
         """Add a reader; a pinned slot is never evicted."""
