@@ -31,7 +31,7 @@ from typing import Any
 
 from common import arguments, parse, write_result
 
-from tiercache.policies.lru import LRUPolicy
+from tiercache.policies import keyed_policy
 from tiercache.telemetry.mrc import DEFAULT_MULTIPLES, MissRatioCurve
 from tiercache.testing.mrc_reference import block_key, exact_lru_curve, zipf_keys
 from tiercache.testing.policy_traces import zipf, zipf_with_scans
@@ -109,7 +109,7 @@ def accuracy(keys: list[bytes], exact: dict[int, dict[float, float]], seeds: int
 
 
 def time_lru(keys: list[bytes], capacity: int) -> float:
-    policy = LRUPolicy(capacity)
+    policy = keyed_policy("lru", capacity)
     access, evict, insert = policy.access, policy.evict, policy.insert
     start = time.perf_counter()
     for key in keys:

@@ -55,7 +55,7 @@ from common import arguments, parse, result_path
 from tiercache.blocks.keys import BlockHasher, Namespace
 from tiercache.config import config_from_dict
 from tiercache.manager.tier_manager import TierManager
-from tiercache.policies import POLICIES, make_policy
+from tiercache.policies import POLICIES, keyed_policy
 from tiercache.testing.policy_traces import write_oracle_general
 from tiercache.testing.real_model import build_smollm2
 from tiercache.tools.conversations import sharegpt_turn_tokens
@@ -183,7 +183,7 @@ def policy_alone_saved(requests: list[list[int]], policy: str, capacity: float) 
     access before a victim is picked (libCacheSim's order), and never evicts a block of the
     request itself (the engine holds them).
     """
-    cache = make_policy(policy, int(capacity))
+    cache = keyed_policy(policy, int(capacity))
     saved = 0
     for request in requests:
         saved += next((i for i, block in enumerate(request) if block not in cache), len(request))

@@ -27,7 +27,7 @@ import cachetools
 import libcachesim as lcs
 from common import arguments, parse, result_path
 
-from tiercache.policies import make_policy
+from tiercache.policies import keyed_policy
 from tiercache.testing.policy_traces import TRACES, Trace, write_oracle_general
 
 POLICY_NAMES = ("lru", "arc", "s3fifo", "twoq")
@@ -58,7 +58,7 @@ QUICK_ARGUMENTS = {"requests": 2_000, "repeat": 1}
 
 def replay(policy_name: str, trace: Trace, size: int) -> tuple[float, float]:
     """Miss ratio and seconds of one replay of ``trace`` through our policy."""
-    policy = make_policy(policy_name, size)
+    policy = keyed_policy(policy_name, size)
     access, evict, insert = policy.access, policy.evict, policy.insert
     misses = 0
     start = time.perf_counter()

@@ -12,6 +12,7 @@ from typing import Any
 
 from tiercache.common.plugins import PluginError, find_class
 from tiercache.policies.base import EvictionPolicy
+from tiercache.policies.keyed import KeyedPolicy
 
 POLICIES: dict[str, str] = {
     "lru": "tiercache.policies.lru:LRUPolicy",
@@ -31,8 +32,13 @@ def policy_class(name: str) -> type[EvictionPolicy]:
 
 
 def make_policy(name: str, capacity: int, **options: Any) -> EvictionPolicy:
-    """Instantiate the policy ``name`` (registered or a module path) for ``capacity`` resident keys."""
+    """Instantiate the policy ``name`` (registered or a module path) for ``capacity`` entries (a tier's slots)."""
     return policy_class(name)(capacity, **options)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "PluginError", "make_policy", "policy_class"]
+def keyed_policy(name: str, capacity: int, **options: Any) -> KeyedPolicy:
+    """The policy ``name`` for ``capacity`` resident keys, driven by keys alone (no slots)."""
+    return KeyedPolicy(make_policy(name, capacity, **options))
+
+
+__all__ = ["POLICIES", "EvictionPolicy", "KeyedPolicy", "PluginError", "keyed_policy", "make_policy", "policy_class"]

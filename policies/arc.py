@@ -8,7 +8,7 @@ so the cache adapts between recency (scans stay in T1) and frequency.
 The paper's steps map onto the interface like this (libCacheSim's ARC does the
 same, so the two agree request for request):
 
-- ``access`` is cases I-III: a hit moves the key to T2's MRU end; a ghost hit
+- ``hit`` and ``miss`` are cases I-III: a hit moves the entry to T2's MRU end; a ghost hit
   adapts ``p`` (up by max(|B2| / |B1|, 1) for a B1 hit, down by
   max(|B1| / |B2|, 1) for a B2 hit, clamped to [0, c]) and drops the ghost,
   leaving the key to be admitted into T2. ``p`` and the deltas are real numbers,
@@ -16,77 +16,77 @@ same, so the two agree request for request):
 - ``evict`` is REPLACE for that ghost hit, or case IV's parts A and B for a
   miss in all four lists (trim a ghost list, then REPLACE; or drop T1's LRU
   outright when T1 fills the whole cache).
-- ``insert`` puts the key at T1's MRU end, or T2's after a ghost hit.
+- ``insert`` puts the entry at T1's MRU end, or T2's after a ghost hit.
+
+B1 and B2 hold fingerprints of keys, not keys (``policies/ghosts.py``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from tiercache.policies.base import CanEvict, Key
-from tiercache.policies.lru import NO_KEY, TwoListPolicy, oldest_evictable
+from tiercache.policies.base import CanEvict, Entry, Key
+from tiercache.policies.ghosts import Ghosts
+from tiercache.policies.lists import NOT_LISTED
+from tiercache.policies.lru import TwoListPolicy, oldest_evictable
 
 MIN_ADAPTATION = 1
 """The smallest step of ``p`` on a ghost hit (the paper's delta is at least 1)."""
 
+T1, T2 = 0, 1
+"""The resident lists."""
+B1, B2 = 0, 1
+"""The ghost lists."""
+
 
 class ARCPolicy(TwoListPolicy):
-    """Four LRU lists (OrderedDicts, oldest first) and the adaptive T1 target ``p``."""
+    """Four LRU lists (T1 and T2 of entries, B1 and B2 of ghosts, oldest first) and the adaptive T1 target ``p``."""
 
     name = "arc"
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.p = 0.0  # target size of T1 in blocks, adapted by ghost hits: 0 <= p <= capacity
-        self._t1: OrderedDict[Key, None] = OrderedDict()
-        self._t2: OrderedDict[Key, None] = OrderedDict()
-        self._b1: OrderedDict[Key, None] = OrderedDict()
-        self._b2: OrderedDict[Key, None] = OrderedDict()
-        self._resident = (self._t1, self._t2)
-        # The key whose miss hit a ghost list, until it is inserted (into T2),
-        # which list it was in, and whether its REPLACE is still to be done.
-        self._ghost_hit: object = NO_KEY
+        self._ghosts = Ghosts(2, expected=capacity)
+        # The fingerprint of the key whose miss hit a ghost list, until it is inserted
+        # (into T2), which list it was in, and whether its REPLACE is still to be done.
+        self._ghost_hit: int | None = None
         self._ghost_hit_in_b2 = False
         self._replace_pending = False
         self._room_made = False  # an evict ran since the last insert: no ghost to trim
 
-    def access(self, key: Key) -> bool:
-        t1 = self._t1
-        if key in t1:
-            del t1[key]
-            self._t2[key] = None
-            return True
-        t2 = self._t2
-        if key in t2:
-            t2.move_to_end(key)
-            return True
-        b1, b2 = self._b1, self._b2
-        if key in b1:
-            delta = max(len(b2) / len(b1), MIN_ADAPTATION)
-            self.p = min(self.p + delta, float(self.capacity))
-            del b1[key]
-            self._ghost_hit, self._ghost_hit_in_b2, self._replace_pending = key, False, True
-        elif key in b2:
-            delta = max(len(b1) / len(b2), MIN_ADAPTATION)
-            self.p = max(self.p - delta, 0.0)
-            del b2[key]
-            self._ghost_hit, self._ghost_hit_in_b2, self._replace_pending = key, True, True
-        else:
-            self._ghost_hit = NO_KEY
-        return False
+    def list_lengths(self) -> tuple[int, int, int, int]:
+        """|T1|, |T2|, |B1|, |B2| (the bounds the paper proves)."""
+        resident, ghosts = self._resident, self._ghosts
+        return resident.length(T1), resident.length(T2), ghosts.length(B1), ghosts.length(B2)
 
-    def insert(self, key: Key) -> None:
-        ghost_hit = self._ghost_hit
-        if ghost_hit is not NO_KEY and key == ghost_hit:
-            self._ghost_hit = NO_KEY
+    def hit(self, entry: Entry) -> None:
+        self._resident.move_to_end(entry, T2)
+
+    def miss(self, key: Key) -> None:
+        ghosts = self._ghosts
+        b1, b2 = ghosts.length(B1), ghosts.length(B2)
+        fingerprint = hash(key)
+        found = ghosts.take(fingerprint)
+        if found == NOT_LISTED:
+            self._ghost_hit = None
+            return
+        if found == B1:
+            self.p = min(self.p + max(b2 / b1, MIN_ADAPTATION), float(self.capacity))
+        else:
+            self.p = max(self.p - max(b1 / b2, MIN_ADAPTATION), 0.0)
+        self._ghost_hit, self._ghost_hit_in_b2, self._replace_pending = fingerprint, found == B2, True
+
+    def insert(self, entry: Entry, key: Key) -> None:
+        fingerprint = hash(key)
+        if fingerprint == self._ghost_hit:
+            self._ghost_hit = None
             self._replace_pending = False
-            self._t2[key] = None
+            self._admit(T2, entry, fingerprint)
             return
         if self._room_made:
             self._room_made = False
         else:
             self._trim_ghosts()
-        self._t1[key] = None
+        self._admit(T1, entry, fingerprint)
 
     def _trim_ghosts(self) -> None:
         """Keep |T1| + |B1| < c and the directory < 2c before an insert into T1.
@@ -95,58 +95,41 @@ class ARCPolicy(TwoListPolicy):
         list); an insert into room made otherwise (a ``remove``, or the second
         insert after evicting a batch) trims here instead.
         """
-        t1, b1, b2 = self._t1, self._b1, self._b2
-        if b1 and len(t1) + len(b1) >= self.capacity:
-            b1.popitem(last=False)
-        elif b2 and len(t1) + len(self._t2) + len(b1) + len(b2) >= 2 * self.capacity:
-            b2.popitem(last=False)
+        t1, t2, b1, b2 = self.list_lengths()
+        if b1 and t1 + b1 >= self.capacity:
+            self._ghosts.pop_oldest(B1)
+        elif b2 and t1 + t2 + b1 + b2 >= 2 * self.capacity:
+            self._ghosts.pop_oldest(B2)
 
-    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Key:
+    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Entry:
         self._room_made = True
-        t1, t2, b1 = self._t1, self._t2, self._b1
-        if self._replace_pending and incoming == self._ghost_hit:
+        t1, t2, b1, b2 = self.list_lengths()
+        if self._replace_pending and incoming is not None and hash(incoming) == self._ghost_hit:
             self._replace_pending = False
             hit_in_b2 = self._ghost_hit_in_b2
         else:  # case IV: a miss in all four lists
             hit_in_b2 = False
-            capacity = self.capacity
-            if len(t1) + len(b1) >= capacity:  # case A: L1 = T1 + B1 holds c pages
+            if t1 + b1 >= self.capacity:  # case A: L1 = T1 + B1 holds c pages
                 if not b1:  # T1 is the whole cache: its LRU page leaves without a ghost
-                    return self._pop_evictable(((t1, None), (t2, None)), can_evict)
-                b1.popitem(last=False)
-            else:  # case B: trim B2 if the directory is full
-                b2 = self._b2
-                if b2 and len(t1) + len(t2) + len(b1) + len(b2) >= 2 * capacity:
-                    b2.popitem(last=False)
+                    return self._pop_evictable(((T1, None), (T2, None)), can_evict)
+                self._ghosts.pop_oldest(B1)
+            elif b2 and t1 + t2 + b1 + b2 >= 2 * self.capacity:  # case B: trim B2 if the directory is full
+                self._ghosts.pop_oldest(B2)
         # REPLACE: demote T1's LRU page to B1 if T1 exceeds its target p (or meets
         # it on a B2 hit), else T2's to B2; an empty T2 also picks T1 (libCacheSim).
-        n1 = len(t1)
-        from_t1 = (n1 and (n1 > self.p or (n1 == self.p and hit_in_b2))) or not t2
-        if can_evict is None:
-            if from_t1:
-                key = t1.popitem(last=False)[0]
-                b1[key] = None
-            else:
-                key = t2.popitem(last=False)[0]
-                self._b2[key] = None
-            return key
-        b2 = self._b2
-        return self._pop_evictable(((t1, b1), (t2, b2)) if from_t1 else ((t2, b2), (t1, b1)), can_evict)
+        from_t1 = (t1 and (t1 > self.p or (t1 == self.p and hit_in_b2))) or not t2
+        return self._pop_evictable(((T1, B1), (T2, B2)) if from_t1 else ((T2, B2), (T1, B1)), can_evict)
 
-    @staticmethod
-    def _pop_evictable(
-        lists: tuple[tuple[OrderedDict[Key, None], OrderedDict[Key, None] | None], ...],
-        can_evict: CanEvict | None,
-    ) -> Key:
-        """Move the oldest evictable key of the first list that has one to its ghost list.
+    def _pop_evictable(self, lists: tuple[tuple[int, int | None], ...], can_evict: CanEvict | None) -> Entry:
+        """Move the oldest evictable entry of the first list that has one to its ghost list (None: no ghost).
 
-        Pinned keys are stepped over in place; a ghost list of None drops the key.
+        Pinned entries are stepped over in place.
         """
         for resident, ghosts in lists:
-            key = oldest_evictable(resident, can_evict)
-            if key is not None:
-                del resident[key]
+            entry = oldest_evictable(self._resident, resident, can_evict)
+            if entry >= 0:
+                self._resident.unlink(entry)
                 if ghosts is not None:
-                    ghosts[key] = None
-                return key
-        raise LookupError("arc: every resident key is pinned")
+                    self._ghosts.append(ghosts, self._fingerprints[entry])
+                return entry
+        raise LookupError("arc: every resident entry is pinned")

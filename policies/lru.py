@@ -1,103 +1,115 @@
-"""Least-recently-used: evict the key whose last access is oldest; and the pieces of the policies built from
-LRU/FIFO lists (ARC, 2Q, S3-FIFO)."""
+"""Least-recently-used: evict the entry whose last request is oldest; and the piece the policies built from LRU and
+FIFO lists share (ARC, 2Q, S3-FIFO): the oldest evictable entry of a list."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
+from collections.abc import Iterator
 
-from tiercache.policies.base import CanEvict, EvictionPolicy, Key
+from tiercache.policies.base import CanEvict, Entry, EvictionPolicy, Key
+from tiercache.policies.ghosts import Ghosts
+from tiercache.policies.lists import NOT_LISTED, EntryLists
 
-NO_KEY: object = object()
-"""Marks 'no key' where any hashable, even None, may be a key (a pending ghost hit, an absent entry)."""
+RESIDENT = 0
+"""The one list of an LRU policy."""
 
 
-class LRUPolicy(OrderedDict[Key, None], EvictionPolicy):
-    """The resident keys themselves, as an OrderedDict in recency order (oldest first).
-
-    Being the OrderedDict, rather than holding one, makes ``len(policy)``,
-    ``key in policy`` and ``insert`` (OrderedDict.setdefault) C calls with no
-    Python frame: a miss in the access-evict-insert loop runs two Python methods
-    instead of five. Equality, hashing and repr stay those of an object.
-    """
+class LRUPolicy(EvictionPolicy):
+    """The resident entries in one linked list in recency order (oldest first)."""
 
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
-        OrderedDict.__init__(self)
-        EvictionPolicy.__init__(self, capacity)
+        super().__init__(capacity)
+        self._order = EntryLists(capacity, 1)
 
-    def access(self, key: Key) -> bool:
-        if key in self:
-            self.move_to_end(key)
-            return True
-        return False
+    def hit(self, entry: Entry) -> None:
+        self._order.move_to_end(entry, RESIDENT)
 
-    # insert(key) -> None: setdefault adds an absent key at the MRU end, valued None.
-    insert = OrderedDict.setdefault
+    def miss(self, key: Key) -> None:
+        """LRU keeps no ghosts: nothing to learn from a miss."""
 
-    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Key:
-        if can_evict is None:
-            return self.popitem(last=False)[0]
-        key = oldest_evictable(self, can_evict)
-        if key is None:
-            raise LookupError("lru: every resident key is pinned")
-        del self[key]
-        return key
+    def insert(self, entry: Entry, key: Key) -> None:
+        self._order.append(RESIDENT, entry)
 
-    def remove(self, key: Key) -> None:
-        self.pop(key, None)
+    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Entry:
+        entry = oldest_evictable(self._order, RESIDENT, can_evict)
+        if entry < 0:
+            raise LookupError("lru: every resident entry is pinned")
+        self._order.unlink(entry)
+        return entry
 
-    __eq__ = object.__eq__
-    __ne__ = object.__ne__
-    __hash__ = object.__hash__
+    def remove(self, entry: Entry) -> None:
+        self._order.unlink(entry)
+
+    def swap(self, first: Entry, second: Entry) -> None:
+        self._order.exchange(first, second)
+
+    def __len__(self) -> int:
+        return self._order.length(RESIDENT)
+
+    def __contains__(self, entry: object) -> bool:
+        return isinstance(entry, int) and 0 <= entry < self.capacity and self._order.list_of(entry) != NOT_LISTED
+
+    def __iter__(self) -> Iterator[Entry]:
+        return self._order.entries(RESIDENT)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(capacity={self.capacity}, resident={len(self)})"
 
 
-def oldest_evictable(order: OrderedDict[Key, None], can_evict: CanEvict | None) -> Key | None:
-    """The oldest key of ``order`` that ``can_evict`` allows (None if none); ``order`` is unchanged.
+def oldest_evictable(lists: EntryLists, number: int, can_evict: CanEvict | None) -> Entry:
+    """The oldest entry of list ``number`` that ``can_evict`` allows (-1 if none); the list is unchanged.
 
-    Pinned keys are stepped over in place, so their position is kept; one pass at most.
-    Shared by the policies built from LRU/FIFO lists (ARC, 2Q).
+    Pinned entries are stepped over in place, so their position is kept; one pass at most.
     """
     if can_evict is None:
-        return next(iter(order), None)
-    for key in order:
-        if can_evict(key):
-            return key
-    return None
+        return lists.oldest(number)
+    for entry in lists.entries(number):
+        if can_evict(entry):
+            return entry
+    return -1
 
 
 class TwoListPolicy(EvictionPolicy):
-    """A policy whose resident keys are split between two ordered lists (ARC's T1 and T2, 2Q's A1in and Am).
+    """A policy whose resident entries are split between two lists (ARC's T1 and T2, 2Q's A1in and Am), each
+    entry with its key's fingerprint for the ghost list it may join (``policies/ghosts.py``)."""
 
-    The subclass sets ``_resident`` to its two lists; its ghost lists are its own and are never resident.
-    """
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._resident = EntryLists(capacity, 2)
+        self._fingerprints = array("q", bytes(8 * capacity))
 
-    _resident: tuple[OrderedDict[Key, None], OrderedDict[Key, None]]
+    def _admit(self, number: int, entry: Entry, fingerprint: int) -> None:
+        self._resident.append(number, entry)
+        self._fingerprints[entry] = fingerprint
 
-    def remove(self, key: Key) -> None:
-        first, second = self._resident
-        if first.pop(key, NO_KEY) is NO_KEY:
-            second.pop(key, None)
+    def remove(self, entry: Entry) -> None:
+        self._resident.unlink(entry)
+
+    def swap(self, first: Entry, second: Entry) -> None:
+        self._resident.exchange(first, second)
+        fingerprints = self._fingerprints
+        fingerprints[first], fingerprints[second] = fingerprints[second], fingerprints[first]
 
     def __len__(self) -> int:
-        first, second = self._resident
-        return len(first) + len(second)
+        return self._resident.length(0) + self._resident.length(1)
 
-    def __contains__(self, key: object) -> bool:
-        first, second = self._resident
-        return key in first or key in second
+    def __contains__(self, entry: object) -> bool:
+        return isinstance(entry, int) and 0 <= entry < self.capacity and self._resident.list_of(entry) != NOT_LISTED
+
+    def __iter__(self) -> Iterator[Entry]:
+        yield from self._resident.entries(0)
+        yield from self._resident.entries(1)
 
 
-def remember(ghosts: OrderedDict[Key, None], key: Key, capacity: int) -> None:
-    """Append ``key`` to a ghost FIFO of ``capacity`` keys, dropping the oldest if full.
+def remember(ghosts: Ghosts, fingerprint: int, capacity: int) -> None:
+    """Append ``fingerprint`` to ghost list 0, a FIFO of ``capacity``, dropping the oldest if full.
 
     Shared by S3-FIFO's ghost queue and 2Q's A1out; a capacity of 0 keeps nothing.
     """
     if not capacity:
         return
-    if len(ghosts) >= capacity:
-        ghosts.popitem(last=False)
-    ghosts[key] = None
+    if ghosts.length(0) >= capacity:
+        ghosts.pop_oldest(0)
+    ghosts.append(0, fingerprint)

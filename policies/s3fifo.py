@@ -14,26 +14,25 @@ from the paper's pseudo-code: before the first eviction a key that finds the
 small FIFO full goes to main (``insert``); one ``evict`` removes exactly one
 key, so a promotion lets main overflow until the next call instead of evicting
 from it at once (``evict``); and a key promoted from small starts in main with
-frequency 0.
+frequency 0. The ghost FIFO holds fingerprints of keys, not keys (``policies/ghosts.py``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from tiercache.policies.base import CanEvict, EvictionPolicy, Key
-from tiercache.policies.lru import NO_KEY, remember
+from tiercache.policies.base import CanEvict, Entry, Key
+from tiercache.policies.ghosts import Ghosts
+from tiercache.policies.lists import NOT_LISTED
+from tiercache.policies.lru import TwoListPolicy, remember
 
 MAX_FREQUENCY = 3
 """Access counts saturate here (a 2-bit counter, as in the paper)."""
 
+SMALL, MAIN = 0, 1
+"""The resident FIFOs."""
 
-class S3FIFOPolicy(EvictionPolicy):
-    """Two resident FIFOs and a ghost FIFO (OrderedDicts, oldest first); a resident key's value is its frequency.
 
-    The frequency rides in the FIFO that holds the key, not in a map of its own: one table fewer a resident key
-    (about 100 bytes a block at a million blocks) and one random access fewer an eviction.
-    """
+class S3FIFOPolicy(TwoListPolicy):
+    """Two resident FIFOs of entries, each entry's frequency in a byte, and a ghost FIFO (oldest first)."""
 
     name = "s3fifo"
 
@@ -58,47 +57,40 @@ class S3FIFOPolicy(EvictionPolicy):
         self.main_capacity = capacity - self.small_capacity
         self.ghost_capacity = int(capacity * ghost_ratio)
         self.move_to_main_threshold = move_to_main_threshold
-        self._small: OrderedDict[Key, int] = OrderedDict()  # key -> its frequency
-        self._main: OrderedDict[Key, int] = OrderedDict()
-        self._ghost: OrderedDict[Key, None] = OrderedDict()
-        self._ghost_hit: object = NO_KEY  # the missed key found in the ghost, until inserted
+        self._fifos = self._resident
+        self._frequency = bytearray(capacity)
+        self._ghost = Ghosts(1, expected=self.ghost_capacity)
+        self._ghost_hit: int | None = None  # the fingerprint of the missed key found in the ghost, until inserted
         self._has_evicted = False
 
-    def access(self, key: Key) -> bool:
-        fifo = self._small
-        freq = fifo.get(key)
-        if freq is None:
-            fifo = self._main
-            freq = fifo.get(key)
-        if freq is not None:
-            if freq < MAX_FREQUENCY:
-                fifo[key] = freq + 1  # an existing key keeps its place in its FIFO
-            return True
-        ghost = self._ghost
-        if key in ghost:
-            del ghost[key]
-            self._ghost_hit = key
-        else:
-            self._ghost_hit = NO_KEY
-        return False
+    def hit(self, entry: Entry) -> None:
+        frequency = self._frequency
+        if frequency[entry] < MAX_FREQUENCY:
+            frequency[entry] += 1  # an entry keeps its place in its FIFO
 
-    def insert(self, key: Key) -> None:
+    def miss(self, key: Key) -> None:
+        fingerprint = hash(key)
+        self._ghost_hit = fingerprint if self._ghost.take(fingerprint) != NOT_LISTED else None
+
+    def insert(self, entry: Entry, key: Key) -> None:
         """Admit ``key`` into the small FIFO, or the main FIFO after a ghost hit.
 
         As in libCacheSim (not in the paper): until the first eviction, a key that
         finds the small FIFO full goes to the main FIFO, so the cache fills up
         without pushing the warm-up keys through the small FIFO.
         """
-        ghost_hit = self._ghost_hit
-        if ghost_hit is not NO_KEY and key == ghost_hit:
-            self._ghost_hit = NO_KEY
-            self._main[key] = 0
-        elif not self._has_evicted and len(self._small) >= self.small_capacity:
-            self._main[key] = 0
+        fingerprint = hash(key)
+        if fingerprint == self._ghost_hit:
+            self._ghost_hit = None
+            fifo = MAIN
+        elif not self._has_evicted and self._fifos.length(SMALL) >= self.small_capacity:
+            fifo = MAIN
         else:
-            self._small[key] = 0
+            fifo = SMALL
+        self._admit(fifo, entry, fingerprint)
+        self._frequency[entry] = 0
 
-    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Key:
+    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Entry:
         """Evict from the main FIFO while it is over its share (or the small one is empty).
 
         The paper evicts from the small FIFO when it holds at least its share; in a
@@ -107,76 +99,72 @@ class S3FIFOPolicy(EvictionPolicy):
         removes exactly one key and the main FIFO's overflow is the next victim.
         """
         self._has_evicted = True
-        if len(self._main) > self.main_capacity or not self._small:
+        fifos = self._fifos
+        if fifos.length(MAIN) > self.main_capacity or not fifos.length(SMALL):
             victim = self._evict_main(can_evict)
-            if victim is NO_KEY:
+            if victim < 0:
                 victim = self._evict_small(can_evict)
         else:
             victim = self._evict_small(can_evict)
-            if victim is NO_KEY:
+            if victim < 0:
                 victim = self._evict_main(can_evict)
-        if victim is NO_KEY:
-            raise LookupError("s3fifo: every resident key is pinned")
+        if victim < 0:
+            raise LookupError("s3fifo: every resident entry is pinned")
         return victim
 
-    def _evict_small(self, can_evict: CanEvict | None) -> object:
-        """Promote accessed tail keys to main; evict the first cold one into the ghost.
+    def _evict_small(self, can_evict: CanEvict | None) -> Entry:
+        """Promote accessed tail entries to main; evict the first cold one into the ghost.
 
-        A pinned cold key is rotated to the head of the small FIFO (it gets another
-        pass); after a full round of pinned keys, returns NO_KEY.
+        A pinned cold entry is rotated to the head of the small FIFO (it gets another
+        pass); after a full round of pinned entries, returns -1.
         """
-        small, main = self._small, self._main
+        fifos, frequency = self._fifos, self._frequency
         threshold = self.move_to_main_threshold
         rotated = 0
-        while small:
-            key = next(iter(small))
-            if small[key] >= threshold:
-                del small[key]
-                main[key] = 0  # libCacheSim re-creates the object in main: no credit carried
+        while fifos.length(SMALL):
+            entry = fifos.oldest(SMALL)
+            if frequency[entry] >= threshold:
+                fifos.move_to_end(entry, MAIN)
+                frequency[entry] = 0  # libCacheSim re-creates the object in main: no credit carried
                 continue
-            if can_evict is not None and not can_evict(key):
-                if rotated >= len(small):
-                    return NO_KEY
-                small.move_to_end(key)
+            if can_evict is not None and not can_evict(entry):
+                if rotated >= fifos.length(SMALL):
+                    return -1
+                fifos.move_to_end(entry, SMALL)
                 rotated += 1
                 continue
-            del small[key]
-            remember(self._ghost, key, self.ghost_capacity)
-            return key
-        return NO_KEY
+            fifos.unlink(entry)
+            remember(self._ghost, self._fingerprints[entry], self.ghost_capacity)
+            return entry
+        return -1
 
-    def _evict_main(self, can_evict: CanEvict | None) -> object:
-        """CLOCK over the main FIFO: reinsert accessed tail keys (frequency - 1), evict a cold one.
+    def _evict_main(self, can_evict: CanEvict | None) -> Entry:
+        """CLOCK over the main FIFO: reinsert accessed tail entries (frequency - 1), evict a cold one.
 
-        A pinned tail key is rotated with its frequency intact; after a full round
-        of consecutive pinned keys, returns NO_KEY.
+        A pinned tail entry is rotated with its frequency intact; after a full round
+        of consecutive pinned entries, returns -1.
         """
-        main = self._main
+        fifos, frequency = self._fifos, self._frequency
         pinned_run = 0
-        while main:
-            key = next(iter(main))
-            if can_evict is not None and not can_evict(key):
-                if pinned_run >= len(main):
-                    return NO_KEY
-                main.move_to_end(key)
+        while fifos.length(MAIN):
+            entry = fifos.oldest(MAIN)
+            if can_evict is not None and not can_evict(entry):
+                if pinned_run >= fifos.length(MAIN):
+                    return -1
+                fifos.move_to_end(entry, MAIN)
                 pinned_run += 1
                 continue
             pinned_run = 0
-            count = main[key]
+            count = frequency[entry]
             if count:
-                main.move_to_end(key)
-                main[key] = count - 1
+                fifos.move_to_end(entry, MAIN)
+                frequency[entry] = count - 1
                 continue
-            del main[key]
-            return key
-        return NO_KEY
+            fifos.unlink(entry)
+            return entry
+        return -1
 
-    def remove(self, key: Key) -> None:
-        if self._small.pop(key, NO_KEY) is NO_KEY:
-            self._main.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._small) + len(self._main)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._small or key in self._main
+    def swap(self, first: Entry, second: Entry) -> None:
+        super().swap(first, second)
+        frequency = self._frequency
+        frequency[first], frequency[second] = frequency[second], frequency[first]

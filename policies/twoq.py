@@ -5,19 +5,23 @@ do not promote it (correlated references). When A1in is over its share, its
 oldest key is evicted and remembered in A1out, a ghost FIFO of ``out_ratio`` of
 the capacity. A missed key found in A1out was re-referenced after a while, so it
 enters Am, an LRU; otherwise the victim is Am's LRU key (not remembered).
-libCacheSim's TwoQ.c is the same algorithm with the same default ratios.
+libCacheSim's TwoQ.c is the same algorithm with the same default ratios. A1out holds
+fingerprints of keys, not keys (``policies/ghosts.py``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from tiercache.policies.base import CanEvict, Entry, Key
+from tiercache.policies.ghosts import Ghosts
+from tiercache.policies.lists import NOT_LISTED
+from tiercache.policies.lru import TwoListPolicy, oldest_evictable, remember
 
-from tiercache.policies.base import CanEvict, Key
-from tiercache.policies.lru import NO_KEY, TwoListPolicy, oldest_evictable, remember
+A1IN, AM = 0, 1
+"""The resident lists."""
 
 
 class TwoQPolicy(TwoListPolicy):
-    """A1in and A1out FIFOs and the Am LRU (OrderedDicts, oldest first)."""
+    """The A1in FIFO and the Am LRU of entries, and the A1out FIFO of ghosts (oldest first)."""
 
     name = "twoq"
 
@@ -30,53 +34,37 @@ class TwoQPolicy(TwoListPolicy):
         # Sizes truncate the products (the paper's Kin and Kout), as libCacheSim's do.
         self.in_capacity = int(capacity * in_ratio)
         self.out_capacity = int(capacity * out_ratio)
-        self._in: OrderedDict[Key, None] = OrderedDict()
-        self._out: OrderedDict[Key, None] = OrderedDict()
-        self._am: OrderedDict[Key, None] = OrderedDict()
-        self._resident = (self._in, self._am)
-        self._ghost_hit: object = NO_KEY  # the missed key found in A1out, until inserted
+        self._out = Ghosts(1, expected=self.out_capacity)
+        self._ghost_hit: int | None = None  # the fingerprint of the missed key found in A1out, until inserted
 
-    def access(self, key: Key) -> bool:
-        if key in self._in:
-            return True
-        am = self._am
-        if key in am:
-            am.move_to_end(key)
-            return True
-        out = self._out
-        if key in out:
-            del out[key]
-            self._ghost_hit = key
+    def hit(self, entry: Entry) -> None:
+        if self._resident.list_of(entry) == AM:
+            self._resident.move_to_end(entry, AM)
+
+    def miss(self, key: Key) -> None:
+        fingerprint = hash(key)
+        self._ghost_hit = fingerprint if self._out.take(fingerprint) != NOT_LISTED else None
+
+    def insert(self, entry: Entry, key: Key) -> None:
+        fingerprint = hash(key)
+        if fingerprint == self._ghost_hit:
+            self._ghost_hit = None
+            self._admit(AM, entry, fingerprint)
         else:
-            self._ghost_hit = NO_KEY
-        return False
+            self._admit(A1IN, entry, fingerprint)
 
-    def insert(self, key: Key) -> None:
-        ghost_hit = self._ghost_hit
-        if ghost_hit is not NO_KEY and key == ghost_hit:
-            self._ghost_hit = NO_KEY
-            self._am[key] = None
-        else:
-            self._in[key] = None
+    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Entry:
+        """The paper's reclaimfor: A1in's oldest entry (into A1out) if A1in is over its share, else Am's LRU.
 
-    def evict(self, can_evict: CanEvict | None = None, incoming: Key | None = None) -> Key:
-        """The paper's reclaimfor: A1in's oldest key (into A1out) if A1in is over its share, else Am's LRU.
-
-        Pinned keys are stepped over; if the chosen queue has none evictable, the other gives one.
+        Pinned entries are stepped over; if the chosen queue has none evictable, the other gives one.
         """
-        a1in, am = self._in, self._am
-        from_in_first = len(a1in) > self.in_capacity or not am
-        if can_evict is None:
-            if from_in_first:
-                key = a1in.popitem(last=False)[0]
-                remember(self._out, key, self.out_capacity)
-                return key
-            return am.popitem(last=False)[0]
-        for queue in (a1in, am) if from_in_first else (am, a1in):
-            key = oldest_evictable(queue, can_evict)
-            if key is not None:
-                del queue[key]
-                if queue is a1in:
-                    remember(self._out, key, self.out_capacity)
-                return key
-        raise LookupError("twoq: every resident key is pinned")
+        resident = self._resident
+        from_in_first = resident.length(A1IN) > self.in_capacity or not resident.length(AM)
+        for queue in (A1IN, AM) if from_in_first else (AM, A1IN):
+            entry = oldest_evictable(resident, queue, can_evict)
+            if entry >= 0:
+                resident.unlink(entry)
+                if queue == A1IN:
+                    remember(self._out, self._fingerprints[entry], self.out_capacity)
+                return entry
+        raise LookupError("twoq: every resident entry is pinned")

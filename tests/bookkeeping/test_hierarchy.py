@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from support.bookkeeping_parts import Parts, key, wire
+from support.policy_order import policy_keys
 
 from tiercache.bookkeeping.admission import WritePolicy
 from tiercache.bookkeeping.memory_tiers import PinState, Place, Source
@@ -150,7 +151,7 @@ def test_a_demotion_is_an_access_of_the_cpu_tier_whatever_the_write_policy(write
     parts.hierarchy.allocate(1)  # the GPU pool evicts key 0, its least recent
     for move in parts.take():
         parts.hierarchy.copy_done(move, ok=True)
-    assert list(parts.local.cpu.policy)[-1] == key(0)
+    assert policy_keys(parts.local.cpu)[-1] == key(0)
 
 
 @pytest.mark.parametrize("exclusive", [False, True])

@@ -293,6 +293,12 @@ def test_plugin_tier_loads_by_module_path(monkeypatch: pytest.MonkeyPatch) -> No
     assert config.tiers[2].options == tiers.S3Options(bucket="kv-cache")
 
 
+def test_keyed_policy_example_replays_a_trace() -> None:
+    """S3-FIFO keeps "a" (requested again while in its small FIFO: promoted to main) and evicts "b"."""
+    namespace = run("keyed-policy")
+    assert list(namespace["cache"]) == ["c", "a"]  # the small FIFO, then the main one
+
+
 def test_plugin_conformance_outline_is_a_suite() -> None:
     from tiercache.testing.conformance import CHECKS, RemoteTierContract
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from support.policy_reference import LIBCACHESIM, cache_size, libcachesim_miss_ratio
 
 from tiercache.bookkeeping.slots import SlotTable
-from tiercache.policies import POLICIES, EvictionPolicy, make_policy, policy_class
+from tiercache.policies import POLICIES, KeyedPolicy, keyed_policy, make_policy, policy_class
 from tiercache.policies.arc import ARCPolicy
 from tiercache.policies.base import Key
 from tiercache.testing.policy_traces import TRACES, Trace, oracle_traces
@@ -39,7 +39,7 @@ NON_DEFAULT_OPTIONS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def simulate(policy: EvictionPolicy, trace: Iterable[Key]) -> list[bool]:
+def simulate(policy: KeyedPolicy, trace: Iterable[Key]) -> list[bool]:
     """Replay ``trace`` with the loop of policies/base.py; the hit (True) or miss of each request."""
     hits = []
     for key in trace:
@@ -59,7 +59,7 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Trace, P
 
 
 def assert_same_miss_ratio(name: str, options: dict[str, Any], trace: Trace, path: Path, size: int) -> None:
-    ours = 1.0 - sum(simulate(make_policy(name, size, **options), trace)) / len(trace)
+    ours = 1.0 - sum(simulate(keyed_policy(name, size, **options), trace)) / len(trace)
     theirs = libcachesim_miss_ratio(LIBCACHESIM[name](size, **options), path)
     assert 0.0 < theirs < 1.0, "a degenerate trace could not tell policies apart"
     assert abs(ours - theirs) <= EXACT, f"{name}{options} c={size}: ours {ours} libCacheSim {theirs}"
@@ -88,7 +88,7 @@ def test_each_request_agrees_with_libcachesim(traces: dict[str, tuple[Trace, Pat
     """Hit for hit, through libCacheSim's per-request API: a failure names the first request."""
     trace, _ = traces["chat"]
     size = cache_size(trace, SIZE_FRACTIONS[1])
-    ours = simulate(make_policy(name, size), trace)
+    ours = simulate(keyed_policy(name, size), trace)
     cache = LIBCACHESIM[name](size)
     for i, key in enumerate(trace):
         theirs = cache.get(lcs.Request(obj_size=1, obj_id=key, clock_time=i))
@@ -99,7 +99,7 @@ def test_a_different_policy_is_detected(traces: dict[str, tuple[Trace, Path]]) -
     """The comparison can fail: a changed promotion threshold changes the miss ratio."""
     trace, path = traces["zipf_scan"]
     size = cache_size(trace, SIZE_FRACTIONS[1])
-    ours = 1.0 - sum(simulate(make_policy("s3fifo", size, move_to_main_threshold=1), trace)) / len(trace)
+    ours = 1.0 - sum(simulate(keyed_policy("s3fifo", size, move_to_main_threshold=1), trace)) / len(trace)
     assert abs(ours - libcachesim_miss_ratio(LIBCACHESIM["s3fifo"](size), path)) > EXACT
 
 
@@ -155,7 +155,7 @@ def test_pinned_keys_are_never_evicted(name: str, capacity: int, ops: list[tuple
     insert is refused), never a pinned key, and len/contains/access always agree
     with the model.
     """
-    policy = make_policy(name, capacity)
+    policy = keyed_policy(name, capacity)
     resident: set[int] = set()
     pinned: set[int] = set()
 
@@ -183,7 +183,7 @@ def test_pinned_keys_are_never_evicted(name: str, capacity: int, ops: list[tuple
 
 
 def _make_room(
-    policy: EvictionPolicy,
+    policy: KeyedPolicy,
     resident: set[int],
     pinned: set[int],
     can_evict: Callable[[Key], bool],
@@ -203,7 +203,7 @@ def _make_room(
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_removed_key_is_a_miss_and_frees_room(name: str) -> None:
-    policy = make_policy(name, 4)
+    policy = keyed_policy(name, 4)
     for key in range(4):
         assert not policy.access(key)
         policy.insert(key)
@@ -217,7 +217,7 @@ def test_removed_key_is_a_miss_and_frees_room(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_all_pinned_but_one_evicts_that_one(name: str) -> None:
-    policy = make_policy(name, 8)
+    policy = keyed_policy(name, 8)
     simulate(policy, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 1, 2])
     for free in range(1, 9):
         victim = policy.evict(lambda key, free=free: key == free, incoming=100)
@@ -238,7 +238,7 @@ def test_arc_directory_stays_bounded_when_room_is_made_first(
 
     |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c (Megiddo & Modha, section III).
     """
-    policy = ARCPolicy(capacity)
+    policy = KeyedPolicy(ARCPolicy(capacity))
     for batch_index, batch in enumerate(batches):
         for key in batch:
             if key in policy:
@@ -251,7 +251,7 @@ def test_arc_directory_stays_bounded_when_room_is_made_first(
             policy.insert(key)
         if batch_index < len(removals):
             policy.remove(removals[batch_index])
-        t1, t2, b1, b2 = (len(q) for q in (policy._t1, policy._t2, policy._b1, policy._b2))
+        t1, t2, b1, b2 = policy.policy.list_lengths()
         assert t1 + t2 == len(policy) <= capacity
         assert t1 + b1 <= capacity
         assert t1 + t2 + b1 + b2 <= 2 * capacity

@@ -10,15 +10,15 @@ slot is in one of these states:
   readable, not evictable;
 * cached: bound and readable; evictable at ref == 0, pinned at ref > 0.
 
-The eviction policy tracks cached keys, and the keys a held slot was allocated
-for (``allocate_for``: the policy saw their request before it chose a victim,
-and admitted them; a reserved key is never a victim). ``allocate`` and
-``allocate_for`` are all-or-nothing: they check that enough slots are free or
-evictable before touching anything.
+The eviction policy orders the slots (its entries) of cached keys and of the keys a held slot was allocated for
+(``allocate_for``: the policy saw their request before it chose a victim, and admitted them; a reserved key is
+never a victim), so the table's key index is the only map from keys. ``allocate`` and ``allocate_for`` are
+all-or-nothing: they check that enough slots are free or evictable before touching anything.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -52,7 +52,9 @@ class SlotTable:
         self.num_slots = num_slots
         self.policy = policy
         self._free = FreeSlots(num_slots)
-        self._ref = [0] * num_slots
+        if policy.capacity < num_slots:
+            raise ValueError(f"a policy for {policy.capacity} entries cannot order {num_slots} slots")
+        self._ref = array("i", bytes(4 * num_slots))
         self._key: list[bytes | None] = [None] * num_slots
         self._slot: dict[bytes, int] = {}
         self._evictable = 0
@@ -106,9 +108,15 @@ class SlotTable:
         return {"capacity_blocks": self.num_slots, "cached_blocks": self.num_cached, "free_blocks": self.num_free,
                 "evictable_blocks": self.num_evictable}
 
-    def touch(self, key: bytes) -> None:
-        """Record a hit on a readable key with the policy."""
-        self.policy.access(key)
+    def touch(self, key: bytes, admit: bool = False) -> None:
+        """A request for a bound key: a hit if the policy holds its slot, else a miss (admitted if ``admit``)."""
+        slot = self._slot[key]
+        if slot in self.policy:
+            self.policy.hit(slot)
+            return
+        self.policy.miss(key)
+        if admit:
+            self.policy.insert(slot, key)
 
     # ---- state changes -------------------------------------------------------------
     def allocate(
@@ -153,16 +161,16 @@ class SlotTable:
         return slots, victims
 
     def _evict_one(self, incoming: bytes | None) -> tuple[bytes, int]:
-        key = self.policy.evict(self._is_evictable, incoming)
-        slot = self._slot.pop(key)
+        slot = self.policy.evict(self._is_evictable, incoming)
+        key = self._key[slot]
+        del self._slot[key]
         self._key[slot] = None
         self._evictable -= 1
         self.evictions += 1
         return key, slot
 
-    def _is_evictable(self, key: bytes) -> bool:
-        slot = self._slot.get(key)  # a reserved key has no slot yet: never a victim
-        return slot is not None and self._ref[slot] == 0
+    def _is_evictable(self, slot: int) -> bool:
+        return self._ref[slot] == 0 and self._key[slot] is not None  # a reserved slot is held: never a victim
 
     def allocate_for(self, count: int, chain: Sequence[bytes]) -> tuple[list[int], list[Victim]]:
         """``count`` held slots for a request whose keys are ``chain`` (prompt order), and the victims.
@@ -184,14 +192,13 @@ class SlotTable:
         victims: list[Victim] = []
         policy = self.policy
         for key in reversed(incoming):
-            hit = policy.access(key)
-            assert not hit, "a key neither bound nor reserved here cannot be resident in its policy"
+            policy.miss(key)  # neither bound nor reserved here: not resident in the policy
             if not self._free:
                 victim, slot = self._evict_one(key)
                 self._free.append(slot)
                 victims.append(Victim(victim, slot, False))
-            policy.insert(key)
             reserved[key] = slot = self._free.pop()
+            policy.insert(slot, key)
             self._ref[slot] = 1
         self._checksums.forget(reserved.values())
         for key in incoming:
@@ -231,11 +238,12 @@ class SlotTable:
         elsewhere = self._reserved_slot.get(key)
         if elsewhere is not None:  # the engine put the keys in other slots than they were allocated in
             self._unreserve(elsewhere)
+            self.policy.swap(elsewhere, slot)  # the key's place moves to its slot (and slot's key to elsewhere)
             if reserved_here is not None:
                 self._reserved[elsewhere] = reserved_here
                 self._reserved_slot[reserved_here] = elsewhere
         elif reserved_here is not None and reserved_here != key:
-            self.policy.remove(reserved_here)
+            self.policy.remove(slot)
         admitted = elsewhere is not None or reserved_here == key
         self._key[slot] = key
         self._slot[key] = slot
@@ -250,8 +258,7 @@ class SlotTable:
     def track(self, key: bytes) -> None:
         """One request for a bound key: a hit if the policy holds it, else it is admitted."""
         self._untracked.discard(key)
-        if not self.policy.access(key):
-            self.policy.insert(key)
+        self.touch(key, admit=True)
 
     def request(self, key: bytes) -> None:
         """The holding request's access of a bound key, counted once.
@@ -264,7 +271,7 @@ class SlotTable:
         elif key in self._untracked:
             self.track(key)
         else:
-            self.policy.access(key)
+            self.touch(key)
 
     def begin_write(
         self, key: bytes, retain: Callable[[bytes], bool] | None = None
@@ -281,14 +288,9 @@ class SlotTable:
             raise ValueError("key already present")
         if not self._free and not self._evictable:
             raise CapacityError(f"no free or evictable slot of {self.num_slots}")
-        hit = self.policy.access(key)
-        assert not hit, "a key absent from the table cannot be resident in its policy"
-        try:
-            (slot,), victims = self.allocate(1, incoming=key, retain=retain)
-        except CapacityError:
-            self.policy.remove(key)
-            raise
-        self.policy.insert(key)
+        self.policy.miss(key)  # absent from the table: not resident in the policy
+        (slot,), victims = self.allocate(1, incoming=key, retain=retain)
+        self.policy.insert(slot, key)
         self._key[slot] = key
         self._slot[key] = slot
         self._ref[slot] = WRITING
@@ -319,7 +321,7 @@ class SlotTable:
             raise ValueError(f"slot {slot} is not being written")
         key = self._key[slot]
         del self._slot[key]
-        self.policy.remove(key)
+        self.policy.remove(slot)
         self._key[slot] = None
 
     def note_checksum(self, slot: int, checksum: int) -> None:
@@ -354,7 +356,7 @@ class SlotTable:
             if key is None:
                 reserved = self._unreserve(slot)
                 if reserved is not None:  # allocated for a key the holder never bound
-                    self.policy.remove(reserved)
+                    self.policy.remove(slot)
                 self._free.append(slot)
             else:
                 if key in self._untracked:
@@ -370,7 +372,7 @@ class SlotTable:
         del self._slot[key]
         self._key[slot] = None
         self._evictable -= 1
-        self.policy.remove(key)
+        self.policy.remove(slot)
         self._free.append(slot)
         return True
 
@@ -393,6 +395,6 @@ class SlotTable:
         assert evictable == self._evictable, f"evictable count {self._evictable} != {evictable}"
         for slot, key in self._reserved.items():
             assert self._key[slot] is None and self._ref[slot] >= 1, f"reserved slot {slot} is not held unbound"
-            assert self._reserved_slot[key] == slot and key in self.policy, f"reservation of slot {slot} is stale"
+            assert self._reserved_slot[key] == slot and slot in self.policy, f"reservation of slot {slot} is stale"
         assert len(self._reserved_slot) == len(self._reserved)
         assert len(self._slot) == sum(k is not None for k in self._key)

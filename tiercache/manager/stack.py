@@ -56,8 +56,9 @@ def _rule(tier: TierConfig) -> FillRule:
     return FillRule(tier.name or tier.type, tier.write_policy, tier.admit_after_hits)
 
 
-def _policy(tier: TierConfig):
-    return make_policy(tier.policy, tier.capacity_blocks, **tier.policy_options)
+def _policy(tier: TierConfig, slots: int):
+    """The tier's policy, ordering its ``slots`` (an engine's own pool may hold more than the YAML says)."""
+    return make_policy(tier.policy, slots, **tier.policy_options)
 
 
 class Stack:
@@ -79,12 +80,15 @@ class Stack:
         self.metrics = Metrics()
         lower = list(config.tiers)
         first = lower.pop(0) if lower[0].type == "gpu" else None
-        self.gpu = None if first is None else GpuTier(
-            first.name, self.layout, first.capacity_blocks, _policy(first), first.options, tensors=gpu_tensors
-        )
+        if first is None:
+            self.gpu = None
+        else:
+            slots = first.capacity_blocks if gpu_tensors is None else self.layout.validate_pool(gpu_tensors)
+            self.gpu = GpuTier(first.name, self.layout, slots, _policy(first, slots), first.options, gpu_tensors)
         cpu_config = lower.pop(0) if lower and lower[0].type == "cpu" else None
         self.cpu = None if cpu_config is None else CpuTier(
-            cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config), cpu_config.options,
+            cpu_config.name, self.layout, cpu_config.capacity_blocks, _policy(cpu_config, cpu_config.capacity_blocks),
+            cpu_config.options,
             buffer=cpu_buffer,
         )
         queues = config.queues

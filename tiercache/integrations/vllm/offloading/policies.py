@@ -7,8 +7,8 @@ one with two keys of ``kv_connector_extra_config``::
     "eviction_policy": "TierCacheS3FIFO",
     "cache_policy_module_path": "tiercache.integrations.vllm"
 
-How vLLM's CPU manager drives a policy maps onto tiercache's few operations
-(``policies/base.py``, libCacheSim's loop) like this:
+How vLLM's CPU manager drives a policy maps onto tiercache's few operations,
+addressed by key (``KeyedPolicy`` in ``policies/keyed.py``, libCacheSim's loop), like this:
 
 - a store miss (``on_store_miss``) is a miss access (``access`` returning
   False: ARC and S3-FIFO learn from their ghosts here), then ``evict`` makes room
@@ -38,8 +38,7 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
-from tiercache.policies import make_policy
-from tiercache.policies.base import EvictionPolicy
+from tiercache.policies import KeyedPolicy, keyed_policy
 
 
 class TierCachePolicy(CachePolicy):
@@ -52,12 +51,12 @@ class TierCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self._evictable: set[OffloadKey] = set()
-        self._policy: EvictionPolicy = self._new_policy()
+        self._policy: KeyedPolicy = self._new_policy()
         self._missed: dict[OffloadKey, None] = {}
         """Keys whose miss the policy has seen and that are not inserted yet, in order."""
 
-    def _new_policy(self) -> EvictionPolicy:
-        return make_policy(self.policy_name, max(1, self.cache_capacity))
+    def _new_policy(self) -> KeyedPolicy:
+        return keyed_policy(self.policy_name, max(1, self.cache_capacity))
 
     @override
     def get(self, key: OffloadKey) -> ChunkStatus | None:
