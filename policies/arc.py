@@ -55,17 +55,16 @@ class ARCPolicy(TwoListPolicy):
 
     def list_lengths(self) -> tuple[int, int, int, int]:
         """|T1|, |T2|, |B1|, |B2| (the bounds the paper proves)."""
-        resident, ghosts = self._resident, self._ghosts
-        return resident.length(T1), resident.length(T2), ghosts.length(B1), ghosts.length(B2)
+        (t1, t2), (b1, b2) = self._resident.lengths, self._ghosts.lengths
+        return t1, t2, b1, b2
 
     def hit(self, entry: Entry) -> None:
         self._resident.move_to_end(entry, T2)
 
     def miss(self, key: Key) -> None:
-        ghosts = self._ghosts
-        b1, b2 = ghosts.length(B1), ghosts.length(B2)
+        b1, b2 = self._ghosts.lengths
         fingerprint = hash(key)
-        found = ghosts.take(fingerprint)
+        found = self._ghosts.take(fingerprint)
         if found == NOT_LISTED:
             self._ghost_hit = None
             return

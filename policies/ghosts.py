@@ -30,15 +30,14 @@ class Ghosts:
 
     def __init__(self, lists: int, expected: int = 0) -> None:
         self._lists = EntryLists(0, lists)
+        self.lengths = self._lists.lengths
+        """Each list's length (read only)."""
         self._fingerprints = array("q")
         self._spare: list[int] = []  # node numbers freed by a hit or a trim
-        self._bits = MIN_TABLE_BITS
-        while (1 << self._bits) < expected << MAX_LOAD_SHIFT:
-            self._bits += 1
-        self._cells = array("i", [EMPTY]) * (1 << self._bits)
-
-    def length(self, number: int) -> int:
-        return self._lists.length(number)
+        bits = MIN_TABLE_BITS
+        while (1 << bits) < expected << MAX_LOAD_SHIFT:
+            bits += 1
+        self._size_table(bits)
 
     def __len__(self) -> int:
         return len(self._fingerprints) - len(self._spare)
@@ -56,15 +55,15 @@ class Ghosts:
             if node >= self._lists.size:
                 self._lists.grow(max(2 * self._lists.size, node + 1))
         self._lists.append(number, node)
-        cells, mask, home = self._cells, (1 << self._bits) - 1, self._home(fingerprint)
+        cells, mask, home = self._cells, self._mask, ((fingerprint * FIBONACCI) & MASK64) >> self._shift
         while cells[home] != EMPTY:
             home = (home + 1) & mask
         cells[home] = node
 
     def take(self, fingerprint: int) -> int:
         """Forget ``fingerprint`` (a ghost hit): the number of the list it was in, or NOT_LISTED if none."""
-        cells, fingerprints, mask = self._cells, self._fingerprints, (1 << self._bits) - 1
-        cell = self._home(fingerprint)
+        cells, fingerprints, mask = self._cells, self._fingerprints, self._mask
+        cell = ((fingerprint * FIBONACCI) & MASK64) >> self._shift
         while True:
             node = cells[cell]
             if node == EMPTY:
@@ -78,22 +77,22 @@ class Ghosts:
     def pop_oldest(self, number: int) -> None:
         """Forget the oldest ghost of a non-empty list ``number``."""
         node = self._lists.pop_oldest(number)
-        cells, mask = self._cells, (1 << self._bits) - 1
-        cell = self._home(self._fingerprints[node])
+        cells, mask = self._cells, self._mask
+        cell = ((self._fingerprints[node] * FIBONACCI) & MASK64) >> self._shift
         while cells[cell] != node:
             cell = (cell + 1) & mask
         self._free(cell, node)
 
     def _free(self, cell: int, node: int) -> None:
         """Empty ``cell`` (which holds ``node``) and shift later cells of its probe run back (no tombstones)."""
-        cells, fingerprints, mask = self._cells, self._fingerprints, (1 << self._bits) - 1
+        cells, fingerprints, mask, shift = self._cells, self._fingerprints, self._mask, self._shift
         hole, probe = cell, cell
         while True:
             probe = (probe + 1) & mask
             moving = cells[probe]
             if moving == EMPTY:
                 break
-            home = self._home(fingerprints[moving])
+            home = ((fingerprints[moving] * FIBONACCI) & MASK64) >> shift
             # ``moving`` may fill the hole unless its home lies cyclically in (hole, probe].
             if (probe - home) & mask >= (probe - hole) & mask:
                 cells[hole] = moving
@@ -101,17 +100,17 @@ class Ghosts:
         cells[hole] = EMPTY
         self._spare.append(node)
 
-    def _home(self, fingerprint: int) -> int:
-        return ((fingerprint * FIBONACCI) & MASK64) >> (64 - self._bits)
+    def _size_table(self, bits: int) -> None:
+        self._bits, self._mask, self._shift = bits, (1 << bits) - 1, 64 - bits
+        self._cells = array("i", [EMPTY]) * (1 << bits)
 
     def _rehash(self, bits: int) -> None:
-        self._bits = bits
-        self._cells = cells = array("i", [EMPTY]) * (1 << bits)
-        mask, spare = (1 << bits) - 1, set(self._spare)
+        self._size_table(bits)
+        cells, mask, shift, spare = self._cells, self._mask, self._shift, set(self._spare)
         for node, fingerprint in enumerate(self._fingerprints):
             if node in spare:
                 continue
-            cell = self._home(fingerprint)
+            cell = ((fingerprint * FIBONACCI) & MASK64) >> shift
             while cells[cell] != EMPTY:
                 cell = (cell + 1) & mask
             cells[cell] = node

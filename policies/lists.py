@@ -9,7 +9,7 @@ policies"). Each list has a sentinel after the entries, so linking and unlinking
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 NOT_LISTED = 255
 """The list number of an entry no list holds."""
@@ -28,14 +28,15 @@ class EntryLists:
         self._next = array("i", [0]) * (size + lists)
         self._prev = array("i", [0]) * (size + lists)
         self._list = bytearray([NOT_LISTED]) * size
-        self._lengths = [0] * lists
+        self.lengths = [0] * lists
+        """Each list's length (read it, do not change it: the methods keep it)."""
         for number in range(lists):
             sentinel = size + number
             self._next[sentinel] = self._prev[sentinel] = sentinel
 
     def grow(self, size: int) -> None:
         """Make room for entries up to ``size - 1``, keeping every list (the sentinels move past them)."""
-        old, lists = self.size, len(self._lengths)
+        old, lists = self.size, len(self.lengths)
         if size <= old:
             return
         added = size - old
@@ -55,7 +56,15 @@ class EntryLists:
 
     def append(self, number: int, entry: int) -> None:
         """Put an unlisted ``entry`` at the newest end of list ``number``."""
-        self._insert_after(self._prev[self.size + number], entry, number)
+        nexts, prevs = self._next, self._prev
+        sentinel = self.size + number
+        newest = prevs[sentinel]
+        nexts[newest] = entry
+        prevs[entry] = newest
+        nexts[entry] = sentinel
+        prevs[sentinel] = entry
+        self._list[entry] = number
+        self.lengths[number] += 1
 
     def _insert_after(self, anchor: int, entry: int, number: int) -> None:
         nexts, prevs = self._next, self._prev
@@ -65,7 +74,7 @@ class EntryLists:
         nexts[entry] = after
         prevs[after] = entry
         self._list[entry] = number
-        self._lengths[number] += 1
+        self.lengths[number] += 1
 
     def exchange(self, first: int, second: int) -> None:
         """Give each of two entries the other's place (either may be unlisted: the other becomes so)."""
@@ -98,18 +107,43 @@ class EntryLists:
         nexts[before] = after
         prevs[after] = before
         self._list[entry] = NOT_LISTED
-        self._lengths[number] -= 1
+        self.lengths[number] -= 1
         return number
 
     def move_to_end(self, entry: int, number: int) -> None:
-        """Put a listed ``entry`` at the newest end of list ``number`` (its own or another)."""
-        self.unlink(entry)
-        self.append(number, entry)
+        """Put a listed ``entry`` at the newest end of list ``number`` (its own or another).
+
+        ``unlink`` and ``append`` written out: a policy's hit, the hottest call it has."""
+        nexts, prevs, lists = self._next, self._prev, self._list
+        before, after = prevs[entry], nexts[entry]
+        nexts[before] = after
+        prevs[after] = before
+        sentinel = self.size + number
+        newest = prevs[sentinel]
+        nexts[newest] = entry
+        prevs[entry] = newest
+        nexts[entry] = sentinel
+        prevs[sentinel] = entry
+        old = lists[entry]
+        if old != number:
+            lists[entry] = number
+            lengths = self.lengths
+            lengths[old] -= 1
+            lengths[number] += 1
 
     def oldest(self, number: int) -> int:
         """The oldest entry of list ``number``, or -1 if it is empty."""
         entry = self._next[self.size + number]
         return entry if entry < self.size else -1
+
+    def oldest_where(self, number: int, accept: Callable[[int], bool] | None) -> int:
+        """The oldest entry of list ``number`` that ``accept`` allows (any, if None), or -1; the list is unchanged."""
+        sentinel, nexts = self.size + number, self._next
+        entry = nexts[sentinel]
+        if accept is not None:
+            while entry != sentinel and not accept(entry):
+                entry = nexts[entry]
+        return entry if entry != sentinel else -1
 
     def pop_oldest(self, number: int) -> int:
         """Unlink and return the oldest entry of a non-empty list ``number``."""
@@ -120,9 +154,6 @@ class EntryLists:
     def list_of(self, entry: int) -> int:
         """The number of the list holding ``entry``, or NOT_LISTED."""
         return self._list[entry]
-
-    def length(self, number: int) -> int:
-        return self._lengths[number]
 
     def entries(self, number: int) -> Iterator[int]:
         """List ``number``'s entries, oldest first (do not change the list while iterating)."""

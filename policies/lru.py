@@ -46,7 +46,7 @@ class LRUPolicy(EvictionPolicy):
         self._order.exchange(first, second)
 
     def __len__(self) -> int:
-        return self._order.length(RESIDENT)
+        return self._order.lengths[RESIDENT]
 
     def __contains__(self, entry: object) -> bool:
         return isinstance(entry, int) and 0 <= entry < self.capacity and self._order.list_of(entry) != NOT_LISTED
@@ -63,12 +63,7 @@ def oldest_evictable(lists: EntryLists, number: int, can_evict: CanEvict | None)
 
     Pinned entries are stepped over in place, so their position is kept; one pass at most.
     """
-    if can_evict is None:
-        return lists.oldest(number)
-    for entry in lists.entries(number):
-        if can_evict(entry):
-            return entry
-    return -1
+    return lists.oldest_where(number, can_evict)
 
 
 class TwoListPolicy(EvictionPolicy):
@@ -93,7 +88,8 @@ class TwoListPolicy(EvictionPolicy):
         fingerprints[first], fingerprints[second] = fingerprints[second], fingerprints[first]
 
     def __len__(self) -> int:
-        return self._resident.length(0) + self._resident.length(1)
+        lengths = self._resident.lengths
+        return lengths[0] + lengths[1]
 
     def __contains__(self, entry: object) -> bool:
         return isinstance(entry, int) and 0 <= entry < self.capacity and self._resident.list_of(entry) != NOT_LISTED
@@ -110,6 +106,6 @@ def remember(ghosts: Ghosts, fingerprint: int, capacity: int) -> None:
     """
     if not capacity:
         return
-    if ghosts.length(0) >= capacity:
+    if ghosts.lengths[0] >= capacity:
         ghosts.pop_oldest(0)
     ghosts.append(0, fingerprint)

@@ -83,7 +83,7 @@ class S3FIFOPolicy(TwoListPolicy):
         if fingerprint == self._ghost_hit:
             self._ghost_hit = None
             fifo = MAIN
-        elif not self._has_evicted and self._fifos.length(SMALL) >= self.small_capacity:
+        elif not self._has_evicted and self._fifos.lengths[SMALL] >= self.small_capacity:
             fifo = MAIN
         else:
             fifo = SMALL
@@ -100,7 +100,7 @@ class S3FIFOPolicy(TwoListPolicy):
         """
         self._has_evicted = True
         fifos = self._fifos
-        if fifos.length(MAIN) > self.main_capacity or not fifos.length(SMALL):
+        if fifos.lengths[MAIN] > self.main_capacity or not fifos.lengths[SMALL]:
             victim = self._evict_main(can_evict)
             if victim < 0:
                 victim = self._evict_small(can_evict)
@@ -121,14 +121,14 @@ class S3FIFOPolicy(TwoListPolicy):
         fifos, frequency = self._fifos, self._frequency
         threshold = self.move_to_main_threshold
         rotated = 0
-        while fifos.length(SMALL):
+        while fifos.lengths[SMALL]:
             entry = fifos.oldest(SMALL)
             if frequency[entry] >= threshold:
                 fifos.move_to_end(entry, MAIN)
                 frequency[entry] = 0  # libCacheSim re-creates the object in main: no credit carried
                 continue
             if can_evict is not None and not can_evict(entry):
-                if rotated >= fifos.length(SMALL):
+                if rotated >= fifos.lengths[SMALL]:
                     return -1
                 fifos.move_to_end(entry, SMALL)
                 rotated += 1
@@ -146,10 +146,10 @@ class S3FIFOPolicy(TwoListPolicy):
         """
         fifos, frequency = self._fifos, self._frequency
         pinned_run = 0
-        while fifos.length(MAIN):
+        while fifos.lengths[MAIN]:
             entry = fifos.oldest(MAIN)
             if can_evict is not None and not can_evict(entry):
-                if pinned_run >= fifos.length(MAIN):
+                if pinned_run >= fifos.lengths[MAIN]:
                     return -1
                 fifos.move_to_end(entry, MAIN)
                 pinned_run += 1

@@ -59,7 +59,7 @@ class TwoQPolicy(TwoListPolicy):
         Pinned entries are stepped over; if the chosen queue has none evictable, the other gives one.
         """
         resident = self._resident
-        from_in_first = resident.length(A1IN) > self.in_capacity or not resident.length(AM)
+        from_in_first = resident.lengths[A1IN] > self.in_capacity or not resident.lengths[AM]
         for queue in (A1IN, AM) if from_in_first else (AM, A1IN):
             entry = oldest_evictable(resident, queue, can_evict)
             if entry >= 0:

@@ -30,7 +30,7 @@ def assert_same(lists: EntryLists, model: list[list[int]]) -> None:
     """Every list's order forwards, backwards (through the prev links), its length and each entry's list."""
     for number, expected in enumerate(model):
         assert list(lists.entries(number)) == expected
-        assert lists.length(number) == len(expected)
+        assert lists.lengths[number] == len(expected)
         assert lists.oldest(number) == (expected[0] if expected else -1)
         backwards, entry = [], lists._prev[lists.size + number]
         while entry != lists.size + number:
@@ -114,7 +114,7 @@ def test_ghosts_match_a_deque_model(steps: list[tuple[str, int, int]], spread: i
         elif operation == "pop" and model[number]:
             ghosts.pop_oldest(number)
             model[number].popleft()
-        assert [ghosts.length(n) for n in (0, 1)] == [len(fingerprints) for fingerprints in model]
+        assert [ghosts.lengths[n] for n in (0, 1)] == [len(fingerprints) for fingerprints in model]
         assert len(ghosts) == sum(map(len, model))
     for number, fingerprints in enumerate(model):  # every remembered fingerprint is still found, in its list
         for fingerprint in list(fingerprints):
