@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiercache.blocks.keys import KEY_BYTES, BlockHasher, Namespace
 
@@ -131,3 +133,18 @@ def test_a_secret_of_the_wrong_length_is_refused() -> None:
     for secret in (b"short", b"x" * 65):
         with pytest.raises(ValueError, match="16-64 bytes"):
             keyed_namespace(NS, secret)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5 * 16 + 7), st.integers(0, 3), st.sampled_from([None, "img:1", "img:2"]),
+                          st.booleans()), min_size=1, max_size=12))
+def test_a_reused_hasher_gives_a_fresh_one_s_keys(calls: list[tuple[int, int, str | None, bool]]) -> None:
+    """The last call's shared blocks are reused: prompts that grow, shrink, change a token, a salt or a parent."""
+    reused = BlockHasher(NS, 16)
+    base = list(range(100, 100 + 5 * 16 + 7))
+    for length, changed, extra, chained in calls:
+        tokens = base[:length]
+        if changed and length:
+            tokens[-changed % length] += 1  # a token changed near the end: the blocks before it are shared
+        parent = b"p" * KEY_BYTES if chained else None
+        assert reused.keys(tokens, extra, parent=parent) == BlockHasher(NS, 16).keys(tokens, extra, parent=parent)
