@@ -55,17 +55,8 @@ class EntryLists:
             self._next[before] = sentinel
 
     def append(self, number: int, entry: int) -> None:
-        """Put an unlisted ``entry`` at the newest end of list ``number`` (``_insert_after`` the newest, written
-        out: every insert runs it, and a call is a third of its cost)."""
-        nexts, prevs = self._next, self._prev
-        sentinel = self.size + number
-        newest = prevs[sentinel]
-        nexts[newest] = entry
-        prevs[entry] = newest
-        nexts[entry] = sentinel
-        prevs[sentinel] = entry
-        self._list[entry] = number
-        self.lengths[number] += 1
+        """Put an unlisted ``entry`` at the newest end of list ``number``."""
+        self._insert_after(self._prev[self.size + number], entry, number)
 
     def _insert_after(self, anchor: int, entry: int, number: int) -> None:
         nexts, prevs = self._next, self._prev

@@ -138,8 +138,8 @@ class BlockHasher:
         data = array[: num_blocks * self.block_size].tobytes()
         stride = self.block_size * _TOKEN_DTYPE.itemsize
         salt = extra.encode() if isinstance(extra, str) else (extra or b"")
-        previous = self._root if parent is None else parent
-        keys = self._shared_prefix(data, salt, previous, stride)
+        origin = previous = self._root if parent is None else parent
+        keys = self._shared_prefix(data, salt, origin, stride)
         if keys:
             previous = keys[-1]
         buffer = memoryview(data)
@@ -151,7 +151,7 @@ class BlockHasher:
                 digest.update(salt)
             previous = digest.digest()
             keys.append(previous)
-        self._last = (data, salt, self._root if parent is None else parent, tuple(keys))
+        self._last = (data, salt, origin, tuple(keys))
         return keys
 
     def _shared_prefix(self, data: bytes, salt: bytes, parent: bytes, stride: int) -> list[bytes]:
