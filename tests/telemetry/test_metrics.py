@@ -56,6 +56,17 @@ def test_snapshot_merges_counters_and_latency() -> None:
     assert snapshot["redis"]["latency_get"]["count"] == 1
 
 
+def test_add_each_counts_as_the_adds_one_by_one_do() -> None:
+    increments = [("cpu", "hit_blocks", 3), ("all", "hit_blocks", 4), ("cpu", "hit_blocks", 2), ("gpu", "evictions", 0)]
+    together, one_by_one = Metrics(), Metrics()
+    together.add_each(increments)
+    for tier, name, amount in increments:
+        one_by_one.add(tier, name, amount)
+    assert together.snapshot() == one_by_one.snapshot() == {
+        "all": {"hit_blocks": 4}, "cpu": {"hit_blocks": 5}, "gpu": {"evictions": 0}
+    }
+
+
 def test_prometheus_text_types_and_values() -> None:
     found = samples(render_prometheus(FAKE_STATS))
     assert found[("tiercache_tier_capacity_blocks", (("tier", "gpu"),))] == 8

@@ -94,10 +94,8 @@ class Hierarchy:
         ``tier_blocks`` (blocks served per tier) and ``asked_blocks`` (the prompt's
         full blocks) feed the hit counters.
         """
-        for name, count in (tier_blocks or {}).items():
-            self._metrics.add(name, "hit_blocks", count)
-        self._metrics.add("all", "hit_blocks", len(keys))
-        self._metrics.add("all", "lookup_blocks", asked_blocks)
+        counts = [(name, "hit_blocks", count) for name, count in (tier_blocks or {}).items()]
+        self._metrics.add_each([*counts, ("all", "hit_blocks", len(keys)), ("all", "lookup_blocks", asked_blocks)])
         for key in keys:
             self._admit_on_hit(key, self._hits.hit(key))
 
@@ -277,8 +275,9 @@ class Hierarchy:
                 promoted.append(key)
             if self._exclusive and self._cpu.discard(key):
                 freed.append(key)
-        self._metrics.add(self.cpu_name, "blocks_out", len(blocks))
-        self._metrics.add(self._gpu_name, "blocks_in", len(blocks) + copied_on_gpu)
+        self._metrics.add_each(
+            [(self.cpu_name, "blocks_out", len(blocks)), (self._gpu_name, "blocks_in", len(blocks) + copied_on_gpu)]
+        )
         self._observer.stored(self._gpu_name, promoted, None, None)
         self._observer.removed(self.cpu_name, freed)
 

@@ -219,6 +219,8 @@ class Lookup:
     """Per position of the prefix, the name of the tier that serves it."""
     found: Any = field(default=None, repr=False, compare=False)
     """The lookup's answer behind this handle (``tiercache.manager.lookup.Found``: its pins and what it learned)."""
+    drop_guard: Any = field(default=None, repr=False, compare=False)
+    """Gives the lower pins back when the Lookup is dropped unused (it lives as long as the Lookup)."""
 
     @property
     def num_blocks(self) -> int:

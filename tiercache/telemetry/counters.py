@@ -10,6 +10,7 @@ import bisect
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 LATENCY_BUCKETS_MS: tuple[float, ...] = tuple(round(0.01 * 2**i, 4) for i in range(22))
@@ -66,6 +67,13 @@ class Metrics:
     def add(self, tier: str, name: str, amount: int = 1) -> None:
         with self._lock:
             self.counters[tier][name] += amount
+
+    def add_each(self, increments: Iterable[tuple[str, str, int]]) -> None:
+        """Several ``add``s, (tier, name, amount) each, under one taking of the lock (a hit's path counts many)."""
+        with self._lock:
+            counters = self.counters
+            for tier, name, amount in increments:
+                counters[tier][name] += amount
 
     def observe(self, tier: str, operation: str, milliseconds: float) -> None:
         with self._lock:
