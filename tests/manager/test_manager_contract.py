@@ -279,3 +279,21 @@ def test_a_namespace_secret_from_the_environment_rejects_forged_kv(monkeypatch: 
         compute_and_store(manager, prompt(4, 18))
         until(lambda: manager.stats()["queues"]["pending_stores"] == 0)
         assert serve(manager, tokens) == 3, "values written with the secret are served"
+
+
+def test_a_caller_that_never_polls_holds_a_bounded_number_of_finished_transfers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kept = 4
+    monkeypatch.setattr("tiercache.manager.tier_manager.UNPOLLED_TRANSFERS_KEPT", kept)
+    with TierManager(topology(8, 16)) as manager:
+        stores = []
+        for salt in range(kept + 3):  # one transfer each, waited on through result() and never polled
+            tokens = prompt(1, salt)
+            ids = manager.allocate(1)
+            stores.append(manager.store(tokens, ids))
+            assert stores[-1].result(10.0) == BLOCK
+            manager.release(ids)
+        assert manager.stats()["tiers"]["all"]["unpolled_transfers_dropped"] == 3
+        assert manager.poll() == stores[-kept:], "the newest are kept, in the order they finished"
+        assert manager.poll() == []

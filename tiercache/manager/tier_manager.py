@@ -36,6 +36,10 @@ __all__ = ["CapacityError", "Lookup", "TierManager", "Transfer"]
 
 LOOKUP_RETRY_SECONDS = 0.0005
 """Pause between lookups while a remote's answer is pending (``lookup_wait``/``lookup_async``)."""
+UNPOLLED_TRANSFERS_KEPT = 16_384
+"""Finished transfers kept for the next ``poll`` at most: a caller that waits on ``result()`` and never polls
+holds this many (a few MB), not every transfer it ever made; past it the oldest go, counted as
+``unpolled_transfers_dropped``."""
 
 
 class TierManager:
@@ -57,7 +61,7 @@ class TierManager:
         """The GPU pool: ``gpu.tensors`` are the paged KV tensors the model's attention reads."""
         self._lock = threading.Lock()
         """Guards the facade's own state: transfers completed since the last poll, best-effort loads."""
-        self._completed: deque[Transfer] = deque()
+        self._completed: deque[Transfer] = deque(maxlen=UNPOLLED_TRANSFERS_KEPT)
         self._best_effort: list[Transfer] = []
         self._started = self._closed = False
 
@@ -210,7 +214,8 @@ class TierManager:
         self._books.release_blocks(ids_or_hit)
 
     def poll(self) -> list[Transfer]:
-        """Transfers finished since the last poll (and best-effort loads settled now)."""
+        """Transfers finished since the last poll (and best-effort loads settled now); the newest
+        ``UNPOLLED_TRANSFERS_KEPT`` of them."""
         self._settle_best_effort()
         self._books.reap()
         with self._lock:
@@ -280,6 +285,8 @@ class TierManager:
         with self._lock:
             if not transfer.future.done():
                 transfer.future.set_result(tokens)
+                if len(self._completed) == self._completed.maxlen:
+                    self.metrics.add("all", "unpolled_transfers_dropped")
                 self._completed.append(transfer)
 
 

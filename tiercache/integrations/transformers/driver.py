@@ -102,6 +102,7 @@ class CachedModel:
         if len(tokens) == 0:
             raise ValueError("CachedModel.begin: an empty prompt")
         mgr, size, namespace = self.manager, self.manager.block_size, self.namespace
+        mgr.poll()  # as an engine's step does: finished transfers handed over, dropped lookups' pins reaped
         hit = mgr.lookup_wait(tokens, extra, timeout_s=self.lookup_timeout_s, namespace=namespace)
         usable = min(hit.num_blocks, (len(tokens) - 1) // size)
         on_gpu = min(len(hit.gpu_block_ids), usable)
