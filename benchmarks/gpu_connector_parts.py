@@ -52,10 +52,10 @@ class Held(StagedTransfers):
 class Syncing(StagedTransfers):
     """An engine with a synchronizing call inside error handling that swallows what torch's "error" mode raises."""
 
-    def _begin(self, jobs: list[int]) -> Any:
+    def _begin(self, jobs: list[int], kind: MemcpyKind) -> Any:
         with contextlib.suppress(RuntimeError):  # what torch's "error" mode raises, swallowed
             torch.zeros(1, device=self.pages.device).item()
-        return super()._begin(jobs)
+        return super()._begin(jobs, kind)
 
 
 class FailingCopies:
@@ -71,6 +71,9 @@ class FailingCopies:
                   stream: int) -> int:
         wrong = BAD_DIRECTION if kind is self.kind else kind
         return self.runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, wrong, stream)
+
+    def memcpy(self, dst: int, src: int, count: int, kind: Any, stream: int) -> int:
+        return self.runtime.memcpy(dst, src, count, BAD_DIRECTION if kind is self.kind else kind, stream)
 
 
 class Check:

@@ -3,7 +3,8 @@
 torch offers ``cudaHostRegister`` but neither ``cudaGetLastError`` (a refused
 registration leaves the thread's last error set, and the next kernel launch
 torch checks then fails on it, far from the cause) nor ``cudaMemcpy2DAsync``
-(one copy for a run of slots whose rank's share is strided in them). So the
+(one copy for a run of slots whose rank's share is strided in them), and its
+``cudaMemcpyAsync`` takes raw addresses. So the
 connector calls the CUDA runtime torch has loaded, through ``ctypes``: the same
 library instance, so the error it clears is the one torch would see
 (``CudartLibrary``, as vLLM's ``cuda_wrapper`` does). Every call that fails has
@@ -30,7 +31,11 @@ SUCCESS = 0
 INVALID_VALUE = 1
 """``cudaErrorInvalidValue``."""
 INVALID_PITCH = 12
-"""``cudaErrorInvalidPitchValue``: a 2-D copy's pitch below its width."""
+"""``cudaErrorInvalidPitchValue``: a 2-D copy's pitch below its width, or past the device's maximum pitch."""
+MAX_PITCH_ATTRIBUTE = 11
+"""``cudaDevAttrMaxPitch``: the largest pitch (hence row) a 2-D copy takes, 2**31 - 1 bytes on current GPUs."""
+CUDA_MAX_PITCH = 2**31 - 1
+"""What ``HostRuntime`` refuses past, as a GPU does."""
 INVALID_DIRECTION = 21
 """``cudaErrorInvalidMemcpyDirection``: a copy's kind none of ``MemcpyKind``."""
 ALREADY_REGISTERED = 712
@@ -68,6 +73,14 @@ class CudaRuntime(Protocol):
         """``cudaMemcpy2DAsync`` on ``stream`` (its handle; 0 is the legacy default)."""
         ...
 
+    def memcpy(self, dst: int, src: int, count: int, kind: MemcpyKind, stream: int) -> int:
+        """``cudaMemcpyAsync`` of ``count`` contiguous bytes on ``stream``."""
+        ...
+
+    def max_pitch(self, device: int) -> int:
+        """``cudaDevAttrMaxPitch`` of ``device``: a 2-D copy's pitches must not pass it."""
+        ...
+
 
 def checked(runtime: CudaRuntime, code: int, what: str) -> None:
     """Raise ``CudaRuntimeError`` for a failed call, with the thread's last error cleared first."""
@@ -87,6 +100,10 @@ class CudartLibrary:
         self._memcpy_2d = _function(lib, "cudaMemcpy2DAsync", [
             ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
             ctypes.c_int, ctypes.c_void_p])
+        self._memcpy = _function(lib, "cudaMemcpyAsync", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                          ctypes.c_int, ctypes.c_void_p])
+        self._attribute = _function(lib, "cudaDeviceGetAttribute", [ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                                                    ctypes.c_int])
         self.path = path
 
     def host_register(self, address: int, size: int) -> int:
@@ -101,6 +118,15 @@ class CudartLibrary:
     def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
                   kind: MemcpyKind, stream: int) -> int:
         return int(self._memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, int(kind), stream))
+
+    def memcpy(self, dst: int, src: int, count: int, kind: MemcpyKind, stream: int) -> int:
+        return int(self._memcpy(dst, src, count, int(kind), stream))
+
+    def max_pitch(self, device: int) -> int:
+        value = ctypes.c_int(0)
+        code = int(self._attribute(ctypes.byref(value), MAX_PITCH_ATTRIBUTE, device))
+        checked(self, code, "cudaDeviceGetAttribute(cudaDevAttrMaxPitch)")
+        return value.value
 
 
 def _function(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> ctypes._CFuncPtr:
@@ -128,11 +154,14 @@ def loaded_cudart(maps: Path = Path("/proc/self/maps")) -> CudartLibrary | None:
 @dataclass
 class HostRuntime:
     """The runtime's calls on host memory (CPU tensors): registrations recorded and refused where CUDA would (a range
-    overlapping one registered), copies done at once row by row, the last error kept until read."""
+    overlapping one registered), copies done at once row by row and refused where CUDA would (a pitch below the
+    width or past ``pitch_limit``), the last error kept until read."""
 
     registered: dict[int, int] = field(default_factory=dict)
     """Registered ranges: start address -> size."""
     error: int = SUCCESS
+    pitch_limit: int = CUDA_MAX_PITCH
+    """The device's maximum pitch (tests lower it to reach the limit with small buffers)."""
 
     def host_register(self, address: int, size: int) -> int:
         if size <= 0:
@@ -155,11 +184,20 @@ class HostRuntime:
                   kind: MemcpyKind, stream: int) -> int:
         if kind not in tuple(MemcpyKind):
             return self._fail(INVALID_DIRECTION)
-        if width > dst_pitch or width > src_pitch:
+        if width > dst_pitch or width > src_pitch or max(dst_pitch, src_pitch) > self.pitch_limit:
             return self._fail(INVALID_PITCH)
         for row in range(height):
             ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
         return SUCCESS
+
+    def memcpy(self, dst: int, src: int, count: int, kind: MemcpyKind, stream: int) -> int:
+        if kind not in tuple(MemcpyKind):
+            return self._fail(INVALID_DIRECTION)
+        ctypes.memmove(dst, src, count)
+        return SUCCESS
+
+    def max_pitch(self, device: int) -> int:
+        return self.pitch_limit
 
     def _fail(self, code: int) -> int:
         self.error = code

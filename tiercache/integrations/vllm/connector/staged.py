@@ -9,15 +9,22 @@ Per KV-cache group and step:
   (``index_select`` straight into its place) packs the step's blocks of that
   layer into a device staging buffer in the slots' order (``[block][layer]
   [page]``, vLLM's logical page order: the layout's permutation happens in the
-  gather); at the step's end the side stream waits for the compute stream (an
+  gather); at the step's end the store stream waits for the compute stream (an
   event, not a synchronize) and copies the rows into their slots, one copy per
-  run of consecutive slots, 2-D where the rank's share is strided in the slots
-  (``cudaMemcpy2DAsync``); its event is polled, never waited for. What one step
-  stages is bounded (``step_budget_bytes``; the worker drops stores past it);
+  run of consecutive slots: 1-D where the run is whole slots (a 2-D row of 2 GiB
+  or more would pass CUDA's maximum pitch), 2-D where the rank's share is strided
+  in the slots (``cudaMemcpy2DAsync``); its event is polled, never waited for.
+  What one step stages is bounded (``step_budget_bytes``; the scheduler plans
+  within it, the worker drops what would pass it);
 - loads: in chunks of at most ``load_chunk_bytes``, two buffers in turn: the
-  side stream copies a chunk's slots host -> staging, the compute stream waits
-  for that event and scatters each layer into its blocks while the side stream
+  load stream copies a chunk's slots host -> staging, the compute stream waits
+  for that event and scatters each layer into its blocks while the load stream
   copies the next chunk into the other buffer.
+
+Loads and stores each have their own side stream (``streams``), so a load never
+queues behind earlier steps' stores, and every staging buffer is marked as used
+by its stream as soon as it is allocated: a copy that fails part-way never lets
+the allocator hand out memory an earlier copy still writes or reads.
 
 Host memory: the ranges of the region this rank copies are registered as pinned
 memory (``pinning``). Where that is refused, or no CUDA runtime can be called,
@@ -49,6 +56,7 @@ from tiercache.integrations.vllm.connector.cudart import CudaRuntime, HostRuntim
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages
 from tiercache.integrations.vllm.connector.pinning import HostPins, copy_runs, plan_pins
+from tiercache.integrations.vllm.connector.streams import CopyStreams
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, Transfers
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -62,6 +70,8 @@ class _Flight:
     """Copies launched on the side stream, until their end event has passed."""
 
     jobs: list[int]
+    kind: MemcpyKind
+    """The direction, hence the stream, its copies run on."""
     started_at: float
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
@@ -88,7 +98,7 @@ class StagedTransfers(Transfers):
 
     def __init__(self, pages: KVPages, geometry: SlotGeometry, rank: int, region_slots: torch.Tensor,
                  step_budget_bytes: int | None = None, runtime: CudaRuntime | None = None, *,
-                 load_chunk_bytes: int | None = None) -> None:
+                 load_chunk_bytes: int | None = None, streams: CopyStreams | None = None) -> None:
         super().__init__(pages)
         self.geometry, self.rank, self.region_slots = geometry, rank, region_slots
         self.step_budget_bytes = step_budget_bytes
@@ -96,9 +106,11 @@ class StagedTransfers(Transfers):
                                                      DEFAULT_LOAD_CHUNK_BYTES)
         """Device staging per load chunk (by default half the step's budget): two chunks are in use at a time."""
         self.cuda = pages.device.type == "cuda"
-        self.side = torch.cuda.Stream(device=pages.device) if self.cuda else None
+        self.streams = streams or CopyStreams(pages.device)
         self.runtime = runtime if runtime is not None else loaded_cudart() if self.cuda else HostRuntime()
         """The CUDA runtime's calls (``cudart``); None: none can be made (copies through bounce buffers)."""
+        self.max_pitch = self.runtime.max_pitch(_device_index(pages.device)) if self.runtime else 0
+        """The device's largest 2-D copy pitch: longer strided rows go one by one."""
         offset, size = self._copied_range()
         self.pins = HostPins.register(self.runtime, plan_pins(region_slots, offset, size)) if self.runtime else None
         """What this engine registered (None: copies through pinned bounce buffers)."""
@@ -132,7 +144,7 @@ class StagedTransfers(Transfers):
             by_group.setdefault(copy.group, []).append(copy)
         jobs = list(dict.fromkeys(copy.job_id for copy in copies))
         self._loaded_this_step.update(jobs)
-        flight = self._begin(jobs)
+        flight = self._begin(jobs, MemcpyKind.HOST_TO_DEVICE)
         failed: set[int] = set()
         for group, group_copies in by_group.items():
             good, bad = self._checked(group, group_copies)
@@ -155,33 +167,32 @@ class StagedTransfers(Transfers):
         width = len(layers) * page
         shares = self._shares(group, width)
         per_chunk = max(1, self.load_chunk_bytes // width)
+        streams, loads = self.streams, MemcpyKind.HOST_TO_DEVICE
         buffers = [torch.empty((min(per_chunk, len(pairs)), width), dtype=torch.uint8, device=self.pages.device)
                    for _ in range(min(2, -(-len(pairs) // per_chunk)))]
-        self._side_waits_compute()  # the buffers' memory may have been the compute stream's until just now
+        for buffer in buffers:
+            streams.keep(buffer, loads)  # before any copy: one failing part-way leaves none to reuse under the rest
+        streams.waits_compute(loads)  # the buffers' memory may have been the compute stream's until just now
         freed: list[torch.cuda.Event | None] = [None] * len(buffers)
         for number, first in enumerate(range(0, len(pairs), per_chunk)):
             chunk = pairs[first : first + per_chunk]
             turn = number % len(buffers)
-            if freed[turn] is not None:
-                assert self.side is not None
-                self.side.wait_event(freed[turn])  # the scatter that read this buffer before
+            streams.waits_event(loads, freed[turn])  # the scatter that read this buffer before
             staging = buffers[turn][: len(chunk)]
             self._copy_in(staging, shares, [slot for slot, _ in chunk], flight)
             if not asynchronous:
-                self._compute_waits_side()
-            with self._on_side() if asynchronous else contextlib.nullcontext():
+                streams.compute_waits(loads)
+            with streams.on(loads) if asynchronous else contextlib.nullcontext():
                 index = self._index([block for _, block in chunk])
                 packed = staging.view(len(chunk), len(layers), page)
                 for position, layer in enumerate(layers):
                     layer.blocks.index_copy_(0, index, packed[:, position].view(len(chunk), *layer.blocks.shape[1:]))
-                freed[turn] = self._record(torch.cuda.current_stream(self.pages.device) if self.cuda else None)
-        for buffer in buffers:
-            self._keep_for_side(buffer)
+                freed[turn] = streams.record(loads if asynchronous else None)
         return len(pairs) * width
 
     def _copy_in(self, staging: torch.Tensor, shares: torch.Tensor, slots: list[int], flight: _Flight) -> None:
-        """Slots -> staging rows, on the side stream."""
-        with self._on_side():
+        """Slots -> staging rows, on the load stream."""
+        with self.streams.on(MemcpyKind.HOST_TO_DEVICE):
             if self.pins is not None:
                 for first, slot, count in copy_runs(list(enumerate(slots)), self.pins.plan):
                     self._memcpy(MemcpyKind.HOST_TO_DEVICE, staging, first, shares, slot, count)
@@ -220,6 +231,7 @@ class StagedTransfers(Transfers):
         pairs = [pair for copy in copies for pair in zip(copy.slots, copy.blocks, strict=True)]
         width = len(self._layers[group]) * self.pages.layers[self._layers[group][0]].blocks[0].numel()
         rows = torch.empty((len(pairs), width), dtype=torch.uint8, device=self.pages.device)
+        self.streams.keep(rows, MemcpyKind.DEVICE_TO_HOST)  # before any copy out of it is queued
         targets = [(copy.job_id, slot) for copy in copies for slot in copy.slots]
         staged = _StoreStaging(rows, self._index([block for _, block in pairs]), targets)
         self._store_staging[group] = staged
@@ -237,21 +249,20 @@ class StagedTransfers(Transfers):
         if not jobs:
             return
         kept = set(jobs)
-        flight = self._begin(jobs)
+        flight = self._begin(jobs, MemcpyKind.DEVICE_TO_HOST)
         try:
             for group, staging in staged.items():
                 pairs = [(row, slot) for row, (job, slot) in enumerate(staging.targets) if job in kept]
                 self._copy_out(staging.rows, self._shares(group, staging.rows.shape[1]), pairs, flight)
                 flight.store_bytes += len(pairs) * staging.rows.shape[1]
-                self._keep_for_side(staging.rows)
         except Exception as error:
             flight.failed, flight.jobs = self._failed(flight.jobs, "store", error), []
         self._end(flight)
 
     def _copy_out(self, rows: torch.Tensor, shares: torch.Tensor, pairs: list[tuple[int, int]],
                   flight: _Flight) -> None:
-        """Staging rows -> slots, on the side stream (through a bounce buffer: the host's scatter when it ends)."""
-        with self._on_side():
+        """Staging rows -> slots, on the store stream (through a bounce buffer: the host's scatter when it ends)."""
+        with self.streams.on(MemcpyKind.DEVICE_TO_HOST):
             if self.pins is not None:
                 for first, slot, count in copy_runs(pairs, self.pins.plan):
                     self._memcpy(MemcpyKind.DEVICE_TO_HOST, rows, first, shares, slot, count)
@@ -263,8 +274,12 @@ class StagedTransfers(Transfers):
 
     # ---- completion -------------------------------------------------------------------------
     def poll(self) -> Completed:
-        while self._in_flight and self._ended(self._in_flight[0]):
-            flight = self._in_flight.pop(0)
+        """What ended, whatever its order: a load is not held back behind an earlier store on the other stream."""
+        ended = [flight for flight in self._in_flight if self._ended(flight)]
+        if ended:
+            gone = {id(flight) for flight in ended}
+            self._in_flight = [flight for flight in self._in_flight if id(flight) not in gone]
+        for flight in ended:
             try:
                 for bounce, positions, shares, slots in flight.scatters:
                     shares.index_copy_(0, slots, bounce.index_select(0, positions))
@@ -311,19 +326,27 @@ class StagedTransfers(Transfers):
 
     def _memcpy(self, kind: MemcpyKind, rows: torch.Tensor, position: int, shares: torch.Tensor, slot: int,
                 count: int) -> None:
-        """Rows ``position:position+count`` of ``rows`` <-> slots ``slot:slot+count`` of ``shares``: one copy, 2-D
-        where the share is strided in the slots."""
+        """Rows ``position:position+count`` of ``rows`` <-> slots ``slot:slot+count`` of ``shares`` on ``kind``'s
+        stream: one 1-D copy of whole slots, one 2-D copy where the share is strided in them (row by row past the
+        device's maximum pitch)."""
+        runtime, stream = self.runtime, self.streams.handle(kind)
+        assert runtime is not None
         width, pitch = rows.shape[1], shares.stride(0)
         device = rows.data_ptr() + position * width
         host = shares.data_ptr() + slot * pitch
-        if pitch == width:  # whole slots: one contiguous piece
-            width, pitch, count = width * count, width * count, 1
-        dst, dst_pitch, src, src_pitch = ((device, width, host, pitch) if kind is MemcpyKind.HOST_TO_DEVICE
-                                          else (host, pitch, device, width))
-        assert self.runtime is not None
-        code = self.runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, count, kind,
-                                      self.side.cuda_stream if self.side is not None else 0)
-        checked(self.runtime, code, f"cudaMemcpy2DAsync of {count} x {width} bytes")
+        dst, src = (device, host) if kind is MemcpyKind.HOST_TO_DEVICE else (host, device)
+        if pitch == width or count == 1:
+            code = runtime.memcpy(dst, src, width * count if pitch == width else width, kind, stream)
+            checked(runtime, code, f"cudaMemcpyAsync of {width * count if pitch == width else width} bytes")
+            return
+        dst_pitch, src_pitch = (width, pitch) if kind is MemcpyKind.HOST_TO_DEVICE else (pitch, width)
+        if pitch <= self.max_pitch:
+            code = runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, count, kind, stream)
+            checked(runtime, code, f"cudaMemcpy2DAsync of {count} x {width} bytes")
+            return
+        for row in range(count):
+            code = runtime.memcpy(dst + row * dst_pitch, src + row * src_pitch, width, kind, stream)
+            checked(runtime, code, f"cudaMemcpyAsync of {width} bytes")
 
     def _checked(self, group: int, copies: Sequence[GroupCopy]) -> tuple[list[GroupCopy], list[int]]:
         """``copies`` whose slots and blocks are all in range, and the jobs of the others, failed here (logged): a bad
@@ -351,40 +374,23 @@ class StagedTransfers(Transfers):
         offset = self.geometry.offset(self.rank, group, 0)
         return self.region_slots[:, offset : offset + share_bytes]
 
-    # ---- streams ----------------------------------------------------------------------------
-    def _begin(self, jobs: list[int]) -> _Flight:
-        """Copies on the side stream from here, after what the compute stream has queued (their timing starts
+    # ---- flights ----------------------------------------------------------------------------
+    def _begin(self, jobs: list[int], kind: MemcpyKind) -> _Flight:
+        """Copies on ``kind``'s stream from here, after what the compute stream has queued (their timing starts
         then)."""
-        self._side_waits_compute()
-        return _Flight(jobs, time.perf_counter(), start=self._record(self.side, timing=True))
+        self.streams.waits_compute(kind)
+        return _Flight(jobs, kind, time.perf_counter(), start=self.streams.record(kind, timing=True))
 
     def _end(self, flight: _Flight) -> None:
         try:
-            flight.end = self._record(self.side, timing=True)
+            flight.end = self.streams.record(flight.kind, timing=True)
         except Exception as error:  # the device is gone: nothing is left in flight to wait for
             log.error("tiercache connector: cannot record the end of a copy: %s", error)
         self._in_flight.append(flight)
 
-    def _record(self, stream: torch.cuda.Stream | None, timing: bool = False) -> torch.cuda.Event | None:
-        """An event recorded on ``stream`` now (None on CPU)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event(enable_timing=timing)
-        event.record(stream)
-        return event
 
-    def _on_side(self) -> contextlib.AbstractContextManager[object]:
-        """The side stream's context (on CPU tensors copies run at once: no stream)."""
-        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
-
-    def _side_waits_compute(self) -> None:
-        if self.side is not None:
-            self.side.wait_stream(torch.cuda.current_stream(self.pages.device))
-
-    def _compute_waits_side(self) -> None:
-        if self.side is not None:
-            torch.cuda.current_stream(self.pages.device).wait_event(self._record(self.side))
-
-    def _keep_for_side(self, staging: torch.Tensor) -> None:
-        if self.side is not None:
-            staging.record_stream(self.side)
+def _device_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` (its own, else the current one's; 0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    return device.index if device.index is not None else torch.cuda.current_device()
