@@ -44,6 +44,7 @@ from tiercache.integrations.vllm.connector.namespace import model_identity, page
 from tiercache.integrations.vllm.connector.options import ConnectorOptions
 from tiercache.integrations.vllm.connector.region import RegionDeclined, SharedRegion, region_path
 from tiercache.integrations.vllm.connector.scheduler import ConnectorScheduler
+from tiercache.integrations.vllm.connector.step_budget import StoreBudget
 from tiercache.integrations.vllm.connector.token_order import compact_order
 from tiercache.integrations.vllm.connector.worker import ConnectorWorker
 from tiercache.manager.lower_tiers import LowerTiers
@@ -112,8 +113,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             tiers.start()
             self._region = region
             events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
+            staged = str(getattr(vllm_config.device_config, "device_type", "")) == "cuda"  # only CUDA stages stores
+            budget = StoreBudget(geometry, options.staging_bytes, vllm_config.scheduler_config.max_num_batched_tokens,
+                                 bounded=staged)
             self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events),
-                                                 idle_wait_s=options.idle_wait_s, load_mode=options.loads)
+                                                 idle_wait_s=options.idle_wait_s, load_mode=options.loads,
+                                                 store_budget=budget)
             self._levels = LevelReads(tiers.parts.remotes)
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),

@@ -16,8 +16,10 @@ metadata says (``worker``). Per request:
   as a load job;
 * every step, blocks that became full (prompt and output) and that their group
   keeps (a sliding group: the windows a later request can hit) get CPU slots and a
-  store job; a store is committed and written down to the remotes once every
-  worker copied it (``update_connector_output``), a load's pins go then too.
+  store job, within what a step may stage on the device (``step_budget``: a
+  full-attention block past it is stored at a later step); a store is committed
+  and written down to the remotes once every worker copied it
+  (``update_connector_output``), a load's pins go then too.
 
 Nothing raises into vLLM: a failure is logged and answered as a miss.
 """
@@ -44,6 +46,7 @@ from tiercache.integrations.vllm.connector.metrics import TIER_SEPARATOR, Schedu
 from tiercache.integrations.vllm.connector.namespace import block_extra
 from tiercache.integrations.vllm.connector.options import LoadMode
 from tiercache.integrations.vllm.connector.requests import Fetching, RequestKeys, RequestState
+from tiercache.integrations.vllm.connector.step_budget import StoreBudget
 from tiercache.manager.lower_tiers import LowerTiers
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,8 @@ class ConnectorScheduler:
     """The scheduler's half of the connector (see the module docstring)."""
 
     def __init__(self, tiers: LowerTiers, geometry: SlotGeometry, force_latest: bool, *, events: bool = False,
-                 idle_wait_s: float = 0.0, load_mode: LoadMode = LoadMode.AUTO) -> None:
+                 idle_wait_s: float = 0.0, load_mode: LoadMode = LoadMode.AUTO,
+                 store_budget: StoreBudget | None = None) -> None:
         self.tiers = tiers
         self.geometry = geometry
         self.events: list[Any] | None = [] if events else None
@@ -79,6 +83,8 @@ class ConnectorScheduler:
         self._event_group = next((i for i, g in enumerate(geometry.groups) if g.kind is GroupKind.FULL), None)
         """The group whose stores are reported as KV events (the first full-attention one; none: no events)."""
         self.counters = SchedulerCounters()
+        self.store_budget = store_budget or StoreBudget(geometry, None, None)
+        """What one step's stores may stage on the workers' devices (unbounded where nothing is staged: CPU)."""
         self.admission = HitAdmission(tiers, geometry, self.counters, force_latest=force_latest,
                                       idle_wait_s=idle_wait_s, load_mode=load_mode,
                                       loads_in_flight=self._loads_in_flight)
@@ -158,6 +164,7 @@ class ConnectorScheduler:
         metadata = TierCacheConnectorMetadata(loads=self._loads)
         self._loads = []
         self.admission.idle = not output.num_scheduled_tokens
+        self.store_budget.begin_step()
         for new in output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None:
@@ -203,8 +210,13 @@ class ConnectorScheduler:
             progress.stored[group] = max(progress.stored[group], end)
         if not wanted:
             return None
-        slots = self.tiers.begin_writes([block.key for block in wanted])
-        chosen = [(block, slot) for block, slot in zip(wanted, slots, strict=True) if slot is not None]
+        chosen, left = self._within_budget(wanted)
+        for block in left:
+            if self.geometry.groups[block.group].kind is GroupKind.FULL:  # still the request's: stored at a later step
+                progress.stored[block.group] = min(progress.stored[block.group], block.position)
+                self.counters.add("deferred_store_blocks")
+            else:
+                self.counters.add("dropped_store_blocks")
         if not chosen:
             return None
         job = CopyJob(next(self._job_ids), tuple(slot for _, slot in chosen),
@@ -216,6 +228,23 @@ class ConnectorScheduler:
         self.counters.add("stored_blocks", len(chosen))
         self.counters.add("stored_bytes", self._bytes(job.groups))
         return job
+
+    def _within_budget(self, wanted: list[_StoreBlock]) -> tuple[list[tuple[_StoreBlock, int]], list[_StoreBlock]]:
+        """CPU slots for ``wanted`` in order while the step's staging lasts (a block the CPU tier holds already costs
+        nothing); the blocks past it."""
+        chosen: list[tuple[_StoreBlock, int]] = []
+        start = 0
+        while start < len(wanted):
+            count = self.store_budget.fitting([block.group for block in wanted[start:]])
+            if not count:
+                break
+            batch = wanted[start : start + count]
+            for block, slot in zip(batch, self.tiers.begin_writes([block.key for block in batch]), strict=True):
+                if slot is not None:
+                    chosen.append((block, slot))
+                    self.store_budget.spend(block.group)
+            start += count
+        return chosen, wanted[start:]
 
     def workers_reported(self, report: TierCacheWorkerMetadata | None) -> None:
         """Act on the jobs every worker has finished (or one has failed)."""

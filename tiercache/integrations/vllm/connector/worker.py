@@ -40,6 +40,7 @@ from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.shmfile import RegionFile
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
+from tiercache.integrations.vllm.connector.step_budget import step_blocks, store_budget_bytes
 from tiercache.integrations.vllm.connector.token_order import TokenOrder
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
 
@@ -69,18 +70,6 @@ def _group_copies(job: CopyJob, groups: set[int]) -> dict[int, GroupCopy]:
         copies[group] = GroupCopy(job.job_id, group, tuple(job.slots[i] for i in ours),
                                   tuple(job.block_ids[i] for i in ours))
     return copies
-
-
-def step_blocks(max_num_batched_tokens: int, block_size: int) -> int:
-    """The most blocks of one group a step can fill: its tokens' blocks, and one more (the first may have begun in
-    an earlier step)."""
-    return -(-max_num_batched_tokens // block_size) + 1
-
-
-def store_budget_bytes(geometry: SlotGeometry, rank: int, max_num_batched_tokens: int) -> int:
-    """Device memory a step's stores stage on rank ``rank``: every group it stores, for ``step_blocks`` blocks."""
-    per_block = sum(group.layers_bytes for index, group in enumerate(geometry.groups) if geometry.writes(rank, index))
-    return step_blocks(max_num_batched_tokens, geometry.block_size) * per_block
 
 
 class ConnectorWorker:
@@ -176,7 +165,9 @@ class ConnectorWorker:
         self.declined = SharedRegion.decline(self.region_path, self.rank, reason, held)
 
     def bind(self, metadata: TierCacheConnectorMetadata) -> None:
-        """A step's jobs, bound before its forward; stores past the step's staging budget are dropped (one warning)."""
+        """A step's jobs, bound before its forward. The scheduler plans stores within the step's staging budget
+        (``step_budget``); stores past it all the same (a scheduler and workers of different options) are dropped
+        (one warning)."""
         self._loads, self._loads_started, self._polled = list(metadata.loads), set(), False
         self._stores = []
         budget = self.transfers.step_budget_bytes if self.transfers is not None else None
