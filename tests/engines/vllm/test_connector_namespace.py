@@ -126,6 +126,15 @@ def test_kv_cache_groups_of_another_structure_never_share_a_namespace(vllm: Inst
     assert page_format(config, two_groups(64), instance_geometry(config, two_groups(64)).slots).fingerprint() in formats
 
 
+def test_fp8_scales_computed_at_run_time_decline_and_a_checkpoints_scales_do_not(vllm: Instances) -> None:
+    config = vllm_config(vllm.model, "scales", vllm.extra(cpu_topology()))
+    config.cache_config.cache_dtype = "fp8"
+    assert instance_geometry(config, kv_cache_config()).slots is not None, "scales of the checkpoint: its identity's"
+    config.cache_config.calculate_kv_scales = True  # earlier vLLMs' option: scales from the first batch
+    declined = instance_geometry(config, kv_cache_config())
+    assert declined.slots is None and "calculate_kv_scales" in (declined.declined or "")
+
+
 def test_the_connector_imports_on_this_vllm_and_the_other_exports_stay_lazy() -> None:
     script = (
         "import sys\n"

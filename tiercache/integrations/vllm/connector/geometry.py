@@ -146,6 +146,11 @@ def instance_geometry(vllm_config: Any, kv_cache_config: Any) -> InstanceGeometr
     for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) != 1:
             raise UnsupportedLayoutError(f"tiercache's connector supports {name} 1 only, got {getattr(parallel, name)}")
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "calculate_kv_scales", False) and str(getattr(cache, "cache_dtype", "")).startswith("fp8"):
+        return InstanceGeometry(None, "its FP8 KV cache's scales are computed from its first batch "
+                                "(calculate_kv_scales): another instance's pages, stored under other scales, would "
+                                "read wrong")
     groups = kv_cache_config.kv_cache_groups
     block_sizes = {int(group.kv_cache_spec.block_size) for group in groups}
     known = FULL_SPECS + SLIDING_SPECS
