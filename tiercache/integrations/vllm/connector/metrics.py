@@ -40,7 +40,8 @@ DOCUMENTATION = {
     "failed_loads": "Load jobs a worker failed (their blocks recomputed by vLLM)",
     "failed_stores": "Store jobs a worker failed (nothing written)",
     "deferred_store_blocks": "Full-attention blocks past a step's device staging budget, stored at a later step",
-    "dropped_store_blocks": "Sliding-window blocks past a step's device staging budget, not stored (later misses)",
+    "dropped_store_blocks": "Blocks past a step's device staging budget that cannot wait (sliding windows; a block "
+                            "larger than a whole step's budget), not stored (later misses)",
     "hit_blocks": "Blocks loaded, by the tiercache tier that served them",
     "level_blocks": "Blocks the remote tiers served, by the codec level of the values read (exact, int8, compact)",
     "load_copy_bytes": "Bytes the workers copied from the CPU tier into vLLM's KV cache (summed over workers)",

@@ -212,7 +212,8 @@ class ConnectorScheduler:
             return None
         chosen, left = self._within_budget(wanted)
         for block in left:
-            if self.geometry.groups[block.group].kind is GroupKind.FULL:  # still the request's: stored at a later step
+            later = self.store_budget.ever_fits(block.group)  # a block past a whole step's budget would wait forever
+            if later and self.geometry.groups[block.group].kind is GroupKind.FULL:  # still the request's: a later step
                 progress.stored[block.group] = min(progress.stored[block.group], block.position)
                 self.counters.add("deferred_store_blocks")
             else:

@@ -69,6 +69,12 @@ class StoreBudget:
                     return count
         return len(groups)
 
+    def ever_fits(self, group: int) -> bool:
+        """Whether a block of ``group`` fits in a whole step's budget (``staging_mib`` below one block: never)."""
+        return self.step_bytes is None or all(costs[group] <= step for costs, step in zip(self._costs,
+                                                                                          self.step_bytes,
+                                                                                          strict=True))
+
     def spend(self, group: int) -> None:
         """A block of ``group`` got a slot: it is staged this step."""
         if self.left is not None:
