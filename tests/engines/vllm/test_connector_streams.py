@@ -1,6 +1,7 @@
-"""``StagedTransfers``' copies at CUDA's limits and its streams, on CPU tensors through the runtime seam (issue 53):
-runs past the maximum pitch, buffers marked for their stream before any copy of theirs is queued, and one stream
-per direction whose completions are not held behind the other's.
+"""``StagedTransfers``' copies at CUDA's limits, its streams and its staging, on CPU tensors through the runtime seam
+(issue 53): runs past the maximum pitch; staging a copy used never let go unmarked for its stream, reserved at
+start (or a start-up error), and never staged over while a copy reads it; one stream per direction whose
+completions are not held behind the other's.
 
 ``HostRuntime`` refuses a pitch past its ``pitch_limit`` as a GPU refuses one
 past ``cudaDevAttrMaxPitch``; lowering the limit reaches it with small pages.
@@ -8,16 +9,22 @@ past ``cudaDevAttrMaxPitch``; lowering the limit reaches it with small pages.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 from support.vllm_staging import SMALL, Recording, engine, kv_cache, load, one_group, page, region, store, stored_right
 
 from tiercache.integrations.vllm.connector.cudart import INVALID_VALUE, HostRuntime, MemcpyKind
+from tiercache.integrations.vllm.connector.pages import KVPages
+from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
+from tiercache.integrations.vllm.connector.staging import StagingMemoryError
 from tiercache.integrations.vllm.connector.streams import CopyStreams
 from tiercache.integrations.vllm.connector.transfers import GroupCopy
+from tiercache.integrations.vllm.connector.worker import ConnectorWorker
 
 LOAD_STREAM, STORE_STREAM = 101, 202
 """The handles ``Handles`` gives each direction's stream."""
@@ -82,34 +89,77 @@ class Keeping(CopyStreams):
         super().keep(staging, kind)
 
 
-def kept_before_each_copy(log: list[tuple[str, int, int]]) -> bool:
-    """Every copy's device range lies in a buffer marked before it."""
-    kept: list[tuple[int, int]] = []
-    for what, start, end in log:
-        if what == "keep":
-            kept.append((start, end))
-        elif not any(low <= start and end <= high for low, high in kept):
-            return False
-    return True
+def held_or_kept(log: list[tuple[str, int, int]], held: list[torch.Tensor]) -> bool:
+    """Every copy's device range lies in a buffer the pool still holds, or in one it marked for the copy's stream
+    before letting it go (the allocator then reuses it only once that stream has passed the copy)."""
+    kept = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in held]
+    kept += [(start, end) for what, start, end in log if what == "keep"]
+    return all(any(low <= start and end <= high for low, high in kept) for what, start, end in log if what == "copy")
 
 
-def test_staging_is_marked_for_its_stream_before_a_copy_that_fails_part_way(tmp_path: Path) -> None:
+def test_staging_a_copy_used_is_held_or_marked_for_its_stream_when_a_copy_fails_part_way(tmp_path: Path) -> None:
     geometry = one_group(2)
     shared = region(tmp_path, geometry)
     runtime = Ordered(fail_at=2)
     kv = kv_cache(list(geometry.layer_names), **SMALL, seed=24)
     copies = engine(geometry, kv, shared, runtime=runtime, streams=Keeping(torch.device("cpu"), runtime.log),
-                    load_chunk_bytes=2 * geometry.rank_bytes)
-    stored = GroupCopy(1, 0, (0, 1, 5, 9), (2, 3, 4, 5))  # two runs: two copies out of one staging buffer
+                    load_chunk_bytes=4 * geometry.rank_bytes)
+    stored = GroupCopy(1, 0, (0, 1, 5, 9), (2, 3, 4, 5))  # three runs: three copies out of one staging buffer
     assert store(copies, [stored]) == [] and copies.poll().failed == [1], "the second copy fails the store"
-    assert [what for what, _, _ in runtime.log] == ["keep", "copy", "copy"]
-    assert kept_before_each_copy(runtime.log)
+    assert [what for what, _, _ in runtime.log] == ["keep", "copy", "copy"], "fresh rows: marked before a copy"
     runtime.log.clear()
-    runtime.made, runtime.fail_at = 0, 3
-    loaded = GroupCopy(2, 0, (0, 2, 4, 6, 8), (1, 2, 3, 4, 5))  # chunks of two slots, a copy a slot
-    assert load(copies, [loaded]) == [2], "the third copy (the second chunk's first) fails"
-    assert [what for what, _, _ in runtime.log][:2] == ["keep", "keep"], "both chunk buffers, before any copy"
-    assert kept_before_each_copy(runtime.log) and runtime.made == 3
+    runtime.made, runtime.fail_at = 0, 1
+    assert load(copies, [GroupCopy(2, 0, (0,), (1,))]) == [2], "a one-slot load fails: its chunk is small"
+    runtime.made, runtime.fail_at = 0, 6
+    loaded = GroupCopy(3, 0, (0, 2, 4, 6, 8, 10, 12, 14), tuple(range(1, 9)))  # chunks of 4 slots, a copy a slot
+    assert load(copies, [loaded]) == [3], "the sixth copy (the second chunk's second) fails"
+    log = [what for what, _, _ in runtime.log]
+    assert log.count("keep") == 1 and log.index("keep") > log.index("copy"), "the first chunk grown, once"
+    held = [buffer.tensor for buffer in copies.pool._loads if buffer.tensor is not None]
+    assert runtime.made == 6 and held_or_kept(runtime.log, held)
+
+
+def test_reserved_staging_is_taken_at_start_and_a_start_that_cannot_afford_it_says_what_to_change(
+    tmp_path: Path,
+) -> None:
+    geometry = one_group(2)
+    shared = region(tmp_path, geometry)
+    kv = kv_cache(list(geometry.layer_names), **SMALL, seed=27)
+    budget = 4 * geometry.rank_bytes
+    copies = engine(geometry, kv, shared, step_budget_bytes=budget)
+    assert copies.pool.reserved_bytes == budget + 2 * (budget // 2), "a step's stores and two load chunks"
+    copies.close()
+    with pytest.raises(StagingMemoryError, match=r"staging_mib .*gpu_memory_utilization"):
+        engine(geometry, kv, shared, step_budget_bytes=1 << 50)
+
+    class Starving(ConnectorWorker):
+        """A worker whose device cannot hold its staging (a CUDA worker's engine, on CPU tensors)."""
+
+        def _engine(self, pages: KVPages, region: SharedRegion) -> StagedTransfers:
+            return StagedTransfers(pages, self.geometry, self.rank, region.slots, 1 << 50)
+
+    worker = Starving(geometry, 24, tmp_path / "tiercache-starving-dp0", 0)
+    with pytest.raises(StagingMemoryError, match=r"cannot reserve \d+ MiB"):
+        worker.register_kv_caches(kv)
+    assert not (tmp_path / "tiercache-starving-dp0").exists(), "nothing is left behind"
+
+
+def test_a_steps_stores_are_dropped_while_the_last_steps_copy_reads_the_reserved_rows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    geometry = one_group(2)
+    shared = region(tmp_path, geometry)
+    kv = kv_cache(list(geometry.layer_names), **SMALL, seed=28)
+    copies = engine(geometry, kv, shared, kind=StoresLate, step_budget_bytes=4 * geometry.rank_bytes)
+    first, second = GroupCopy(1, 0, (0, 1), (1, 2)), GroupCopy(2, 0, (2, 3), (3, 4))
+    assert store(copies, [first]) == []
+    with caplog.at_level(logging.WARNING):
+        assert store(copies, [second]) == [2], "its rows are the ones the first step's copy still reads"
+    assert "stores not stored" in caplog.text and copies.poll().failed == [2]
+    copies.landed = True
+    assert copies.poll().done == [1] and stored_right(shared, geometry, kv, first), "the first store's bytes"
+    third = GroupCopy(3, 0, (4, 5), (5, 6))
+    assert store(copies, [third]) == [] and copies.poll().done == [3] and stored_right(shared, geometry, kv, third)
 
 
 class Handles(CopyStreams):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.integrations.vllm.connector.cudart import SUCCESS, CudaRuntime
+from tiercache.integrations.vllm.connector.cudart import SUCCESS, CudaRuntime, MemcpyKind, checked
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -98,6 +98,29 @@ def copy_runs(pairs: Sequence[tuple[int, int]], plan: PinPlan | None) -> list[tu
                 continue
         runs.append((position, slot, 1))
     return runs
+
+
+def copy_run(runtime: CudaRuntime, kind: MemcpyKind, stream: int, max_pitch: int, rows: torch.Tensor, position: int,
+             shares: torch.Tensor, slot: int, count: int) -> None:
+    """Rows ``position:position+count`` of ``rows`` (device) <-> slots ``slot:slot+count`` of ``shares`` (host) on
+    ``stream``: one 1-D copy of whole slots (a 2-D row of 2 GiB or more would pass CUDA's maximum pitch), one 2-D
+    copy where the share is strided in them, row by row past ``max_pitch``."""
+    width, pitch = rows.shape[1], shares.stride(0)
+    device = rows.data_ptr() + position * width
+    host = shares.data_ptr() + slot * pitch
+    dst, src = (device, host) if kind is MemcpyKind.HOST_TO_DEVICE else (host, device)
+    if pitch == width or count == 1:
+        size = width * count if pitch == width else width
+        checked(runtime, runtime.memcpy(dst, src, size, kind, stream), f"cudaMemcpyAsync of {size} bytes")
+        return
+    dst_pitch, src_pitch = (width, pitch) if kind is MemcpyKind.HOST_TO_DEVICE else (pitch, width)
+    if pitch <= max_pitch:
+        code = runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, count, kind, stream)
+        checked(runtime, code, f"cudaMemcpy2DAsync of {count} x {width} bytes")
+        return
+    for row in range(count):
+        code = runtime.memcpy(dst + row * dst_pitch, src + row * src_pitch, width, kind, stream)
+        checked(runtime, code, f"cudaMemcpyAsync of {width} bytes")
 
 
 class HostPins:

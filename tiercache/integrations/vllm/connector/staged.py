@@ -15,16 +15,18 @@ Per KV-cache group and step:
   or more would pass CUDA's maximum pitch), 2-D where the rank's share is strided
   in the slots (``cudaMemcpy2DAsync``); its event is polled, never waited for.
   What one step stages is bounded (``step_budget_bytes``; the scheduler plans
-  within it, the worker drops what would pass it);
+  within it, the worker drops what would pass it), and taken once at start
+  (``staging``): a step's stores are dropped, never waited for, while the last
+  step's copy still reads the rows;
 - loads: in chunks of at most ``load_chunk_bytes``, two buffers in turn: the
   load stream copies a chunk's slots host -> staging, the compute stream waits
   for that event and scatters each layer into its blocks while the load stream
   copies the next chunk into the other buffer.
 
 Loads and stores each have their own side stream (``streams``), so a load never
-queues behind earlier steps' stores, and every staging buffer is marked as used
-by its stream as soon as it is allocated: a copy that fails part-way never lets
-the allocator hand out memory an earlier copy still writes or reads.
+queues behind earlier steps' stores; staging reused or freed waits for the
+copies that used it (``staging``), so a copy that fails part-way never lets
+memory an earlier copy still writes or reads be reused.
 
 Host memory: the ranges of the region this rank copies are registered as pinned
 memory (``pinning``). Where that is refused, or no CUDA runtime can be called,
@@ -52,10 +54,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiercache.integrations.vllm.connector.cudart import CudaRuntime, HostRuntime, MemcpyKind, checked, loaded_cudart
+from tiercache.integrations.vllm.connector.cudart import CudaRuntime, HostRuntime, MemcpyKind, loaded_cudart
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages
-from tiercache.integrations.vllm.connector.pinning import HostPins, copy_runs, plan_pins
+from tiercache.integrations.vllm.connector.pinning import HostPins, copy_run, copy_runs, plan_pins
+from tiercache.integrations.vllm.connector.staging import StagingPool
 from tiercache.integrations.vllm.connector.streams import CopyStreams
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, Transfers
 
@@ -63,6 +66,12 @@ log = logging.getLogger(f"vllm.{__name__}")
 
 DEFAULT_LOAD_CHUNK_BYTES = 256 << 20
 """Device staging per load chunk where no step budget is given (two chunks are in use at a time)."""
+BUSY_WARNING_EVERY = 100
+"""Steps whose stores back-pressure dropped between two warnings."""
+
+
+class StagingBusy(RuntimeError):
+    """A step's stores cannot be staged now (the rows still read by the last step's copy, or past the budget)."""
 
 
 @dataclass
@@ -125,6 +134,13 @@ class StagedTransfers(Transfers):
         """Stores that failed this step, none of whose copies is launched."""
         self._loaded_this_step: set[int] = set()
         self._in_flight: list[_Flight] = []
+        widest = max(len(members) * pages.layers[members[0]].blocks[0].numel() for members in self._layers.values()
+                     if members)
+        self.pool = StagingPool(pages.device, self.streams, step_budget_bytes, max(self.load_chunk_bytes, widest))
+        self.pool.reserve()  # where the budget is known: all of it now, or a start-up error naming it
+        self._last_store: _Flight | None = None
+        """The last step's store copies out of the reserved rows: the next step's stores wait for none of them."""
+        self._busy_drops = 0
 
     @property
     def pinned(self) -> bool:
@@ -166,19 +182,12 @@ class StagedTransfers(Transfers):
         page = layers[0].blocks[0].numel()
         width = len(layers) * page
         shares = self._shares(group, width)
-        per_chunk = max(1, self.load_chunk_bytes // width)
+        per_chunk = self.pool.rows_per_chunk(width)
         streams, loads = self.streams, MemcpyKind.HOST_TO_DEVICE
-        buffers = [torch.empty((min(per_chunk, len(pairs)), width), dtype=torch.uint8, device=self.pages.device)
-                   for _ in range(min(2, -(-len(pairs) // per_chunk)))]
-        for buffer in buffers:
-            streams.keep(buffer, loads)  # before any copy: one failing part-way leaves none to reuse under the rest
-        streams.waits_compute(loads)  # the buffers' memory may have been the compute stream's until just now
-        freed: list[torch.cuda.Event | None] = [None] * len(buffers)
-        for number, first in enumerate(range(0, len(pairs), per_chunk)):
+        streams.waits_compute(loads)  # an asynchronous scatter writes blocks the compute stream used until now
+        for first in range(0, len(pairs), per_chunk):
             chunk = pairs[first : first + per_chunk]
-            turn = number % len(buffers)
-            streams.waits_event(loads, freed[turn])  # the scatter that read this buffer before
-            staging = buffers[turn][: len(chunk)]
+            staging, turn = self.pool.load_chunk(len(chunk), width)  # after the scatter that read it last
             self._copy_in(staging, shares, [slot for slot, _ in chunk], flight)
             if not asynchronous:
                 streams.compute_waits(loads)
@@ -187,7 +196,7 @@ class StagedTransfers(Transfers):
                 packed = staging.view(len(chunk), len(layers), page)
                 for position, layer in enumerate(layers):
                     layer.blocks.index_copy_(0, index, packed[:, position].view(len(chunk), *layer.blocks.shape[1:]))
-                freed[turn] = streams.record(loads if asynchronous else None)
+                self.pool.load_read(turn, streams.record(loads if asynchronous else None))
         return len(pairs) * width
 
     def _copy_in(self, staging: torch.Tensor, shares: torch.Tensor, slots: list[int], flight: _Flight) -> None:
@@ -224,14 +233,27 @@ class StagedTransfers(Transfers):
             staged = self._store_staging.pop(pages.group, None)
             jobs = list(dict.fromkeys(job for job, _ in staged.targets)) if staged else [c.job_id for c in copies]
             self._failed_jobs.update(jobs)
+            if isinstance(error, StagingBusy):
+                return [*bad, *self._dropped(jobs, error)]
             return [*bad, *self._failed(jobs, f"store of layer {pages.name}", error)]
         return bad
 
+    def _dropped(self, jobs: list[int], why: StagingBusy) -> list[int]:
+        """Stores left out under back-pressure (later misses): a warning at the first, then one per hundred."""
+        if self._busy_drops % BUSY_WARNING_EVERY == 0:
+            log.warning("tiercache connector: %d stores not stored: %s (%d such steps so far)", len(jobs), why,
+                        self._busy_drops + 1)
+        self._busy_drops += 1
+        return jobs
+
     def _new_store_staging(self, group: int, copies: Sequence[GroupCopy]) -> _StoreStaging:
+        if self.pool.bounded and self._last_store is not None and not self._ended(self._last_store):
+            raise StagingBusy("the last step's stores are still copied out of the staging rows")
         pairs = [pair for copy in copies for pair in zip(copy.slots, copy.blocks, strict=True)]
         width = len(self._layers[group]) * self.pages.layers[self._layers[group][0]].blocks[0].numel()
-        rows = torch.empty((len(pairs), width), dtype=torch.uint8, device=self.pages.device)
-        self.streams.keep(rows, MemcpyKind.DEVICE_TO_HOST)  # before any copy out of it is queued
+        rows = self.pool.store_rows(len(pairs), width)
+        if rows is None:
+            raise StagingBusy(f"{len(pairs)} blocks of group {group} pass the step's staging budget")
         targets = [(copy.job_id, slot) for copy in copies for slot in copy.slots]
         staged = _StoreStaging(rows, self._index([block for _, block in pairs]), targets)
         self._store_staging[group] = staged
@@ -242,6 +264,7 @@ class StagedTransfers(Transfers):
         self._loaded_this_step = set()  # the others complete with their own copies (``load``)
         staged, failed = self._store_staging, self._failed_jobs
         self._store_staging, self._failed_groups, self._failed_jobs = {}, set(), set()
+        self.pool.end_store_step()
         self._completed.failed += [job for job in stores if job in failed]  # no copy of theirs was launched
         in_staging = {job for staging in staged.values() for job, _ in staging.targets}
         self._completed.done += [job for job in stores if job not in failed and job not in in_staging]
@@ -258,6 +281,7 @@ class StagedTransfers(Transfers):
         except Exception as error:
             flight.failed, flight.jobs = self._failed(flight.jobs, "store", error), []
         self._end(flight)
+        self._last_store = flight
 
     def _copy_out(self, rows: torch.Tensor, shares: torch.Tensor, pairs: list[tuple[int, int]],
                   flight: _Flight) -> None:
@@ -326,27 +350,8 @@ class StagedTransfers(Transfers):
 
     def _memcpy(self, kind: MemcpyKind, rows: torch.Tensor, position: int, shares: torch.Tensor, slot: int,
                 count: int) -> None:
-        """Rows ``position:position+count`` of ``rows`` <-> slots ``slot:slot+count`` of ``shares`` on ``kind``'s
-        stream: one 1-D copy of whole slots, one 2-D copy where the share is strided in them (row by row past the
-        device's maximum pitch)."""
-        runtime, stream = self.runtime, self.streams.handle(kind)
-        assert runtime is not None
-        width, pitch = rows.shape[1], shares.stride(0)
-        device = rows.data_ptr() + position * width
-        host = shares.data_ptr() + slot * pitch
-        dst, src = (device, host) if kind is MemcpyKind.HOST_TO_DEVICE else (host, device)
-        if pitch == width or count == 1:
-            code = runtime.memcpy(dst, src, width * count if pitch == width else width, kind, stream)
-            checked(runtime, code, f"cudaMemcpyAsync of {width * count if pitch == width else width} bytes")
-            return
-        dst_pitch, src_pitch = (width, pitch) if kind is MemcpyKind.HOST_TO_DEVICE else (pitch, width)
-        if pitch <= self.max_pitch:
-            code = runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, count, kind, stream)
-            checked(runtime, code, f"cudaMemcpy2DAsync of {count} x {width} bytes")
-            return
-        for row in range(count):
-            code = runtime.memcpy(dst + row * dst_pitch, src + row * src_pitch, width, kind, stream)
-            checked(runtime, code, f"cudaMemcpyAsync of {width} bytes")
+        assert self.runtime is not None
+        copy_run(self.runtime, kind, self.streams.handle(kind), self.max_pitch, rows, position, shares, slot, count)
 
     def _checked(self, group: int, copies: Sequence[GroupCopy]) -> tuple[list[GroupCopy], list[int]]:
         """``copies`` whose slots and blocks are all in range, and the jobs of the others, failed here (logged): a bad

@@ -21,8 +21,9 @@ blocks; it never serves them.
 
 On CUDA what one step's stores stage on the device is bounded
 (``store_budget_bytes``: the blocks ``max_num_batched_tokens`` can fill, or
-``staging_mib``), and loads are staged in chunks of half that; both are logged
-at start.
+``staging_mib``; the scheduler plans within it), and loads are staged in chunks
+of half that; both are reserved when the KV caches are registered
+(``staging``) and logged.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.shmfile import RegionFile
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
+from tiercache.integrations.vllm.connector.staging import StagingMemoryError
 from tiercache.integrations.vllm.connector.step_budget import step_blocks, store_budget_bytes
 from tiercache.integrations.vllm.connector.token_order import TokenOrder
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
@@ -119,7 +121,8 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, Any], backends: Mapping[str, str] | None = None) -> None:
         """Map the shared CPU slots and vLLM's tensors as pages. A layout it cannot map, or an error of its own once
         the region is mapped, declines (logged, the scheduler told through the region), never stops vLLM; a region it
-        cannot make (``RegionSpaceError``: no room on its file system; no access) is a start-up error, raised."""
+        cannot make (``RegionSpaceError``: no room on its file system; no access) or device staging it cannot reserve
+        (``StagingMemoryError``, naming the size and ``staging_mib``) is a start-up error, raised."""
         try:
             views = page_views(kv_caches, self.geometry, self.num_blocks, backends)
             wrong_order = self.token_order.mismatch(dict(backends or {}))
@@ -133,6 +136,10 @@ class ConnectorWorker:
         try:
             self.pages = KVPages(views, self.geometry, self.rank, self.region.slots)
             self.transfers = self._engine(self.pages, self.region)
+        except StagingMemoryError:  # a start that cannot afford the staging fails here, not in a forward
+            self.region.close()
+            self.pages, self.region = None, None
+            raise
         except Exception as error:
             log.exception("tiercache connector: rank %d cannot copy vLLM's KV cache, so it declines every request",
                           self.rank)
