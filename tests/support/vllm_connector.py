@@ -124,6 +124,9 @@ class Instance:
         self.connector: Any = self.scheduler.connector
         self.skip_loads = False
         """The "engine" calls neither ``start_load_kv`` nor ``wait_for_layer_load`` (a broken runner)."""
+        self.micro_batched = False
+        """Each layer runs per micro-batch, its save hook after each (vLLM's dual-batch overlap: the step's requests
+        in two halves)."""
         self.speculative = False
         """The runner collects the connector's output before ``wait_for_save``, which runs after the drafter: vLLM's
         order with speculative decoding (``defer_finalize``, V1 and V2 runners)."""
@@ -155,8 +158,9 @@ class Instance:
                 if not self.skip_loads:
                     worker.wait_for_layer_load(name)
                 record.wrong_pages.extend(self._check_prefix(output, index, name))
-                self._compute(output, index, name)
-                worker.save_kv_layer(name, self.kv[name], context.attn_metadata)
+                for batch in self._micro_batches(output):  # each runs the layer, then its save hook
+                    self._compute(output, index, name, batch)
+                    worker.save_kv_layer(name, self.kv[name], context.attn_metadata)
         if not output.has_sync_kv_loads and not self.skip_loads:
             worker.start_load_kv(context)
         if not self.speculative:
@@ -284,11 +288,21 @@ class Instance:
                     wrong.append((req.request_id, name, position))
         return wrong
 
-    def _compute(self, output: SchedulerOutput, layer: int, name: str) -> None:
-        """Write the pages of the blocks this step's tokens fall in (a partial block: its tokens so far)."""
+    def _micro_batches(self, output: SchedulerOutput) -> list[set[str] | None]:
+        """The step's requests as the forward runs them: all at once (None), or in two halves."""
+        if not self.micro_batched:
+            return [None]
+        ids = list(output.num_scheduled_tokens)
+        return [set(ids[: len(ids) // 2]), set(ids[len(ids) // 2 :])]
+
+    def _compute(self, output: SchedulerOutput, layer: int, name: str, requests: set[str] | None = None) -> None:
+        """Write the pages of the blocks this step's tokens fall in (a partial block: its tokens so far), of
+        ``requests`` only where given."""
         if self.group_of[name] in self.state_groups:
             return
         for req, start, end in self._scheduled(output):
+            if requests is not None and req.request_id not in requests:
+                continue
             tokens, blocks = list(req.all_token_ids), self.block_ids(req.request_id, self.group_of[name])
             for position in range(start // BLOCK, (end - 1) // BLOCK + 1):
                 page = self.page_of(layer, tokens[: min((position + 1) * BLOCK, end)], self.page_size(name))

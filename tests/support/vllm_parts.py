@@ -51,8 +51,10 @@ def cpu_topology(blocks: int = 48, remotes: Iterable[dict[str, Any]] = (), **top
 
 
 def vllm_config(model: Path, engine_id: str, extra: dict[str, Any], *, kv_role: str = "kv_both",
-                events: KVEventsConfig | None = None, tensor_parallel_size: int = 1) -> VllmConfig:
-    """The smallest real ``VllmConfig`` with the connector (float32, prefix caching, chunked prefill)."""
+                events: KVEventsConfig | None = None, tensor_parallel_size: int = 1,
+                micro_batched: bool = False) -> VllmConfig:
+    """The smallest real ``VllmConfig`` with the connector (float32, prefix caching, chunked prefill);
+    ``micro_batched``: vLLM's dual-batch overlap on."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, skip_tokenizer_init=True,
                                max_model_len=1024)
     config = VllmConfig(
@@ -66,6 +68,7 @@ def vllm_config(model: Path, engine_id: str, extra: dict[str, Any], *, kv_role: 
         kv_events_config=events,
     )
     config.parallel_config.tensor_parallel_size = tensor_parallel_size
+    config.parallel_config.enable_dbo = micro_batched
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     return config
 

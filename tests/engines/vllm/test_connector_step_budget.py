@@ -62,3 +62,4 @@ def test_the_budget_holds_on_every_rank_and_is_unbounded_where_nothing_is_staged
     assert budget.fitting([0] * 10) == 6, "rank 0: 2 pages a full block, 13 of its 15 left"
     assert StoreBudget(geometry, None, 64, bounded=False).fitting([0] * 1000) == 1000, "CPU: nothing is staged"
     assert budget.ever_fits(0) and not StoreBudget(geometry, page, None).ever_fits(0), "2 pages past a 1-page step"
+

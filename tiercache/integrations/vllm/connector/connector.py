@@ -125,7 +125,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                            staging_bytes=options.staging_bytes,
                                            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                            num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                                           token_order=order)
+                                           token_order=order,
+                                           micro_batches=bool(getattr(vllm_config.parallel_config, "use_ubatching",
+                                                                      False)))
         self._tier_sources = [_hit_source(tier.type) for tier in config.tiers]
 
     @property

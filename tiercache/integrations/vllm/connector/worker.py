@@ -6,6 +6,10 @@ vLLM's V2 runner replaying one) the per-layer hooks never run, so a load that
 waited for them would never land. A store's pages are copied after each layer
 wrote them (``save_kv_layer``); layers no hook ran for are copied at the step's
 end (``wait_for_save``, which never waits: the copies may complete steps later).
+Under micro-batching (vLLM's dual-batch overlap, ``use_ubatching``) each
+micro-batch runs every layer's hooks in turn, so a layer's first
+``save_kv_layer`` comes before the other micro-batch has written that layer:
+then every store is copied at the step's end instead (``per_layer_saves``).
 Each layer copies its own KV-cache group's share of a job; a replicated group
 (MLA) is stored by rank 0 only. Every job is reported back once, when its
 copies completed (``transfers``: polled, never waited for).
@@ -79,7 +83,8 @@ class ConnectorWorker:
 
     def __init__(self, geometry: SlotGeometry, num_slots: int, region_path: Any, rank: int, *,
                  staging_bytes: int | None = None, max_num_batched_tokens: int | None = None,
-                 num_blocks: int | None = None, token_order: TokenOrder | None = None) -> None:
+                 num_blocks: int | None = None, token_order: TokenOrder | None = None,
+                 micro_batches: bool = False) -> None:
         self.geometry = geometry
         self.token_order = token_order or TokenOrder(None)
         """The order the compact level decodes pages in, and the backends it holds for."""
@@ -91,6 +96,9 @@ class ConnectorWorker:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_blocks = num_blocks
         """vLLM's blocks per layer (a cache in kernel blocks has a multiple of it as rows)."""
+        self.per_layer_saves = not micro_batches
+        """Whether a layer's pages are copied at its ``save_kv_layer`` (not under micro-batching: see the module
+        docstring), else all at the step's end."""
         self.pages: KVPages | None = None
         self.region: SharedRegion | None = None
         self.declined: RegionFile | None = None
@@ -249,8 +257,9 @@ class ConnectorWorker:
                 self._load_errors.update(job.invalid)
 
     def after_layer(self, layer_name: str) -> None:
-        """A layer has written this step's KV: copy that layer's pages of the step's stores."""
-        layer = self.pages.index.get(layer_name) if self.pages is not None else None
+        """A layer has written this step's KV: copy that layer's pages of the step's stores (under micro-batching
+        only one micro-batch has: copied at the step's end)."""
+        layer = self.pages.index.get(layer_name) if self.pages is not None and self.per_layer_saves else None
         if layer is not None:
             self._store(layer)
 
