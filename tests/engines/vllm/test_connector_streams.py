@@ -30,6 +30,15 @@ LOAD_STREAM, STORE_STREAM = 101, 202
 """The handles ``Handles`` gives each direction's stream."""
 
 
+class StoresLate(StagedTransfers):
+    """Store copies stay in flight until ``landed`` (a store stream behind a slow link); loads end at once."""
+
+    landed = False
+
+    def _ended(self, flight: object) -> bool:
+        return self.landed or getattr(flight, "kind", None) is MemcpyKind.HOST_TO_DEVICE
+
+
 def test_a_run_of_whole_slots_past_the_maximum_pitch_is_one_1d_copy_each_way(tmp_path: Path) -> None:
     geometry = one_group(2)  # one rank: a slot is whole pages, so a run of slots is one contiguous piece
     shared = region(tmp_path, geometry)
@@ -127,7 +136,7 @@ def test_reserved_staging_is_taken_at_start_and_a_start_that_cannot_afford_it_sa
     kv = kv_cache(list(geometry.layer_names), **SMALL, seed=27)
     budget = 4 * geometry.rank_bytes
     copies = engine(geometry, kv, shared, step_budget_bytes=budget)
-    assert copies.pool.reserved_bytes == budget + 2 * (budget // 2), "a step's stores and two load chunks"
+    assert copies.pool.reserved_bytes == 2 * budget + 2 * (budget // 2), "two steps' stores and two load chunks"
     copies.close()
     with pytest.raises(StagingMemoryError, match=r"staging_mib .*gpu_memory_utilization"):
         engine(geometry, kv, shared, step_budget_bytes=1 << 50)
@@ -144,22 +153,23 @@ def test_reserved_staging_is_taken_at_start_and_a_start_that_cannot_afford_it_sa
     assert not (tmp_path / "tiercache-starving-dp0").exists(), "nothing is left behind"
 
 
-def test_a_steps_stores_are_dropped_while_the_last_steps_copy_reads_the_reserved_rows(
+def test_a_steps_stores_are_dropped_while_an_earlier_steps_copy_reads_their_reserved_rows(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     geometry = one_group(2)
     shared = region(tmp_path, geometry)
     kv = kv_cache(list(geometry.layer_names), **SMALL, seed=28)
     copies = engine(geometry, kv, shared, kind=StoresLate, step_budget_bytes=4 * geometry.rank_bytes)
-    first, second = GroupCopy(1, 0, (0, 1), (1, 2)), GroupCopy(2, 0, (2, 3), (3, 4))
-    assert store(copies, [first]) == []
+    first, second, third = GroupCopy(1, 0, (0, 1), (1, 2)), GroupCopy(2, 0, (2, 3), (3, 4)), GroupCopy(3, 0, (4,), (5,))
+    assert store(copies, [first]) == [] and store(copies, [second]) == [], "the rows in turn: one each"
     with caplog.at_level(logging.WARNING):
-        assert store(copies, [second]) == [2], "its rows are the ones the first step's copy still reads"
-    assert "stores not stored" in caplog.text and copies.poll().failed == [2]
+        assert store(copies, [third]) == [3], "its rows are the first step's, whose copy still reads them"
+    assert "stores not stored" in caplog.text and copies.poll().failed == [3]
     copies.landed = True
-    assert copies.poll().done == [1] and stored_right(shared, geometry, kv, first), "the first store's bytes"
-    third = GroupCopy(3, 0, (4, 5), (5, 6))
-    assert store(copies, [third]) == [] and copies.poll().done == [3] and stored_right(shared, geometry, kv, third)
+    assert sorted(copies.poll().done) == [1, 2]
+    assert stored_right(shared, geometry, kv, first) and stored_right(shared, geometry, kv, second)
+    fourth = GroupCopy(4, 0, (6, 7), (6, 7))
+    assert store(copies, [fourth]) == [] and copies.poll().done == [4] and stored_right(shared, geometry, kv, fourth)
 
 
 class Handles(CopyStreams):
@@ -180,15 +190,6 @@ def test_loads_and_stores_are_queued_on_their_own_streams(tmp_path: Path) -> Non
     assert load(copies, [GroupCopy(2, 0, (2, 3, 7), (4, 5, 6))]) == []
     assert runtime.streams[:stores] == [STORE_STREAM] * stores and stores == 2
     assert runtime.streams[stores:] == [LOAD_STREAM] * 2
-
-
-class StoresLate(StagedTransfers):
-    """Store copies stay in flight until ``landed`` (a store stream behind a slow link); loads end at once."""
-
-    landed = False
-
-    def _ended(self, flight: object) -> bool:
-        return self.landed or getattr(flight, "kind", None) is MemcpyKind.HOST_TO_DEVICE
 
 
 def test_a_load_is_reported_while_an_earlier_store_is_still_copying(tmp_path: Path) -> None:

@@ -16,8 +16,8 @@ Per KV-cache group and step:
   in the slots (``cudaMemcpy2DAsync``); its event is polled, never waited for.
   What one step stages is bounded (``step_budget_bytes``; the scheduler plans
   within it, the worker drops what would pass it), and taken once at start
-  (``staging``): a step's stores are dropped, never waited for, while the last
-  step's copy still reads the rows;
+  (``staging``): a step's stores are dropped, never waited for, while an earlier
+  step's copy still reads their rows;
 - loads: in chunks of at most ``load_chunk_bytes``, two buffers in turn: the
   load stream copies a chunk's slots host -> staging, the compute stream waits
   for that event and scatters each layer into its blocks while the load stream
@@ -58,7 +58,7 @@ from tiercache.integrations.vllm.connector.cudart import CudaRuntime, HostRuntim
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages
 from tiercache.integrations.vllm.connector.pinning import HostPins, copy_run, copy_runs, plan_pins
-from tiercache.integrations.vllm.connector.staging import StagingPool
+from tiercache.integrations.vllm.connector.staging import StagingBusy, StagingPool
 from tiercache.integrations.vllm.connector.streams import CopyStreams
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, Transfers
 
@@ -68,10 +68,6 @@ DEFAULT_LOAD_CHUNK_BYTES = 256 << 20
 """Device staging per load chunk where no step budget is given (two chunks are in use at a time)."""
 BUSY_WARNING_EVERY = 100
 """Steps whose stores back-pressure dropped between two warnings."""
-
-
-class StagingBusy(RuntimeError):
-    """A step's stores cannot be staged now (the rows still read by the last step's copy, or past the budget)."""
 
 
 @dataclass
@@ -136,10 +132,9 @@ class StagedTransfers(Transfers):
         self._in_flight: list[_Flight] = []
         widest = max(len(members) * pages.layers[members[0]].blocks[0].numel() for members in self._layers.values()
                      if members)
-        self.pool = StagingPool(pages.device, self.streams, step_budget_bytes, max(self.load_chunk_bytes, widest))
+        self.pool = StagingPool(pages.device, self.streams, step_budget_bytes, max(self.load_chunk_bytes, widest),
+                                self._ended)
         self.pool.reserve()  # where the budget is known: all of it now, or a start-up error naming it
-        self._last_store: _Flight | None = None
-        """The last step's store copies out of the reserved rows: the next step's stores wait for none of them."""
         self._busy_drops = 0
 
     @property
@@ -247,13 +242,9 @@ class StagedTransfers(Transfers):
         return jobs
 
     def _new_store_staging(self, group: int, copies: Sequence[GroupCopy]) -> _StoreStaging:
-        if self.pool.bounded and self._last_store is not None and not self._ended(self._last_store):
-            raise StagingBusy("the last step's stores are still copied out of the staging rows")
         pairs = [pair for copy in copies for pair in zip(copy.slots, copy.blocks, strict=True)]
         width = len(self._layers[group]) * self.pages.layers[self._layers[group][0]].blocks[0].numel()
         rows = self.pool.store_rows(len(pairs), width)
-        if rows is None:
-            raise StagingBusy(f"{len(pairs)} blocks of group {group} pass the step's staging budget")
         targets = [(copy.job_id, slot) for copy in copies for slot in copy.slots]
         staged = _StoreStaging(rows, self._index([block for _, block in pairs]), targets)
         self._store_staging[group] = staged
@@ -264,12 +255,12 @@ class StagedTransfers(Transfers):
         self._loaded_this_step = set()  # the others complete with their own copies (``load``)
         staged, failed = self._store_staging, self._failed_jobs
         self._store_staging, self._failed_groups, self._failed_jobs = {}, set(), set()
-        self.pool.end_store_step()
         self._completed.failed += [job for job in stores if job in failed]  # no copy of theirs was launched
         in_staging = {job for staging in staged.values() for job, _ in staging.targets}
         self._completed.done += [job for job in stores if job not in failed and job not in in_staging]
         jobs = [job for job in stores if job not in failed and job in in_staging]
         if not jobs:
+            self.pool.end_store_step(None)
             return
         kept = set(jobs)
         flight = self._begin(jobs, MemcpyKind.DEVICE_TO_HOST)
@@ -281,7 +272,7 @@ class StagedTransfers(Transfers):
         except Exception as error:
             flight.failed, flight.jobs = self._failed(flight.jobs, "store", error), []
         self._end(flight)
-        self._last_store = flight
+        self.pool.end_store_step(flight)
 
     def _copy_out(self, rows: torch.Tensor, shares: torch.Tensor, pairs: list[tuple[int, int]],
                   flight: _Flight) -> None:
