@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from common import arguments, parse, result_path, write_result
 from gpu_connector_async import asynchronous
+from gpu_connector_breaks import BREAKS, big_run, break_runs, stream_order
 from gpu_connector_parts import (
     FULL,
     LAYOUTS,
@@ -77,8 +78,9 @@ from tiercache.integrations.vllm.connector.staged import StagedTransfers
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy
 
 GOAL_RATIO, GOAL_OVERLAP, GOAL_SYNCS = 0.9, 1.1, 0
-"""Goals, reported, not judged: a step's GB/s over a contiguous pinned copy's, a matmul's time with a step's store
-copies in flight over its time alone; synchronizing calls per step (judged: 0)."""
+"""Goals: a step's GB/s over a contiguous pinned copy's (judged on CUDA, pinned steps of 2 MiB pages), a matmul's
+time with a step's store copies in flight over its time alone (reported); synchronizing calls per step (judged:
+0)."""
 
 
 def layouts(check: Check, blocks: int) -> dict[str, Any]:
@@ -123,7 +125,7 @@ def step_rows(check: Check, layout: str, shape: dict[str, int], blocks: int, rep
     base, size = region.slots.data_ptr(), region.slots.numel()
     if refused:
         assert check.runtime.host_register(base, size) == 0, "pinning the region first"
-    copies = check.engine(geometry, kv, region)
+    copies = check.engine(geometry, kv, region, timed=True)
     slots, on = check.scattered(blocks, 2 * blocks), check.scattered(blocks, 2 * blocks)
     steps = {"store": (1, lambda: store_step(copies, [GroupCopy(1, 0, slots, on)])),
              "load": (2, lambda: load_step(copies, [GroupCopy(2, 0, slots, on)]))}
@@ -326,7 +328,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--blocks", type=int, default=128, help="blocks in a step's transfer (2 MiB each)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--break", dest="broken", choices=BREAKS,
+                        help="turn one guard off on purpose (gpu_connector_breaks): the check must then fail")
     args = parse(parser, blocks=8, repeats=2)
+    if args.broken == "2d-runs":
+        break_runs()
     out = result_path(__file__, args.out)
     engine_log = logging.FileHandler(out.with_name(f"{out.stem}_engine.log"), mode="w")
     for name in ("vllm", "tiercache"):  # the engine's logs (the injected failures' tracebacks) to a file
@@ -334,7 +340,7 @@ def main() -> None:
         logger.addHandler(engine_log)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-    check = Check(torch.device(args.device))
+    check = Check(torch.device(args.device), broken=args.broken)
     shape = SMALL if args.quick else FULL
     check.checks["a CUDA runtime to call"] = check.runtime is not None
     if check.runtime is None:  # nothing below can pin, inject or clear an error
@@ -342,7 +348,8 @@ def main() -> None:
         write_result(__file__, {"device": str(check.device), "checks": check.checks, "passed": False}, args.out,
                      args.quick)
         raise SystemExit("FAILED: no CUDA runtime loaded by torch to call (libcudart in /proc/self/maps)")
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name() if check.cuda else "cpu", "shape": shape}
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name() if check.cuda else "cpu", "shape": shape,
+                              "broken": args.broken}
     rows: list[dict[str, Any]] = []
     sections: dict[str, Callable[[], Any]] = {
         "layouts": lambda: layouts(check, max(args.blocks // 8, 4)),
@@ -353,6 +360,8 @@ def main() -> None:
         "hybrid": lambda: hybrid(check, 8),
         "asynchronous": lambda: asynchronous(check, shape, args.blocks, args.repeats, overlap),
         "injected": lambda: injected(check),
+        "stream_order": lambda: stream_order(check),
+        "big_run": lambda: big_run(check),
     }
     try:
         for name, run in sections.items():
@@ -366,6 +375,10 @@ def main() -> None:
         check.checks["every step's jobs done"] = bool(rows) and all(row["jobs_ok"] for row in rows)
         if check.cuda:
             check.checks["no synchronizing call in a step"] = all(row["syncs_per_step"] == GOAL_SYNCS for row in rows)
+        if check.cuda and not args.quick:
+            pinned = [row for row in rows if row["pinned"]]
+            check.checks[f"pinned steps at >= {GOAL_RATIO}x a contiguous copy"] = bool(pinned) and all(
+                (row["ratio"] or 0) >= GOAL_RATIO for row in pinned)
     finally:
         shutil.rmtree(check.dir, ignore_errors=True)
     result.update(goals={"ratio": GOAL_RATIO, "overlap": GOAL_OVERLAP, "syncs_per_step": GOAL_SYNCS},

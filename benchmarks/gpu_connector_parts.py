@@ -24,6 +24,7 @@ from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.shmfile import free_bytes
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
+from tiercache.integrations.vllm.connector.streams import CopyStreams
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy
 
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
@@ -34,6 +35,10 @@ FULL = {"layers": 32, "heads": 8, "tokens": 16, "content": 512}
 SMALL = {"layers": 4, "heads": 2, "tokens": 16, "content": 64}
 TP_LAYERS = 48
 """Layers of the TP-2 section: a 3 MiB share, so each rank registers only its own (vLLM's 3 MiB rule)."""
+SLEEP_CYCLES = 20_000_000
+"""The producer's delay before each hand-over: about 10 ms at 2 GHz, far longer than the copies it races."""
+POISON = 0xA5
+"""What staging holds before a step's copies write it (a missing wait reads it)."""
 SCRATCH_BYTES = 4 << 30
 """Room the check's regions need at most (else they go to the temporary directory, a disk's)."""
 BAD_DIRECTION = 99
@@ -76,11 +81,49 @@ class FailingCopies:
         return self.runtime.memcpy(dst, src, count, BAD_DIRECTION if kind is self.kind else kind, stream)
 
 
+class Widened(CopyStreams):
+    """``CopyStreams`` whose side streams sleep (``torch.cuda._sleep``) before their copies, with fresh store rows
+    poisoned and the ``broken`` guard off (``gpu_connector_breaks``): a missing wait reads poison or what was there
+    before. ``store_step`` delays the compute stream before a step's gathers the same way."""
+
+    def __init__(self, device: torch.device, broken: str | None, delay: int = SLEEP_CYCLES) -> None:
+        super().__init__(device)
+        self.broken, self.delay = broken, delay if self.cuda else 0
+        """Cycles each side stream sleeps before its copies (0: none, for the timed sections)."""
+        if broken == "one-stream" and self.cuda:
+            self._streams[MemcpyKind.DEVICE_TO_HOST] = self._streams[MemcpyKind.HOST_TO_DEVICE]
+
+    def on(self, kind: MemcpyKind) -> contextlib.AbstractContextManager[object]:
+        context = super().on(kind)
+        if self.delay:  # the load stream produces what the scatter reads; a store's copy runs after a reuse it races
+            with super().on(kind):
+                torch.cuda._sleep(self.delay)
+        return context
+
+    def waits_compute(self, kind: MemcpyKind) -> None:
+        if self.broken != "no-wait":
+            super().waits_compute(kind)
+
+    def waits_event(self, kind: MemcpyKind, event: torch.cuda.Event | None) -> None:
+        if self.broken != "no-wait":
+            super().waits_event(kind, event)
+
+    def compute_waits(self, kind: MemcpyKind) -> None:
+        if self.broken != "no-wait":
+            super().compute_waits(kind)
+
+    def keep(self, staging: torch.Tensor, kind: MemcpyKind) -> None:
+        if self.cuda and kind is MemcpyKind.DEVICE_TO_HOST:  # fresh store rows, before the step's gathers
+            staging.fill_(POISON)
+        if self.broken != "no-record-stream":
+            super().keep(staging, kind)
+
+
 class Check:
     """The run's context: device, runtime, a scratch directory of regions, and the checks' verdicts."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device, self.cuda = device, device.type == "cuda"
+    def __init__(self, device: torch.device, seed: int = 0, broken: str | None = None) -> None:
+        self.device, self.cuda, self.broken = device, device.type == "cuda", broken
         self.runtime = loaded_cudart() if self.cuda else HostRuntime()
         shm = Path("/dev/shm")
         roomy = shm.is_dir() and free_bytes(shm) >= SCRATCH_BYTES
@@ -104,9 +147,11 @@ class Check:
         return {f"{prefix}.{index}.attn": view[index] for index in range(shape["layers"])}
 
     def engine(self, geometry: SlotGeometry, kv: dict, region: SharedRegion, rank: int = 0, runtime: Any = None,
-               kind: type[StagedTransfers] = StagedTransfers) -> StagedTransfers:
+               kind: type[StagedTransfers] = StagedTransfers, timed: bool = False) -> StagedTransfers:
+        """An engine over ``region`` whose streams widen races (``Widened``; ``timed``: no delays, for figures)."""
         pages = KVPages(page_views(kv, geometry), geometry, rank, region.slots)
-        return kind(pages, geometry, rank, region.slots, runtime=runtime or self.runtime)
+        return kind(pages, geometry, rank, region.slots, runtime=runtime or self.runtime,
+                    streams=Widened(self.device, self.broken, 0 if timed else SLEEP_CYCLES))
 
     def scattered(self, count: int, space: int) -> tuple[int, ...]:
         return tuple(self.random.sample(range(space), count))
@@ -159,14 +204,26 @@ def one_group(kv: dict, world: int = 1) -> SlotGeometry:
 
 
 def store_step(copies: StagedTransfers, jobs: list[GroupCopy]) -> list[int]:
+    """A step's stores; what its staging let go is taken at once and poisoned (a buffer freed under its copy shows)."""
     failed: set[int] = set()
+    delay = getattr(copies.streams, "delay", 0)
+    if delay:
+        torch.cuda._sleep(delay)  # the gathers (the compute stream) are what a store's copy must wait for
     for index, layer in enumerate(copies.pages.layers):
         failed.update(copies.store_layer(index, [j for j in jobs if j.group == layer.group and j.job_id not in failed]))
+    let_go = [staging.rows.numel() for staging in copies._store_staging.values()]
     copies.end_step([], list(dict.fromkeys(job.job_id for job in jobs)))
+    if copies.cuda:
+        for nbytes in let_go:
+            torch.empty(nbytes, dtype=torch.uint8, device=copies.pages.device).fill_(POISON)
     return sorted(failed)
 
 
 def load_step(copies: StagedTransfers, jobs: list[GroupCopy]) -> list[int]:
+    """A step's loads into load chunks poisoned first (a scatter that does not wait reads the poison)."""
+    for buffer in copies.pool._loads:
+        if buffer.tensor is not None:
+            buffer.tensor.fill_(POISON)
     failed = copies.load(jobs)
     copies.end_step(list(dict.fromkeys(job.job_id for job in jobs)), [])
     return failed

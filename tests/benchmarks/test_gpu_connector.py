@@ -28,7 +28,7 @@ class Absent(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Absent())
 sys.path.insert(0, {benchmarks!r})
 {breakage}
-sys.argv = ["gpu_connector.py", "--device", "cpu", "--quick", "--out", {out!r}]
+sys.argv = ["gpu_connector.py", "--device", "cpu", "--quick", "--out", {out!r}, *{extra!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 BREAKAGES = {
@@ -40,9 +40,9 @@ BREAKAGES = {
 """A check, and a way to break what it checks."""
 
 
-def run_check(tmp_path: Path, breakage: str = "") -> tuple[int, dict, str]:
+def run_check(tmp_path: Path, breakage: str = "", extra: tuple[str, ...] = ()) -> tuple[int, dict, str]:
     code = RUN.format(absent=ABSENT, benchmarks=str(BENCHMARKS), breakage=breakage, out=str(tmp_path),
-                      script=str(BENCHMARKS / "gpu_connector.py"))
+                      script=str(BENCHMARKS / "gpu_connector.py"), extra=list(extra))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S)
     document = json.loads((tmp_path / "gpu_connector.json").read_text())
     return done.returncode, document, done.stdout + done.stderr
@@ -67,3 +67,15 @@ def test_the_check_fails_while_what_it_checks_is_broken(tmp_path: Path, broken: 
     assert code == 1 and document["passed"] is False
     assert document["checks"][broken] is False, output[-4000:]
     assert f"FAIL  {broken}" in output
+
+
+CPU_SHOWN = {"2d-runs": "a run of whole slots past the maximum pitch, both ways"}
+"""The script's ``--break`` guards a CPU run can show (``gpu_connector_breaks.CPU_SHOWN``), and the check that then
+fails; the others need streams (a GPU run)."""
+
+
+@pytest.mark.parametrize("broken", sorted(CPU_SHOWN))
+def test_a_guard_broken_with_break_fails_the_check_where_a_cpu_can_show_it(tmp_path: Path, broken: str) -> None:
+    code, document, output = run_check(tmp_path, extra=("--break", broken))
+    assert code == 1 and not document["passed"] and document["broken"] == broken, output[-4000:]
+    assert [name for name, passed in document["checks"].items() if not passed] == [CPU_SHOWN[broken]]
