@@ -234,9 +234,10 @@ class ConnectorScheduler:
         """CPU slots for ``wanted`` in order while the step's staging lasts (a block the CPU tier holds already costs
         nothing); the blocks past it."""
         chosen: list[tuple[_StoreBlock, int]] = []
+        groups = [block.group for block in wanted]
         start = 0
         while start < len(wanted):
-            count = self.store_budget.fitting([block.group for block in wanted[start:]])
+            count = self.store_budget.fitting(groups, start)
             if not count:
                 break
             batch = wanted[start : start + count]

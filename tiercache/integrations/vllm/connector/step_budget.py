@@ -57,17 +57,18 @@ class StoreBudget:
     def begin_step(self) -> None:
         self.left = list(self.step_bytes) if self.step_bytes is not None else None
 
-    def fitting(self, groups: Sequence[int]) -> int:
-        """How many of the blocks of ``groups`` (in order) fit in what is left on every rank, without spending it."""
+    def fitting(self, groups: Sequence[int], start: int = 0) -> int:
+        """How many of the blocks of ``groups[start:]`` (in order) fit in what is left on every rank, without
+        spending it."""
         if self.left is None:
-            return len(groups)
+            return len(groups) - start
         spent = [0] * len(self.left)
-        for count, group in enumerate(groups):
+        for position in range(start, len(groups)):
             for rank, costs in enumerate(self._costs):
-                spent[rank] += costs[group]
+                spent[rank] += costs[groups[position]]
                 if spent[rank] > self.left[rank]:
-                    return count
-        return len(groups)
+                    return position - start
+        return len(groups) - start
 
     def ever_fits(self, group: int) -> bool:
         """Whether a block of ``group`` fits in a whole step's budget (``staging_mib`` below one block: never)."""
