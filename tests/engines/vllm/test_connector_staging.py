@@ -44,8 +44,9 @@ from tiercache.integrations.vllm.connector.pages import KVPages, page_views
 from tiercache.integrations.vllm.connector.pinning import HostPins, PinScope, copy_runs, plan_pins
 from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
+from tiercache.integrations.vllm.connector.step_budget import step_blocks, store_budget_bytes
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy
-from tiercache.integrations.vllm.connector.worker import ConnectorWorker, step_blocks, store_budget_bytes
+from tiercache.integrations.vllm.connector.worker import ConnectorWorker
 
 
 def test_a_refused_registration_clears_its_error_and_copies_go_through_bounce_buffers(

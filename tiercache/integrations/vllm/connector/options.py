@@ -88,7 +88,7 @@ class ConnectorOptions:
     force_latest: bool
     shared_dir: Path
     staging_bytes: int | None = None
-    """``staging_mib`` in bytes; None: derived from the step's size (``worker.store_budget_bytes``)."""
+    """``staging_mib`` in bytes; None: derived from the step's size (``step_budget.store_budget_bytes``)."""
     idle_wait_s: float = DEFAULT_IDLE_WAIT_MS / MS_PER_SECOND
     loads: LoadMode = LoadMode.AUTO
     codec: Mapping[str, Any] | None = None

@@ -178,8 +178,7 @@ class StagedTransfers(Transfers):
         width = len(layers) * page
         shares = self._shares(group, width)
         per_chunk = self.pool.rows_per_chunk(width)
-        streams, loads = self.streams, MemcpyKind.HOST_TO_DEVICE
-        streams.waits_compute(loads)  # an asynchronous scatter writes blocks the compute stream used until now
+        streams, loads = self.streams, MemcpyKind.HOST_TO_DEVICE  # after the compute stream (``_begin``)
         for first in range(0, len(pairs), per_chunk):
             chunk = pairs[first : first + per_chunk]
             staging, turn = self.pool.load_chunk(len(chunk), width)  # after the scatter that read it last

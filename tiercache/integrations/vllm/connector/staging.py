@@ -15,9 +15,9 @@ are gathered into rows only once the copy that read them two steps before has
 ended; otherwise the step's stores are dropped (``StagingBusy``: never a wait
 on the compute stream; the host runs ahead of the device, so one buffer would
 find the last step's copy not yet started). A load chunk is refilled only after
-the scatter that read it (an event the load stream waits on). A buffer replaced by a larger one is marked as used by its
-stream before it goes, so the allocator reuses it only after that stream passed
-its copies.
+the scatter that read it (an event the load stream waits on). A buffer replaced
+by a larger one is marked as used by its stream before it goes, so the
+allocator reuses it only after that stream passed its copies.
 """
 
 from __future__ import annotations
@@ -93,11 +93,6 @@ class StagingPool:
             for buffer in (*self._stores, *self._loads):
                 buffer.tensor = None
             raise StagingMemoryError(self.store_bytes, self.chunk_bytes, self.device, error) from error
-
-    @property
-    def bounded(self) -> bool:
-        """Whether store rows are the reserved buffers, taken in turn."""
-        return self.store_bytes is not None
 
     @property
     def reserved_bytes(self) -> int:

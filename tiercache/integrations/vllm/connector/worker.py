@@ -46,7 +46,7 @@ from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.shmfile import RegionFile
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
 from tiercache.integrations.vllm.connector.staging import StagingMemoryError
-from tiercache.integrations.vllm.connector.step_budget import step_blocks, store_budget_bytes
+from tiercache.integrations.vllm.connector.step_budget import staging_budget, step_blocks
 from tiercache.integrations.vllm.connector.token_order import TokenOrder
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
 
@@ -161,17 +161,18 @@ class ConnectorWorker:
         """The transfer engine for ``pages``' device; on CUDA with its staging bounds, logged."""
         if pages.device.type != "cuda":
             return HostTransfers(pages)
-        budget, chunk, how = self.staging_bytes, None, "staging_mib"
-        if budget is None and self.max_num_batched_tokens is not None:
+        budget = staging_budget(self.geometry, self.rank, self.staging_bytes, self.max_num_batched_tokens)
+        chunk, how = None, "staging_mib"  # the scheduler plans against the same budget (``step_budget``)
+        if self.staging_bytes is None and self.max_num_batched_tokens is not None:
             blocks = step_blocks(self.max_num_batched_tokens, self.geometry.block_size)
-            budget = store_budget_bytes(self.geometry, self.rank, self.max_num_batched_tokens)
             chunk = max(1, blocks * self.geometry.rank_bytes // 2)
             how = (f"max_num_batched_tokens {self.max_num_batched_tokens} / block_size {self.geometry.block_size} + 1 "
                    f"= {blocks} blocks; staging_mib overrides")
         engine = StagedTransfers(pages, self.geometry, self.rank, region.slots, budget, load_chunk_bytes=chunk)
         if budget is not None:
             log.info("tiercache connector: rank %d stages at most %.0f MiB of stores a step (%s), loads in chunks of "
-                     "%.0f MiB", self.rank, budget / MIB, how, engine.load_chunk_bytes / MIB)
+                     "%.0f MiB; %.0f MiB of device staging reserved", self.rank, budget / MIB, how,
+                     engine.load_chunk_bytes / MIB, engine.pool.reserved_bytes / MIB)
         return engine
 
     def _decline(self, reason: str) -> None:
