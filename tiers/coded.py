@@ -77,7 +77,8 @@ class CodedTier(RemoteTier):
         wire = {level: coding.wire_bytes(level) for level in config.levels}
         self.chooser = LevelChooser(config.levels, wire, coding.geometry.block_bytes)
         self.recompute_seconds: RecomputeSeconds | None = None
-        """Set by the owner that knows the engine's prefill rate (the cost model's); None: never recompute."""
+        """Set by the owner of the cost model (``LinkObserver.recompute_seconds``: under its lock); None: never
+        recompute."""
 
     # -- the inner tier's lifecycle ------------------------------------------
 
@@ -226,6 +227,11 @@ class CodedTier(RemoteTier):
         out = dict(self.inner.tier_stats())
         out.update(self.chooser.stats())
         return out
+
+    def level_blocks(self) -> dict[str, int]:
+        """Per level, the blocks this tier's reads filled so far; read from any thread (the loop adds levels and
+        counts: a copy of the counts, each at most one chunk behind)."""
+        return {level: counters.blocks for level, counters in list(self.chooser.counters.items())}
 
     def stats(self) -> dict[str, float | str]:
         out = dict(self.inner.stats())

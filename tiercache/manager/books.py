@@ -292,6 +292,12 @@ class Books:
             with self.lock:
                 self.cost.exploration_ended(tier, blocks, nbytes, seconds)
 
+    def recompute_seconds(self, tokens: int) -> float | None:
+        if self.cost is None:
+            return None
+        with self.lock:
+            return self.cost.expected_recompute_seconds(tokens)
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine's prefill rate, for the cost model."""
         if self.cost is not None:

@@ -198,6 +198,11 @@ class LowerTiers:
         assert cpu is not None
         return cpu.view(slot)
 
+    def level_blocks(self) -> dict[str, int]:
+        """Per codec level (``exact``, ``int8``, ``compact``), the blocks the remote tiers' coded reads filled so
+        far: monotone counts any thread may read (tiers without a lossy ``codec`` count nothing)."""
+        return self.parts.level_blocks()
+
     def stats(self) -> dict[str, Any]:
         """Per-tier occupancy and counters, queue depths (as ``TierManager.stats``)."""
         return self.parts.stats()

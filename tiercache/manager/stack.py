@@ -104,9 +104,6 @@ class Stack:
             if config.mrc.enabled
         }
         self.cost = CostModel(config.cost) if config.cost.enabled else None
-        for remote in self.remotes:
-            if isinstance(remote, CodedTier) and self.cost is not None:  # an adaptive read may leave a chunk to prefill
-                remote.recompute_seconds = self.cost.expected_recompute_seconds
         lora_id = int(model.lora) if model.lora and model.lora.isdigit() else None
         remember = REMEMBER_FACTOR * (
             (self.gpu.num_blocks if self.gpu else 0) + (self.cpu.num_slots if self.cpu else 0)
@@ -143,6 +140,9 @@ class Stack:
                                    self.tier_names, self.block_size)
         self.books = Books(self.local, self.hierarchy, self.remote_writes, planner, self.lookup, self.cost,
                            self.mover, self.metrics)
+        for remote in self.remotes:
+            if isinstance(remote, CodedTier) and self.cost is not None:  # an adaptive read may leave a chunk to prefill
+                remote.recompute_seconds = self.books.recompute_seconds  # under the books' lock, from the tiers' loop
         self.reader = RemoteReader(self.lanes, self.layout.bytes_per_block, self.books)
         self.loads = None if self.cpu is None else LoadRunner(
             self.books, self.swap, self.reader, views, self.metrics, batch_blocks=queues.batch_blocks
@@ -196,6 +196,15 @@ class Stack:
         if self.loads is None:
             raise RuntimeError("a load plan without a CPU tier")
         return self.runtime.submit(self.loads.run(transfer, plan, force_latest, deadline_s))
+
+    def level_blocks(self) -> dict[str, int]:
+        """Per codec level, the blocks the coded remote tiers' reads have filled so far (summed over tiers)."""
+        served: dict[str, int] = {}
+        for remote in self.remotes:
+            if isinstance(remote, CodedTier):
+                for level, blocks in remote.level_blocks().items():
+                    served[level] = served.get(level, 0) + blocks
+        return served
 
     def stats(self) -> dict[str, Any]:
         """See ``TierManager.stats``."""

@@ -4,8 +4,9 @@
 landed, a load's blocks arrived or were handed over, an exploration landed) is
 one call, made atomically by the bookkeeping's owner, who holds its lock and
 starts the moves it causes; no queue holds the lock. ``LinkObserver``: a lane's
-presence checks and reads time the link to a remote tier for the cost model's owner, so
-no load or exploration holds the cost model itself.
+presence checks and reads time the link to a remote tier for the cost model's owner, and
+a coded tier asks it what a recompute would cost, so no load, exploration or read holds
+the cost model itself.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class LinkObserver(Protocol):
     def explored(self, tier: str, blocks: int, nbytes: int, seconds: float | None) -> None:
         """An exploration of ``tier`` ended: ``seconds`` from the moment the tier was asked, or None when it said
         nothing of the link (never asked, failed early, nothing arrived, cancelled)."""
+
+    def recompute_seconds(self, tokens: int) -> float | None:
+        """The engine's expected prefill time for ``tokens`` (None while unknown): what a read weighs a chunk
+        against before choosing to leave it to the engine."""
 
 
 class Bookkeeper(Protocol):

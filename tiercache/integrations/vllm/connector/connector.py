@@ -119,7 +119,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = ConnectorScheduler(tiers, geometry, options.force_latest, events=bool(events),
                                                  idle_wait_s=options.idle_wait_s, load_mode=options.loads,
                                                  store_budget=budget)
-            self._levels = LevelReads(tiers.parts.remotes)
+            self._levels = LevelReads(tiers.level_blocks)
         else:
             self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
                                            staging_bytes=options.staging_bytes,
