@@ -40,6 +40,7 @@ from tiercache.telemetry.stats_server import FETCH_TIMEOUT_S, StatsServer, fetch
 from tiercache.tools.chat_demo import run_chat_demo, summary
 from tiercache.tools.conversations import ChatSegments, followup_chats
 from tiercache.tools.demo import format_report, run_workload
+from tiercache.tools.real_kv import TRAINING_CONTEXTS, TRAINING_TOKENS
 from tiercache.tools.sharegpt import read_conversations
 from tiercache.tools.simulate import (
     PRESETS,
@@ -63,8 +64,6 @@ CHAT_QUESTION_TOKENS = (16, 400)
 CHAT_ANSWER_TOKENS = 32
 WARM_UP_SALT = "tiercache-demo-warm-up"
 """Mixed into the warm-up request's keys, so no turn reuses its blocks."""
-TABLE_CONTEXTS, TABLE_TOKENS = 24, 896
-"""What ``tables`` learns on by default: as ``benchmarks/codec.py``, whose quality table used such tables."""
 CHAT_GPU_BLOCKS = 32
 """The chat demo's GPU pool (blocks): room for the request being served, so the other chats live in the CPU tier."""
 
@@ -279,8 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     tables = commands.add_parser("tables", help="the compact level's tables, learned on a model's own K/V")
     tables.add_argument("model", help="a Hugging Face checkpoint directory (transformers loads it, float32)")
     tables.add_argument("--out", required=True, help="the tables file to write (a tier's codec.tables)")
-    tables.add_argument("--contexts", type=int, default=TABLE_CONTEXTS, help="ShareGPT conversations to learn on")
-    tables.add_argument("--tokens", type=int, default=TABLE_TOKENS, help="tokens of each conversation")
+    tables.add_argument("--contexts", type=int, default=TRAINING_CONTEXTS,
+                        help="ShareGPT conversations to learn on (the default set is benchmarks/codec.py's)")
+    tables.add_argument("--tokens", type=int, default=TRAINING_TOKENS, help="tokens of each conversation")
     tables.add_argument("--skip", type=int, default=0, help="usable conversations to skip first (to hold some apart)")
     tables.set_defaults(handler=_tables)
     return parser
@@ -288,17 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _tables(args: argparse.Namespace) -> int:
     from tiercache.codecs.tables import learn_tables
-    from tiercache.tools.real_kv import context_kv, load_model, real_contexts
+    from tiercache.tools.real_kv import context_kv, load_model, training_contexts
 
     try:
         tokenizer, model = load_model(Path(args.model))
-        contexts = real_contexts(tokenizer, args.contexts, args.tokens, skip=args.skip)
+        contexts = training_contexts(tokenizer, args.contexts, args.tokens, skip=args.skip)
     except (MissingPackage, ImportError, OSError, ValueError) as error:
         print(f"tiercache tables: {error}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    tables = learn_tables(context_kv(model, ids) for ids in contexts)
-    tables.save(args.out)
-    print(f"{args.out}: tables for {tables.layers} layers x {tables.channels} channels (digest "
+    tables = learn_tables(context_kv(model, context.ids) for context in contexts)
+    written = tables.save(args.out)
+    print(f"{written}: tables for {tables.layers} layers x {tables.channels} channels (digest "
           f"{tables.digest.hex()}), learned on {len(contexts)} conversations of {args.tokens} tokens")
     return 0
 

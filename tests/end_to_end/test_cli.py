@@ -228,8 +228,9 @@ def test_tables_learns_a_models_compact_tables_a_topology_then_reads(
     from tiercache.codecs.tables import load_tables
     from tiercache.testing.real_model import build_smollm2
 
-    out = tmp_path / "smollm2.npz"
+    out = tmp_path / "smollm2.bin"  # a name not ending in .npz is written as given, as a topology names it
     assert main(["tables", str(build_smollm2()), "--out", str(out), "--contexts", "2", "--tokens", "64"]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == [out.name]
     tables = load_tables(out)
     assert (tables.layers, tables.channels) == (30, 3 * 64), "SmolLM2: 30 layers, 3 KV heads of 64"
     assert f"{out}: tables for 30 layers x 192 channels (digest {tables.digest.hex()})" in capsys.readouterr().out

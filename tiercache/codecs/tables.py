@@ -87,11 +87,15 @@ class CompactTables:
                 digest.update(probabilities.astype("<f8").tobytes())
         return digest.digest()
 
-    def save(self, path: str | Path) -> None:
-        """Write the tables (``.npz``, plain arrays)."""
+    def save(self, path: str | Path) -> Path:
+        """Write the tables to exactly ``path`` (NumPy's ``.npz`` format, plain arrays, whatever the name ends
+        in); the path written."""
         arrays = {f"p_{layer}_{kind}": self.probabilities[layer][kind]
                   for layer in range(self.layers) for kind in range(2)}
-        np.savez(path, version=np.array(TABLES_VERSION), steps=self.steps, bits=self.bits, **arrays)
+        written = Path(path)
+        with written.open("wb") as out:  # a file, not a name: ``np.savez`` would add ``.npz`` to the name
+            np.savez(out, version=np.array(TABLES_VERSION), steps=self.steps, bits=self.bits, **arrays)
+        return written
 
 
 def load_tables(path: str | Path) -> CompactTables:

@@ -1,7 +1,9 @@
 """Real KV of a trained chat model on ShareGPT conversations, for the codecs' tests and benchmark.
 
-``real_contexts`` renders mostly-ASCII ShareGPT conversations through the chat
-template (``tiercache.tools.conversations``) and keeps the first ones long enough;
+``real_chats`` renders mostly-ASCII ShareGPT conversations through the chat
+template (``tiercache.tools.conversations``) and keeps the first ones long enough
+(``training_contexts``: the ones the compact tables learn on by default; a
+benchmark judges conversations held ``apart`` from them);
 ``context_kv`` runs the model over a context and returns its K/V as one tensor
 ``[layers, 2, tokens, kv_heads * head_dim]`` (float32, K after rotary embedding, as
 engines cache it). ``cached_kv`` keeps such tensors in a cache folder, keyed by
@@ -15,21 +17,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tiercache.tools.conversations import ChatSegments, mostly_ascii
 from tiercache.tools.sharegpt import read_conversations
 
+TRAINING_CONTEXTS, TRAINING_TOKENS = 24, 896
+"""The compact tables' default training set: the first 24 usable conversations, cut to 896 tokens
+(``tiercache tables`` and ``benchmarks/codec.py`` learn on the same ones)."""
 
-def real_contexts(tokenizer: Any, count: int, tokens: int, skip: int = 0) -> list[list[int]]:
-    """The first ``count`` conversations (after ``skip`` usable ones) rendered to at least ``tokens`` token ids,
-    each cut to exactly ``tokens``."""
+
+@dataclass(frozen=True)
+class RealContext:
+    """A ShareGPT conversation's id and its first tokens through the chat template."""
+
+    conversation: str
+    ids: list[int]
+
+
+def real_chats(tokenizer: Any, count: int, tokens: int, *, skip: int = 0,
+               apart: Collection[str] = ()) -> list[RealContext]:
+    """The first ``count`` conversations (after ``skip`` usable ones, none of those ``apart`` names) rendered to at
+    least ``tokens`` token ids, each cut to exactly ``tokens``."""
     segments = ChatSegments(tokenizer)
-    found: list[list[int]] = []
+    found: list[RealContext] = []
     usable = 0
     for conversation in read_conversations():
-        if not mostly_ascii(conversation):
+        if conversation.id in apart or not mostly_ascii(conversation):
             continue
         ids = list(segments.system)
         for exchange in conversation.exchanges:
@@ -40,10 +57,21 @@ def real_contexts(tokenizer: Any, count: int, tokens: int, skip: int = 0) -> lis
             continue
         usable += 1
         if usable > skip:
-            found.append(ids[:tokens])
+            found.append(RealContext(conversation.id, ids[:tokens]))
         if len(found) == count:
             return found
     raise ValueError(f"only {len(found)} conversations reach {tokens} tokens")
+
+
+def real_contexts(tokenizer: Any, count: int, tokens: int, skip: int = 0) -> list[list[int]]:
+    """``real_chats``' token ids alone."""
+    return [context.ids for context in real_chats(tokenizer, count, tokens, skip=skip)]
+
+
+def training_contexts(tokenizer: Any, count: int = TRAINING_CONTEXTS, tokens: int = TRAINING_TOKENS,
+                      skip: int = 0) -> list[RealContext]:
+    """What the compact tables learn on by default (``TRAINING_CONTEXTS``)."""
+    return real_chats(tokenizer, count, tokens, skip=skip)
 
 
 def context_kv(model: Any, ids: list[int]) -> Any:
