@@ -19,7 +19,7 @@ from tiercache.blocks.codec import Codec
 from tiercache.blocks.layout import PageLayout
 from tiercache.blocks.namespaces import PageFormat
 from tiercache.blocks.value_format import HEADER_SIZE, CodedPayload, DecodeStatus
-from tiercache.codecs.coding import KVCoding
+from tiercache.codecs.coding import INTEGRITY_BYTES, KVCoding
 from tiercache.codecs.geometry import KVGeometry, UnsupportedPages
 from tiercache.codecs.levels import Level
 from tiercache.common.fields import FieldError
@@ -66,7 +66,7 @@ def test_int8_round_trips_vllm_cpu_pages_within_its_bound(real_kv: list[torch.Te
             decoded, size = round_trip(slot)
             assert within_int8_bound(slot, decoded, HEAD), dtype
             assert not torch.equal(decoded, slot), "a lossy level that changed nothing"
-            assert size == slot.numel() // HEAD * (2 + HEAD)  # a float16 scale and 64 integers a group
+            assert size == INTEGRITY_BYTES + slot.numel() // HEAD * (2 + HEAD)  # a float16 scale, 64 integers a group
     ratio = slot.numel() * slot.element_size() / size
     assert ratio > {"float32": 3.8, "float16": 1.9, "bfloat16": 1.9}[dtype]
 

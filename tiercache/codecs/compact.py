@@ -14,7 +14,16 @@ of the decoded anchor plus its delta, when the delta lies within the range
 (``(2**bits / 2 - 1/2) * step``); a delta beyond it is clipped to the range's edge.
 
 Payload: the tables' digest, the anchors' scales (float16) and integers (int8),
-then the entropy-coded symbols (32-bit words).
+then the entropy-coded symbols (32-bit words); ``KVCoding`` stores it after its
+integrity word (``tiercache.codecs.coding``).
+
+What the decoder refuses, as no encoder wrote it: another digest, a head that is
+not this geometry's or words that are not whole, anchors an ``int8`` encoder did
+not write (``int8.refused_groups``), words the entropy coder cannot read, and a
+stream that does not end where the block's last symbol does (the coder not empty
+after it: a cut, an extension, most flips). Words cut to none still read (an
+empty coder decodes its lowest symbol, as the encoder would have written no word
+for a block of them): only the integrity word refuses that.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import numpy as np
 import torch
 
 from tiercache.codecs.geometry import KVGeometry
+from tiercache.codecs.int8 import SCALE_BYTES, refused_groups
 from tiercache.codecs.tables import CHUNK_TOKENS, DIGEST_BYTES, CompactTables, anchored
 
 WORD = np.dtype("<u4")
@@ -50,8 +60,11 @@ class CompactCoder:
         self._low, self._high = -half, half - 1
         self._offset = half
         anchor_count = geometry.layers * 2 * self.chunks
-        self._scale_bytes = anchor_count * 2
+        self._anchor_count = anchor_count
+        self._scale_bytes = anchor_count * SCALE_BYTES
         self._anchor_bytes = anchor_count * geometry.channels
+        self.head_bytes = DIGEST_BYTES + self._scale_bytes + self._anchor_bytes
+        """A payload's bytes before its entropy-coded words."""
 
     @functools.cached_property
     def _models(self) -> list[constriction.stream.model.Categorical]:
@@ -71,25 +84,27 @@ class CompactCoder:
         return (self.tables.digest + scales.half().numpy().tobytes() + integers.to(torch.int8).numpy().tobytes()
                 + words.tobytes())
 
-    def decode_into(self, stored: memoryview, dest: memoryview) -> bool:
-        """Decode a compact payload into ``dest``; False when it is not one of these tables and geometry."""
+    def decode_into(self, stored: memoryview, dest: memoryview) -> str | None:
+        """Decode a compact payload into ``dest``; why it was refused (``dest`` untouched), None when decoded."""
         geometry = self.geometry
-        head = DIGEST_BYTES + self._scale_bytes + self._anchor_bytes
-        if len(stored) < head or (len(stored) - head) % WORD.itemsize or bytes(stored[:DIGEST_BYTES]) != (
-            self.tables.digest
-        ):
-            return False
-        shape = (geometry.layers, 2, self.chunks, 1)
-        scales = np.frombuffer(stored, dtype=np.float16, count=int(np.prod(shape)), offset=DIGEST_BYTES)
+        head = self.head_bytes
+        if bytes(stored[:DIGEST_BYTES]) != self.tables.digest:
+            return "another tables' digest"
+        if len(stored) < head or (len(stored) - head) % WORD.itemsize:
+            return f"{len(stored)} bytes: not a head of {head} and whole words"
+        scales = np.frombuffer(stored, dtype=np.float16, count=self._anchor_count, offset=DIGEST_BYTES).astype(
+            np.float32)
         integers = np.frombuffer(stored, dtype=np.int8, count=self._anchor_bytes,
-                                 offset=DIGEST_BYTES + self._scale_bytes)
-        words = np.frombuffer(stored, dtype=WORD, offset=head)
-        decoder = constriction.stream.stack.AnsCoder(words.astype(np.uint32))
-        symbols = np.empty((len(self._models), self.others * geometry.channels), dtype=np.int32)
-        for index, model in enumerate(self._models):
-            symbols[index] = decoder.decode(model, symbols.shape[1])
+                                 offset=DIGEST_BYTES + self._scale_bytes).reshape(self._anchor_count, -1)
+        why = refused_groups(scales, integers)
+        if why is not None:
+            return "anchors with " + why
+        symbols = self._symbols(np.frombuffer(stored, dtype=WORD, offset=head))
+        if isinstance(symbols, str):
+            return symbols
+        shape = (geometry.layers, 2, self.chunks, 1)
         anchors = torch.from_numpy(integers.astype(np.float32)).view(geometry.layers, 2, self.chunks, -1)
-        anchors.mul_(torch.from_numpy(scales.astype(np.float32)).view(shape))
+        anchors.mul_(torch.from_numpy(scales).view(shape))
         deltas = torch.from_numpy(symbols).view(geometry.layers, 2, self.others, -1).float()
         deltas.sub_(self._offset).mul_(self._steps)
         values = torch.empty(geometry.layers, 2, geometry.tokens, geometry.channels)
@@ -98,4 +113,18 @@ class CompactCoder:
         values[:, :, is_anchor] = anchors
         values[:, :, ~is_anchor] = deltas + anchors[:, :, (tokens // CHUNK_TOKENS)[~is_anchor]]
         geometry.write(values, dest)
-        return True
+        return None
+
+    def _symbols(self, words: np.ndarray) -> np.ndarray | str:
+        """Every (layer, K or V)'s symbols decoded from ``words``, or why they are none the encoder wrote."""
+        symbols = np.empty((len(self._models), self.others * self.geometry.channels), dtype=np.int32)
+        try:  # garbage words may be none the coder reads (one ending in a zero word): a refusal, not an error
+            decoder = constriction.stream.stack.AnsCoder(words.astype(np.uint32))
+            for index, model in enumerate(self._models):
+                symbols[index] = decoder.decode(model, symbols.shape[1])
+            ended = decoder.is_empty()
+        except Exception as error:
+            return f"entropy-coded words the coder cannot read ({error})"
+        if not ended:
+            return "an entropy-coded stream that does not end with the block's last symbol"
+        return symbols

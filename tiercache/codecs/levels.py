@@ -18,6 +18,9 @@ from tiercache.common.fields import FieldError, int_in_range
 
 LEVEL_KEY_PERSON = b"tiercache-level"
 """BLAKE2b personalisation of a level's key, so it is never the key of anything else."""
+LOSSY_FORMAT = 2
+"""The lossy values' format (2: an integrity word before the payload, ``tiercache.codecs.coding``), in every lossy
+key: a reader never meets a value of another release's format, so it never deletes one as damaged."""
 MAX_CHUNK_BLOCKS = 1 << 10
 """Largest ``chunk_blocks`` (more is a typo: a chunk is what one level decision covers)."""
 DEFAULT_CHUNK_BLOCKS = 16
@@ -51,11 +54,13 @@ CODING_LEVELS = {coding: level for level, coding in LEVEL_CODINGS.items()}
 
 def level_key(key: bytes, level: Level, tables_digest: bytes = b"") -> bytes:
     """The key a block's value at ``level`` is stored under: the block key for ``exact``, else a keyed hash of it,
-    the level and the digest of the tables it was coded with (values coded with other tables never share a key)."""
+    the level, ``LOSSY_FORMAT`` and the digest of the tables it was coded with (values coded with other tables or in
+    another format never share a key)."""
     if level is Level.EXACT:
         return key
+    named = level.value.encode() + bytes([LOSSY_FORMAT]) + tables_digest
     digest = hashlib.blake2b(key, digest_size=len(key), person=LEVEL_KEY_PERSON,
-                             salt=hashlib.blake2b(level.value.encode() + tables_digest, digest_size=16).digest())
+                             salt=hashlib.blake2b(named, digest_size=16).digest())
     return digest.digest()
 
 
