@@ -63,7 +63,7 @@ def compact_bound(original: torch.Tensor, tables: CompactTables, dtype: str) -> 
     """The module's stated bound: anchors as int8; other values half a step from the decoded anchor plus their
     delta, plus what lies beyond the clipped range, plus the dtype's rounding."""
     steps = torch.from_numpy(tables.steps)[:, :, None, :]
-    half = torch.from_numpy(1 << (tables.bits - 1)).float()[:, None, None, None]
+    half = torch.from_numpy(tables.half_alphabet).float()[:, :, None, None]
     anchors = original[:, :, ::CHUNK_TOKENS]
     anchor_error = anchors.abs().amax(-1, keepdim=True) / INT8_MAX / 2 * (1 + 2**-10)
     chunk = torch.arange(original.shape[2]) // CHUNK_TOKENS

@@ -3,15 +3,16 @@
 The block's tokens form chunks of ``CHUNK_TOKENS``; each chunk's first token (its
 anchor) is kept at 8 bits with a scale per token, and every other token is coded
 as its delta from the decoded anchor (tokens close together are alike), per
-channel under the tables' fixed step, at the bits the layer's depth gets (shallow
-layers matter more), clipped to that range. The symbols of each layer's K and of
+channel under the tables' fixed step, at the bits the layer's depth gives its K
+or V, over an alphabet wider than the learned range (``RANGE_EXTRA_BITS``), clipped
+to that alphabet. The symbols of each layer's K and of
 its V are entropy-coded (rANS, ``constriction``) under that layer's learned
 model, in one call per layer and K or V, never per channel.
 
 Stated bound: an anchor value decodes within ``absmax / 254`` of its token's
 largest magnitude (as ``int8``); any other value within half its channel's step
-of the decoded anchor plus its delta, when the delta lies within the range
-(``(2**bits / 2 - 1/2) * step``); a delta beyond it is clipped to the range's edge.
+of the decoded anchor plus its delta, when the delta lies within the alphabet
+(``(half_alphabet - 1/2) * step``); a delta beyond it is clipped to the alphabet's edge.
 
 Payload: the tables' digest, the anchors' scales (float16) and integers (int8),
 then the entropy-coded symbols (32-bit words); ``KVCoding`` stores it after its
@@ -56,7 +57,7 @@ class CompactCoder:
         self.chunks = -(-geometry.tokens // CHUNK_TOKENS)
         self.others = geometry.tokens - self.chunks
         self._steps = torch.from_numpy(tables.steps).view(geometry.layers, 2, 1, geometry.channels)
-        half = torch.from_numpy(1 << (tables.bits - 1)).float().view(-1, 1, 1, 1)
+        half = torch.from_numpy(tables.half_alphabet).float().view(geometry.layers, 2, 1, 1)
         self._low, self._high = -half, half - 1
         self._offset = half
         anchor_count = geometry.layers * 2 * self.chunks
