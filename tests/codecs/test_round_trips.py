@@ -79,6 +79,27 @@ def test_each_level_round_trips_real_kv_within_its_bound(
                 assert error.max() > 0 or dtype.startswith("float8"), "a lossy level that changed nothing"
 
 
+def test_a_compact_delta_past_the_learned_range_is_coded_not_clipped(
+    real_kv: list[torch.Tensor], tables: CompactTables
+) -> None:
+    """A K delta 1.5x the range the tables learned (rare in real KV, and the largest error when clipped) decodes
+    within half a step of where it was, as any delta inside the alphabet does."""
+    sample = real_kv[0].clone()
+    layout = KVLayout(sample.shape[0], sample.shape[-1] // HEAD_DIM, HEAD_DIM, "float32", CHUNK_TOKENS,
+                      MemoryOrder.LAYER_MAJOR)
+    coding = KVCoding(KVGeometry.of(layout), [Level.COMPACT], tables)
+    layer, token, channel = sample.shape[0] // 2, CHUNK_TOKENS // 2, 5
+    step = float(tables.steps[layer, 0, channel])
+    learned_range = step * (1 << int(tables.bits[layer, 0])) / 2
+    sample[layer, 0, token, channel] = sample[layer, 0, 0, channel] + 1.5 * learned_range
+    block = block_of(sample, layout)
+    original = values(layout, block)
+    decoded = round_trip(coding, Level.COMPACT, layout, block)
+    anchor_error = float(original[layer, 0, 0].abs().max()) / INT8_MAX / 2 * (1 + 2**-10)
+    error = float((decoded - original)[layer, 0, token, channel].abs())
+    assert error <= step / 2 + anchor_error + TINY, (error, step, learned_range)
+
+
 def test_compact_is_smaller_than_int8_and_int8_than_the_engine_dtype(
     real_kv: list[torch.Tensor], tables: CompactTables
 ) -> None:

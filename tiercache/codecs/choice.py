@@ -35,8 +35,8 @@ THROUGHPUT_SMOOTHING = 0.5
 PRIOR_DECODE_BYTES_PER_S: Mapping[Level, float] = {
     Level.EXACT: 10e9, Level.INT8: 5e9, Level.COMPACT: 1.5e8,
 }
-"""Raw KV bytes decoded per second per core before this process decoded any (benchmarks/codec.json on the
-development machine, rounded down): exact is a copy."""
+"""Raw KV bytes decoded per second per core before this process decoded any (``speed_float32`` in
+benchmarks/codec.json on the development machine, rounded down): exact is a copy."""
 
 
 @dataclass
