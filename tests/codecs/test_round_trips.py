@@ -79,6 +79,19 @@ def test_each_level_round_trips_real_kv_within_its_bound(
                 assert error.max() > 0 or dtype.startswith("float8"), "a lossy level that changed nothing"
 
 
+def test_int8_scales_each_head_apart(real_kv: list[torch.Tensor], tables: CompactTables) -> None:
+    """A head of small values beside a head of large ones keeps its own step: within its own absmax / 254."""
+    sample = real_kv[0].clone()
+    layout = KVLayout(sample.shape[0], sample.shape[-1] // HEAD_DIM, HEAD_DIM, "float32", CHUNK_TOKENS)
+    sample[:, :, :, :HEAD_DIM] /= 16  # the first head's values a sixteenth of the others' (float16 scales stay normal)
+    block = block_of(sample, layout)
+    original = values(layout, block)
+    decoded = round_trip(KVCoding(KVGeometry.of(layout), [Level.INT8]), Level.INT8, layout, block)
+    small = original[..., :HEAD_DIM]
+    error = (decoded[..., :HEAD_DIM] - small).abs()
+    assert (error <= int8_bound(small, "float32")).all(), float(error.max())
+
+
 def test_a_compact_delta_past_the_learned_range_is_coded_not_clipped(
     real_kv: list[torch.Tensor], tables: CompactTables
 ) -> None:

@@ -106,8 +106,9 @@ class KVGeometry:
 
     @property
     def group_size(self) -> int:
-        """Values under one ``int8`` scale: a token's K or V of a layer (``channels``), or a page group."""
-        return self.block_shape[-1] if self.pages else self.channels
+        """Values under one ``int8`` scale: one head of a token's K or V in a layer (the head size), or a page group
+        (an engine's head size too): the innermost, contiguous dimension either way."""
+        return self.block_shape[-1]
 
     @property
     def groups(self) -> int:
@@ -140,7 +141,7 @@ class KVGeometry:
         pages are the block's own memory)."""
         if self.pages:
             return self._typed(block).float()
-        return self.values(block).view(self.groups, self.channels)
+        return self.values(block).view(self.groups, self.group_size)
 
     def write(self, values: torch.Tensor, dest: memoryview) -> None:
         """Write ``values`` (``values``' or ``vectors``' shape) into ``dest`` in the block's own order and dtype."""

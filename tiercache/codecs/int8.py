@@ -1,9 +1,10 @@
 """The ``int8`` level: each group of contiguous values as 8-bit integers under one scale.
 
 A group is what the geometry calls one (``KVGeometry.vectors``): for a
-``KVLayout``, a token's K (or V) of a layer over its channels (heads x head
-size); for an engine's pages, ``group_elements`` contiguous elements (vLLM's
-head size). Its scale is the group's largest magnitude over ``INT8_MAX``,
+``KVLayout``, one head of a token's K (or V) in a layer (the head size: a scale
+per head, not per token, keeps a head of small values from sharing the step of
+a head of large ones); for an engine's pages, ``group_elements`` contiguous
+elements (vLLM's head size). Its scale is the group's largest magnitude over ``INT8_MAX``,
 stored as float16 (symmetric: -127..127). Stated bound: each value decodes
 within half a step (``scale / 2``) of its float16-rounded scale's grid, that is
 within ``absmax / 254`` of its group (plus the engine dtype's own rounding;

@@ -1,7 +1,7 @@
 """The levels a remote tier stores KV at, and a tier's ``codec`` option (``CodecConfig``).
 
 A level is one encoding of a block: ``exact`` (the engine's bytes, the value
-format tiercache always had), ``int8`` (8 bits per value, a scale per token) or
+format tiercache always had), ``int8`` (8 bits per value, a scale per token's head) or
 ``compact`` (CacheGen's encoding, see ``compact``). Levels are copies: each level a
 tier stores is its own value, under a key of its own (``level_key``), so a read
 moves only the bytes of the level it chose, and an exact reader, whose keys are
