@@ -145,6 +145,16 @@ def test_transformers_chat_example(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     assert printed[2] == "{'gpu': 80, 'cpu': 0} computed 32"  # what the example's comment says
 
 
+def test_transformers_hybrid_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(REPO)
+    turn = run("transformers-hybrid")["turn"]
+    assert turn.state.restored_tokens == turn.cached_tokens == turn.reused["gpu"] == 80
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, dtype='float16'")
+    assert printed[2] == "{'gpu': 80, 'cpu': 0} computed 32"  # what the example's comment says
+
+
 CONNECTOR_SERVER = "redis://127.0.0.1:6379"
 """The address README's connector lines give the (central) Redis server."""
 

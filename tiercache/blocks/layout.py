@@ -57,6 +57,10 @@ HF_STATE_SPACE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "linea
 HF_PLAIN_KV_LAYERS = frozenset({"full_attention", "sliding_attention"})
 """``layer_types`` entries whose cache is plain K/V: a sliding layer attends to a window of it, which the
 model's attention mask applies, so a pool that keeps every position serves it like a full layer."""
+HF_STATE_LAYERS = frozenset({"linear_attention", "conv", "mamba", "mlp", "moe"})
+"""``layer_types`` entries with no K/V of their own (a state, or no cache at all): allowed ``with_state``."""
+HF_KV_AND_STATE_LAYERS = frozenset({"hybrid", "hybrid_sliding"})
+"""``layer_types`` entries with K/V and a state side by side (Falcon-H1): one pool layer each ``with_state``."""
 
 
 class MemoryOrder(enum.Enum):
@@ -99,6 +103,7 @@ class KVLayout:
         dtype: str | torch.dtype | None = None,
         block_size: int = 16,
         memory: MemoryOrder | str = MemoryOrder.BLOCK_MAJOR,
+        with_state: bool = False,
     ) -> KVLayout:
         """The layout of a Hugging Face ``transformers`` model's KV cache, read from its config.
 
@@ -109,11 +114,13 @@ class KVLayout:
         plain K/V (the mask applies a window). A model whose cache is not plain
         per-layer K/V (chunked attention, state-space or linear-attention layers,
         latent or shared KV, encoder-decoder) raises ``UnsupportedModelError``:
-        caching it as plain K/V would serve wrong KV. Duck-typed: transformers is
+        caching it as plain K/V would serve wrong KV. ``with_state``: a hybrid's layout,
+        its K/V layers only (``num_layers`` counts them), for a caller that saves the
+        state layers' state beside it (``CachedModel``). Duck-typed: transformers is
         not imported.
         """
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        reasons = _unsupported_cache_reasons(text)
+        reasons = _unsupported_cache_reasons(text, with_state)
         if reasons:
             raise UnsupportedModelError(
                 f"{getattr(text, 'model_type', type(text).__name__)}: tiercache caches plain per-layer K/V only; "
@@ -126,8 +133,10 @@ class KVLayout:
             dtype = str(configured).removeprefix("torch.") if configured is not None else "float32"
         elif not isinstance(dtype, str):  # a torch.dtype
             dtype = str(dtype).removeprefix("torch.")
+        layer_types = getattr(text, "layer_types", None) if with_state else None
         return cls(
-            num_layers=_hf_field(text, "num_hidden_layers"),
+            num_layers=(sum(kind not in HF_STATE_LAYERS for kind in layer_types) if layer_types
+                        else _hf_field(text, "num_hidden_layers")),
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             dtype=dtype,
@@ -215,18 +224,25 @@ def _hf_field(config: Any, name: str) -> int:
     return value
 
 
-def _unsupported_cache_reasons(config: Any) -> list[str]:
-    """Why a transformers config's cache is not plain per-layer K/V (empty when it is)."""
+def _unsupported_cache_reasons(config: Any, with_state: bool = False) -> list[str]:
+    """Why a transformers config's cache is not plain per-layer K/V (empty when it is); ``with_state``: beside
+    state layers."""
     reasons = []
     if getattr(config, "is_encoder_decoder", False):
         reasons.append("an encoder-decoder cache")
-    layer_types = set(getattr(config, "layer_types", None) or ()) - HF_PLAIN_KV_LAYERS
+    allowed = HF_PLAIN_KV_LAYERS | (HF_STATE_LAYERS | HF_KV_AND_STATE_LAYERS if with_state else frozenset())
+    layer_types = set(getattr(config, "layer_types", None) or ()) - allowed
     if layer_types:
         reasons.append(f"layers of type {', '.join(sorted(layer_types))}")
     if getattr(config, "attention_chunk_size", None):
         reasons.append("chunked attention")
     state_fields = [name for name in HF_STATE_SPACE_FIELDS if getattr(config, name, None) is not None]
-    if state_fields:
+    kinds = getattr(config, "layer_types", None) or ()
+    if state_fields and with_state and not kinds:
+        reasons.append("state-space layers and no layer_types saying which layers they are")
+    elif with_state and kinds and all(kind in HF_STATE_LAYERS for kind in kinds):
+        reasons.append("state-space layers only, and no attention layers whose K/V a state would sit beside")
+    elif state_fields and not with_state:
         reasons.append(f"state-space layers ({', '.join(state_fields)})")
     if getattr(config, "kv_lora_rank", None):
         reasons.append("latent (compressed) KV")

@@ -26,6 +26,11 @@ dtype and a digest of its weights; the topology's page format, rank, tenant and
 LoRA), so a different model on the same topology, or the same one updated in
 place, never reuses this one's KV.
 
+A hybrid model (state layers beside attention: Qwen3-Next, Nemotron-H,
+Falcon-H1, ...) reuses a prefix only with its state, saved and restored beside
+the K/V (``tiercache.integrations.transformers.hybrid``); its topology's layout
+counts its K/V layers (``KVLayout.from_hf_config(config, with_state=True)``).
+
 It is a synchronous reference driver for one request at a time; an engine's
 scheduler interleaves the same calls across requests (see README).
 """
@@ -40,17 +45,24 @@ import torch
 
 from tiercache.blocks.keys import Tokens, token_array
 from tiercache.blocks.layout import KVLayout
-from tiercache.blocks.namespaces import engine_namespace
+from tiercache.blocks.namespaces import PageFormat, engine_namespace
 from tiercache.blocks.paged import PagedKV, blocks_needed
 from tiercache.bookkeeping.slots import CapacityError
+from tiercache.integrations.transformers.hybrid import StateSaver
 from tiercache.integrations.transformers.identity import hf_model_identity
 from tiercache.integrations.transformers.paged_cache import PagedCache, cache_argument
+from tiercache.integrations.transformers.state import StateFormat, has_state_layers, layer_kinds
 from tiercache.integrations.transformers.turn import FirstTokenClock, Turn
 
 if TYPE_CHECKING:
     from tiercache.manager import Lookup, TierManager
 
-__all__ = ["CachedModel"]
+__all__ = ["DEFAULT_STATE_EVERY_BLOCKS", "CachedModel"]
+
+DEFAULT_STATE_EVERY_BLOCKS = 16
+"""A hybrid model's state is saved at every this many blocks of a prompt (besides its end): a prompt sharing
+only a prefix with an earlier one (a system prompt) reuses it up to the last such anchor inside it. A state is
+often as large as tens of blocks of K/V, so anchors are sparse."""
 
 
 class CachedModel:
@@ -62,13 +74,17 @@ class CachedModel:
         manager: TierManager,
         *,
         lookup_timeout_s: float | None = None,
+        state_every_blocks: int = DEFAULT_STATE_EVERY_BLOCKS,
     ) -> None:
         """``manager``'s layout must match the model's KV (see ``KVLayout.from_hf_config``); its pool's
         device must be the model's. ``lookup_timeout_s`` bounds the wait for a pending remote lookup
         (past it the prompt is a miss and is recomputed). The model's identity (``hf_model_identity``) is
-        taken now: weights changed later need a new ``CachedModel``."""
+        taken now: weights changed later need a new ``CachedModel``. ``state_every_blocks``: a hybrid
+        model's anchors (``DEFAULT_STATE_EVERY_BLOCKS``)."""
         layout = manager.layout
-        wanted = KVLayout.from_hf_config(model.config, dtype=layout.dtype, block_size=layout.block_size)
+        hybrid = has_state_layers(model.config)
+        wanted = KVLayout.from_hf_config(model.config, dtype=layout.dtype, block_size=layout.block_size,
+                                         with_state=hybrid)
         mine = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
         theirs = (wanted.num_layers, wanted.num_kv_heads, wanted.head_dim)
         if mine != theirs:
@@ -85,9 +101,19 @@ class CachedModel:
         self.lookup_timeout_s = lookup_timeout_s
         self.identity = hf_model_identity(model)
         topology = manager.config.model
-        self.namespace = engine_namespace(self.identity, layout.page_format(), topology.tp_rank,
+        page_format, state, kinds = layout.page_format(), None, None
+        if hybrid:
+            _refuse_lossy_tiers(manager)
+            kinds = layer_kinds(model.config)
+            state = StateFormat.probe(model, layout.bytes_per_block)
+            page_format = PageFormat(page_format.engine, {**page_format.fields, "layers": [k for k, _ in kinds],
+                                                          "state": state.fields()})
+        self.namespace = engine_namespace(self.identity, page_format, topology.tp_rank,
                                           tenant=topology.tenant, lora=topology.lora)
         """The namespace of this model's keys: pass it as ``namespace=`` to call the manager directly."""
+        self.states = None if state is None else StateSaver(model, manager, self.namespace, state, kinds,
+                                                            state_every_blocks)
+        """A hybrid model's state bookkeeping (None for a model of attention layers only)."""
 
     def begin(
         self, input_ids: Tokens, max_new_tokens: int, extra: bytes | str | None = None, force_latest: bool = False
@@ -103,6 +129,8 @@ class CachedModel:
             raise ValueError("CachedModel.begin: an empty prompt")
         mgr, size, namespace = self.manager, self.manager.block_size, self.namespace
         mgr.poll()  # as an engine's step does: finished transfers handed over, dropped lookups' pins reaped
+        if self.states is not None:
+            return self._begin_with_state(tokens, max_new_tokens, extra, force_latest, started)
         hit = mgr.lookup_wait(tokens, extra, timeout_s=self.lookup_timeout_s, namespace=namespace)
         usable = min(hit.num_blocks, (len(tokens) - 1) // size)
         on_gpu = min(len(hit.gpu_block_ids), usable)
@@ -128,6 +156,27 @@ class CachedModel:
             namespace=namespace,
         )
 
+    def _begin_with_state(self, tokens: Any, max_new_tokens: int, extra: bytes | str | None, force_latest: bool,
+                          started: float) -> Turn:
+        """``begin`` for a hybrid model: the prefix reused only with its state, the prompt prefilled to its
+        last block boundary (``StateSaver.begin``)."""
+        state, hit = self.states.begin(self.kv, tokens, max_new_tokens, extra, force_latest, self.lookup_timeout_s)
+        cached = state.restored_tokens
+        reused = (_reused_per_tier(hit, cached // self.manager.block_size) if hit is not None
+                  else dict.fromkeys(self.manager.parts.names, 0))
+        return Turn(
+            manager=self.manager,
+            input_ids=torch.as_tensor(tokens, device=self.model.device)[None],
+            block_table=state.table,
+            cache=state.cache,
+            reused=reused,
+            cached_tokens=cached,
+            prepare_s=time.perf_counter() - started,
+            extra=extra,
+            namespace=self.namespace,
+            state=state,
+        )
+
     def generate(
         self,
         input_ids: Tokens,
@@ -147,6 +196,9 @@ class CachedModel:
         """
         caller_device = input_ids.device if isinstance(input_ids, torch.Tensor) else torch.device("cpu")
         copies = _sequences_per_prompt(self.model, generate_kwargs)
+        if copies > 1 and self.states is not None:
+            raise ValueError("CachedModel: beam search and several sequences per prompt are not supported for a "
+                             "model with state layers (its states would need a copy per sequence)")
         if copies > 1:
             turn = self._generate_sequences(input_ids, max_new_tokens, copies, extra, force_latest, generate_kwargs)
         else:
@@ -192,6 +244,18 @@ class CachedModel:
             )
             turn.finish(turn.input_ids)
         return turn
+
+
+def _refuse_lossy_tiers(manager: TierManager) -> None:
+    """A hybrid model's state pages must stay exact: refuse a topology with a tier that reads lossy levels."""
+    for tier in manager.config.tiers:
+        codec = getattr(tier, "codec", None)
+        if codec is not None and codec.lossy:
+            raise ValueError(
+                f"tier {tier.name!r} stores or reads lossy levels ({[level.value for level in codec.levels]}): a "
+                "model with state layers keeps its state beside its KV, which must stay exact; list only the "
+                "exact level there"
+            )
 
 
 def _reused_per_tier(hit: Lookup, reused_blocks: int) -> dict[str, int]:

@@ -22,11 +22,11 @@ import inspect
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DummyLayer, DynamicCache, DynamicLayer, LinearAttentionLayer
 
 from tiercache.blocks.paged import BlockTable, PagedKV
 
-__all__ = ["PagedCache", "PagedLayer", "cache_argument"]
+__all__ = ["PagedCache", "PagedHybridLayer", "PagedLayer", "cache_argument"]
 
 
 def cache_argument(model: Any, cache: Cache) -> dict[str, Cache]:
@@ -103,16 +103,78 @@ class PagedLayer(DynamicLayer):
         raise NotImplementedError("PagedCache serves one sequence")
 
 
-class PagedCache(Cache):
-    """A ``transformers`` ``Cache`` over the pool blocks of one request (pass it with ``cache_argument``)."""
+class PagedHybridLayer(LinearAttentionLayer, PagedLayer):
+    """A layer with both a state and K/V (Falcon-H1's parallel attention and Mamba): the state here, K/V in the pool."""
 
-    def __init__(self, kv: PagedKV, block_table: BlockTable, cached_tokens: int = 0) -> None:
+    is_compileable = False
+
+    def __init__(self, kv: PagedKV, table: torch.Tensor, index: int, length: int, number_of_states: int = 1) -> None:
+        PagedLayer.__init__(self, kv, table, index, length)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """K/V come as two positional tensors (``update``), states as keywords, as transformers' hybrid layers do."""
+        if args:
+            PagedLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return PagedLayer.get_seq_length(self)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return PagedLayer.get_mask_sizes(self, query_length)
+
+    def get_max_length(self) -> int:
+        return PagedLayer.get_max_length(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """A state cannot be rolled back without its history: refused, as in ``PagedCache``'s state layers."""
+        raise NotImplementedError("a layer with a state cannot be cropped in PagedCache")
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        PagedLayer.reset(self)
+
+
+LayerKind = tuple[str, int]
+"""A layer's cache for ``PagedCache``: ``("kv" | "state" | "both" | "none", number of states)``."""
+
+
+class PagedCache(Cache):
+    """A ``transformers`` ``Cache`` over the pool blocks of one request (pass it with ``cache_argument``).
+
+    A hybrid model's cache (``kinds``) keeps its state layers here, as ``LinearAttentionLayer``, and its K/V
+    layers in the pool, the ``i``-th K/V layer in the pool's layer ``i``.
+    """
+
+    def __init__(
+        self, kv: PagedKV, block_table: BlockTable, cached_tokens: int = 0, kinds: list[LayerKind] | None = None
+    ) -> None:
         """``block_table`` covers every position the request will reach; ``cached_tokens`` are already there."""
         table = kv.table(block_table)
         if not 0 <= cached_tokens <= table.numel() * kv.layout.block_size:
             raise ValueError(f"cached_tokens {cached_tokens} outside the {table.numel()}-block table")
         self.block_table = table
-        super().__init__(layers=[PagedLayer(kv, table, index, cached_tokens) for index in range(kv.layout.num_layers)])
+        if kinds is None:
+            kinds = [("kv", 0)] * kv.layout.num_layers
+        layers: list[Any] = []
+        pool_layer = 0
+        for kind, states in kinds:
+            if kind == "state":
+                layers.append(LinearAttentionLayer(number_of_states=states))
+            elif kind == "none":
+                layers.append(DummyLayer())
+            else:
+                paged = PagedLayer if kind == "kv" else PagedHybridLayer
+                layers.append(paged(kv, table, pool_layer, cached_tokens, *([states] if kind == "both" else [])))
+                pool_layer += 1
+        super().__init__(layers=layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions the cache holds (a hybrid's state layers count the same, as an int from its K/V layers)."""
+        paged = [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+        return paged[0].get_seq_length() if paged else super().get_seq_length(layer_idx)
 
     def dense(self, copies: int, dtype: torch.dtype) -> DynamicCache:
         """The K/V so far as a ``DynamicCache`` of ``copies`` identical rows, every position kept as here.

@@ -19,6 +19,7 @@ from tiercache.integrations.transformers.paged_cache import PagedCache
 
 if TYPE_CHECKING:
     from tiercache.blocks.keys import Namespace
+    from tiercache.integrations.transformers.hybrid import StateTurn
     from tiercache.manager import TierManager
     from tiercache.movement.transfers import Transfer
 
@@ -76,6 +77,8 @@ class Turn:
     """``model.generate``'s return value (``CachedModel.generate`` only)."""
     ttft_s: float | None = None
     """Seconds from the request's start to its first new token (``CachedModel.generate`` with one sequence only)."""
+    state: StateTurn | None = None
+    """A hybrid model's state bookkeeping: ends restored and saved (None for attention-only models)."""
     released: bool = field(default=False, repr=False)
 
     @property
@@ -98,12 +101,16 @@ class Turn:
         tokens = getattr(sequences, "sequences", sequences)
         processed = token_array(tokens)[: self.cache.get_seq_length()]
         self.stored = self.manager.store(processed, self.block_table, self.extra, namespace=self.namespace)
+        if self.state is not None:
+            self.state.finish()
         self.close()
 
     def close(self) -> None:
         """Release the request's blocks (cached ones stay cached); idempotent."""
         if not self.released:
             self.released = True
+            if self.state is not None:
+                self.state.close()
             self.manager.release(self.block_table)
 
     def __enter__(self) -> Turn:
