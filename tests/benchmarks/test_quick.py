@@ -134,6 +134,11 @@ QUICK_RUNS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                           for name in ("us_per_call", "ratio_to_deque_append")}}),
     "manager_events.py": ((), {"requests": int, "repeat": int, "load": LOAD, "calls": {
         call: {"us_events_off": N, "us_events_on": N, "added_us": N} for call in ("allocate", "store")}}),
+    "hybrid_state.py": ((), {"block_size": int, "layers": int, "runs": int, "rows": [{
+        "family": str, "prompt_tokens": int, "recompute_ms": N, "floor_ms": N, "miss_ms": N, "hit_gpu_ms": N,
+        "hit_cpu_ms": N, "hit_gpu_ms_runs": [N], "reused_tokens": int, "reused_from_cpu": int, "states_saved": int,
+        "state_bytes": int, "state_pages": int, "kv_block_bytes": int, "max_logit_diff": N, "same_token": bool,
+        "miss_vs_recompute": N, "hit_vs_recompute": N, "hit_vs_floor": N}]}),
     "model_identity.py": ((), {"cold_cache_dropped": bool, "rows": [{
         "checkpoint_bytes": int, "tensors": int, "cold_s": (*N, type(None)), "warm_s": N, "memoized_s": N,
         "in_memory_s": N, "full_read_s": N, "ratio_to_full_read": N, "meets_target": bool}]}),

@@ -244,3 +244,27 @@ def test_the_layout_counts_kv_layers_and_the_page_format_names_the_state(family:
         named = PageFormat(plain.engine, {**plain.fields, "layers": [kind for kind, _ in layer_kinds(config)],
                                           "state": state.fields()})
         assert cached.namespace.page_format == named.fingerprint() != plain.fingerprint()
+
+
+def test_a_remote_that_is_down_is_a_miss_and_the_answer_is_right(refused_url: str) -> None:
+    model, prompt = hybrid_model("nemotron_h"), random_tokens(PROMPT + SUFFIX, seed=12)
+    remote = {"name": "redis", "type": "redis", "options": {"url": refused_url}}
+    with TierManager(hybrid_topology(model, [remote])) as engine_a:
+        first_request(engine_a, model, prompt[:, :PROMPT])
+    with TierManager(hybrid_topology(model, [remote])) as engine_b:
+        turn = CachedModel(model, engine_b, state_every_blocks=EVERY_BLOCKS).generate(prompt, DECODE_STEPS,
+                                                                                     **GENERATE)
+    assert turn.cached_tokens == 0 and turn.state.refused_states == 0
+    assert_recompute(model, prompt, turn.output, DECODE_STEPS)
+
+
+def test_a_pool_without_room_for_a_state_skips_it_and_serves_on() -> None:
+    """The request's own blocks fill the pool: its states are skipped (counted), never an exception."""
+    model, prompt = hybrid_model("qwen3_next"), random_tokens(PROMPT, seed=13)
+    blocks = -(-(PROMPT + DECODE_STEPS) // BLOCK_SIZE)
+    with TierManager(hybrid_topology(model, gpu_blocks=blocks)) as manager:
+        turn = CachedModel(model, manager, state_every_blocks=EVERY_BLOCKS).generate(prompt, DECODE_STEPS,
+                                                                                    **GENERATE)
+        skipped = manager.stats()["tiers"]["all"]["states_skipped"]
+    assert turn.state.saved == [] and skipped >= len(chunk_ends(0, PROMPT))
+    assert_recompute(model, prompt, turn.output, DECODE_STEPS)
