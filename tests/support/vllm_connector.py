@@ -97,7 +97,8 @@ class Instance:
     """One vLLM instance (see the module docstring)."""
 
     def __init__(self, config: VllmConfig, kv_config: KVCacheConfig | None = None,
-                 kv: dict[str, torch.Tensor] | None = None, *, runner: str = "v1") -> None:
+                 kv: dict[str, torch.Tensor] | None = None, *, runner: str = "v1",
+                 registered: dict[str, Any] | None = None, state_model: Any = None) -> None:
         self.config = config
         self.kv_cache_config = kv_config or kv_cache_config()
         groups = self.kv_cache_config.kv_cache_groups
@@ -110,6 +111,8 @@ class Instance:
         """Groups of state (Mamba), not pages of tokens: the "model" leaves them alone."""
         self.kv = kv if kv is not None else kv_tensors(self.kv_cache_config)
         """vLLM's KV views per layer (``kv``: another layout's, e.g. vLLM's own ``allocate_kv_cache``)."""
+        self.state_model = state_model(self) if state_model is not None else None
+        """The state layers' "model" (``support.vllm_mamba``): what vLLM's align mode does to their blocks."""
         self.worker: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.v2: Any = None
         """vLLM's V2 model runner's connector driver (``runner="v2"``: FULL CUDA graphs, no per-layer hook)."""
@@ -117,7 +120,7 @@ class Instance:
             kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
             self.v2 = ActiveKVConnector(config, self.kv)  # registers the KV caches, as the V2 runner does
         else:
-            self.worker.register_kv_caches(self.kv)
+            self.worker.register_kv_caches(registered if registered is not None else self.kv)
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(config), block_size=BLOCK,
                                    log_stats=True)
@@ -151,6 +154,8 @@ class Instance:
         forward = output.total_num_scheduled_tokens > 0
         context = ForwardContext(no_compile_layers={}, slot_mapping={},
                                  attn_metadata={name: output for name in self.layers} if forward else {})
+        if self.state_model is not None:  # vLLM's preprocess_mamba runs before the connector's loads
+            record.wrong_pages.extend(self.state_model.prepare(output))
         if output.has_sync_kv_loads and not self.skip_loads:
             worker.start_load_kv(context)
         if forward:
@@ -160,6 +165,8 @@ class Instance:
                 record.wrong_pages.extend(self._check_prefix(output, index, name))
                 for batch in self._micro_batches(output):  # each runs the layer, then its save hook
                     self._compute(output, index, name, batch)
+                    if self.state_model is not None:
+                        self.state_model.compute(output, index, name, batch)
                     worker.save_kv_layer(name, self.kv[name], context.attn_metadata)
         if not output.has_sync_kv_loads and not self.skip_loads:
             worker.start_load_kv(context)

@@ -252,7 +252,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         inside the worker (``ConnectorWorker.register_kv_caches``): its one exception is the start-up error of a
         region that cannot be made (see the module docstring)."""
         if self._declined is None:
-            self._worker_part.register_kv_caches(kv_caches, _attention_backends(self._vllm_config, kv_caches))
+            self._worker_part.register_kv_caches(kv_caches, _attention_backends(self._vllm_config, kv_caches),
+                                                 kv_cache_config=self._kv_cache_config)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

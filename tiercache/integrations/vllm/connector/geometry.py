@@ -26,6 +26,11 @@ REPLICATED_SPECS = ("MLAAttentionSpec",)
 """vLLM KV cache specs whose pages every tensor-parallel rank holds alike (one latent head, not split by rank)."""
 SLIDING_SPECS = ("SlidingWindowSpec",)
 """vLLM KV cache specs whose groups keep only the blocks inside an attention window."""
+STATE_SPECS = ("MambaSpec",)
+"""vLLM KV cache specs whose groups keep a state layer's state (Mamba, gated delta net, short convolutions)."""
+ALIGN_MODE = "align"
+"""vLLM's ``mamba_cache_mode`` that keeps, in block ``p`` of a state group, the state after exactly ``p + 1``
+blocks (``vllm/v1/core/sched/scheduler.py``: "slot p holds the state after exactly (p + 1) * block_size tokens")."""
 ELEMENT_DTYPES = frozenset(DTYPES) - {"uint8"}
 """KV cache dtypes whose elements the connector names to the codec (vLLM's fp8 caches as uint8 stay bytes)."""
 
@@ -41,6 +46,9 @@ class GroupKind(enum.Enum):
     """Every block of the prefix: a hit of N blocks needs all N."""
     SLIDING = "sliding"
     """Only the blocks inside the window: a hit of N blocks needs the last ``window_blocks`` before N."""
+    STATE = "state"
+    """One state per block boundary (vLLM's align mode): a hit of N blocks needs block N - 1, the state after N
+    blocks (``window_blocks`` 1)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,7 @@ class SlotGeometry:
     @property
     def hybrid(self) -> bool:
         """Whether a hit needs more than a prefix of one kind of block (a sliding window or several groups)."""
-        return any(group.kind is GroupKind.SLIDING for group in self.groups)
+        return any(group.kind is not GroupKind.FULL for group in self.groups)
 
     def offset(self, rank: int, group: int, layer: int) -> int:
         """Where rank ``rank``'s page of layer ``layer`` (its index in group ``group``) starts in a slot (a replicated
@@ -153,12 +161,15 @@ def instance_geometry(vllm_config: Any, kv_cache_config: Any) -> InstanceGeometr
                                 "read wrong")
     groups = kv_cache_config.kv_cache_groups
     block_sizes = {int(group.kv_cache_spec.block_size) for group in groups}
-    known = FULL_SPECS + SLIDING_SPECS
+    known = FULL_SPECS + SLIDING_SPECS + STATE_SPECS
     others = [spec_name(g.kv_cache_spec) for g in groups if spec_name(g.kv_cache_spec) not in known]
     if others:
-        return InstanceGeometry(None, f"its KV-cache groups hold {sorted(set(others))}: state (Mamba, linear "
-                                "attention) or blocks tiercache does not restore, so KV of its attention layers alone "
-                                "would be wrong")
+        return InstanceGeometry(None, f"its KV-cache groups hold {sorted(set(others))}: blocks tiercache does not "
+                                "restore, so KV of its other layers alone would be wrong")
+    states = [g.kv_cache_spec for g in groups if spec_name(g.kv_cache_spec) in STATE_SPECS]
+    refused = _state_refusal(vllm_config, kv_cache_config, states) if states else None
+    if refused is not None:
+        return InstanceGeometry(None, refused)
     if len(block_sizes) != 1:
         return InstanceGeometry(None, f"its KV-cache groups have block sizes {sorted(block_sizes)}; tiercache keys "
                                 "one block size per instance")
@@ -174,6 +185,9 @@ def instance_geometry(vllm_config: Any, kv_cache_config: Any) -> InstanceGeometr
                                         "prediction) keeps blocks tiercache would not fill")
             window = -(-(int(spec.sliding_window) - 1) // block_size) + int(eagle)  # vLLM's contiguous blocks
             geometries.append(GroupGeometry(GroupKind.SLIDING, tuple(group.layer_names), _page_bytes(spec), window))
+        elif spec_name(spec) in STATE_SPECS:
+            geometries.append(GroupGeometry(GroupKind.STATE, tuple(group.layer_names), _page_bytes(spec), 1,
+                                            replicated=bool(getattr(spec, "tp_replicated", False))))
         else:
             geometries.append(GroupGeometry(GroupKind.FULL, tuple(group.layer_names), _page_bytes(spec),
                                             replicated=spec_name(spec) in REPLICATED_SPECS))
@@ -182,8 +196,31 @@ def instance_geometry(vllm_config: Any, kv_cache_config: Any) -> InstanceGeometr
                                          group))
 
 
+def _state_refusal(vllm_config: Any, kv_cache_config: Any, states: list[Any]) -> str | None:
+    """Why the connector cannot save and restore these state groups (None: it can: vLLM's align mode, one state
+    per block boundary, hits on whole blocks)."""
+    modes = {str(getattr(spec, "mamba_cache_mode", "none")) for spec in states}
+    if modes != {ALIGN_MODE}:
+        return (f"its state layers (Mamba, linear attention) keep their state in mamba_cache_mode {sorted(modes)}: "
+                "only 'align' (with prefix caching on) keeps a state at each block boundary, and KV of its "
+                "attention layers without its state would be wrong")
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if any(getattr(spec, "num_speculative_blocks", 0) for spec in states) or speculative is not None:
+        return "with speculative decoding vLLM moves its state layers' blocks between positions (MTP/EAGLE)"
+    block_size = int(states[0].block_size)
+    hash_block = getattr(kv_cache_config, "hash_block_size", None) or getattr(
+        getattr(vllm_config, "cache_config", None), "hash_block_size", None)
+    if hash_block is not None and int(hash_block) < block_size:
+        return (f"its prefix-cache hashes ({hash_block} tokens) are finer than its blocks ({block_size}): a state "
+                "block may hold a state inside the block, which tiercache's whole-block keys cannot name")
+    return None
+
+
 def _elements(specs: list[Any], geometries: list[GroupGeometry]) -> tuple[str | None, int | None]:
-    """The slots' element dtype and elements per quantization group (see ``SlotGeometry``), or (None, None)."""
+    """The slots' element dtype and elements per quantization group (see ``SlotGeometry``), or (None, None: groups
+    differ, not floats, or a state group, whose pages no lossy level may touch)."""
+    if any(group.kind is GroupKind.STATE for group in geometries):
+        return None, None
     dtypes = {str(spec.dtype).removeprefix("torch.") for spec in specs}
     sizes = [int(size) for spec in specs for size in (getattr(spec, "head_size", 0), getattr(spec, "head_size_v", 0))
              if isinstance(size, int) and size > 0]

@@ -52,7 +52,7 @@ class PairedBlock(NamedTuple):
 
 def anchor_spacing(geometry: SlotGeometry) -> int:
     """Blocks between anchor ends (0: no sliding group, every end is an anchor)."""
-    windows = [group.window_blocks for group in geometry.groups if group.kind is GroupKind.SLIDING]
+    windows = [group.window_blocks for group in geometry.groups if group.kind is not GroupKind.FULL]
     return ANCHOR_WINDOWS * max(max(windows), 1) if windows else 0
 
 
@@ -61,7 +61,7 @@ def hit_entries(geometry: SlotGeometry, skip: int, end: int) -> list[HitEntry]:
     full = [index for index, group in enumerate(geometry.groups) if group.kind is GroupKind.FULL]
     entries = [HitEntry(index, position) for position in range(skip, end) for index in full]
     for index, group in enumerate(geometry.groups):
-        if group.kind is GroupKind.SLIDING:
+        if group.kind is not GroupKind.FULL:
             entries.extend(HitEntry(index, position) for position in range(max(skip, end - group.window_blocks), end))
     return entries
 

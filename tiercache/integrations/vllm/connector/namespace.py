@@ -50,20 +50,32 @@ def page_format(vllm_config: Any, kv_cache_config: Any, geometry: SlotGeometry) 
                 "kind": group.kind.value,
                 "window": int(getattr(spec, "sliding_window", 0) or 0),
                 "window_blocks": group.window_blocks,
-                "kv_dtype": str(spec.dtype),
+                "kv_dtype": str(getattr(spec, "dtype", "")),
                 "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
                 "head_size": int(getattr(spec, "head_size", 0)),
                 "head_size_v": int(getattr(spec, "head_size_v", 0) or 0),
                 "page_bytes": group.page_bytes,
                 "replicated": group.replicated,
                 "layers": list(group.layer_names),
+                **_state_fields(spec),
             }
             for spec, group in zip(specs, geometry.groups, strict=True)
         ],
     }
     if device == "cpu":
-        fields["cpu_attention_isa"] = _cpu_attention_isa(specs[0], cache)
+        attention = next((spec for spec in specs if hasattr(spec, "num_kv_heads")), specs[0])
+        fields["cpu_attention_isa"] = _cpu_attention_isa(attention, cache)
     return PageFormat(ENGINE, fields)
+
+
+def _state_fields(spec: Any) -> dict[str, Any]:
+    """A state group's tensors (shapes, dtypes) and kind of state layer; nothing for attention (its namespaces stay
+    as they were)."""
+    if not hasattr(spec, "shapes"):
+        return {}
+    tensors = [[list(shape), str(dtype)] for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)]
+    return {"state": tensors, "state_type": str(getattr(spec, "mamba_type", "")),
+            "state_cache_mode": str(getattr(spec, "mamba_cache_mode", ""))}
 
 
 def _cpu_attention_isa(spec: Any, cache: Any) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.integrations.vllm.connector.geometry import SlotGeometry, UnsupportedLayoutError
+from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry, UnsupportedLayoutError
 
 
 def page_view(name: str, tensor: object, page_bytes: int, num_blocks: int | None = None,
@@ -89,6 +89,45 @@ class LayerPages:
     slots: torch.Tensor
     runs: int
     """Contiguous runs per page on vLLM's side."""
+
+
+def state_views(kv_caches: Mapping[str, object], kv_cache_config: object, geometry: SlotGeometry,
+                num_blocks: int) -> dict[str, object]:
+    """``kv_caches`` with each state layer as uint8 ``[num_blocks, page]`` over vLLM's memory.
+
+    vLLM 0.33 registers a state layer (Mamba, linear attention) as the raw backing allocation itself (its specs
+    have no per-layer view); ``kv_cache_config.kv_cache_tensors`` places its page of block ``b`` at
+    ``offset + layer index * layer_stride + b * block_stride``. A list of state tensors (one per state, blocks on
+    the first dim) is viewed from its first tensor's block 0 with its block stride. A layer already shaped by
+    blocks is left as it is."""
+    placements = {name: (tensor.offset + index * tensor.layer_stride, tensor.block_stride)
+                  for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+                  for index, name in enumerate(tensor.layers)}
+    views = dict(kv_caches)
+    for spec in geometry.groups:
+        if spec.kind is not GroupKind.STATE:
+            continue
+        for name in spec.layer_names:
+            value = kv_caches.get(name)
+            if isinstance(value, list | tuple) and value and all(isinstance(t, torch.Tensor) for t in value):
+                first = value[0]
+                start, stride = first.storage_offset() * first.element_size(), first.stride(0) * first.element_size()
+                views[name] = _rows(first, start, stride, num_blocks, spec.page_bytes)
+            elif isinstance(value, torch.Tensor) and value.dim() == 1 and name in placements:
+                start, stride = placements[name]
+                views[name] = _rows(value, value.storage_offset() * value.element_size() + start, stride, num_blocks,
+                                    spec.page_bytes)
+    return views
+
+
+def _rows(tensor: torch.Tensor, start: int, stride: int, num_blocks: int, page_bytes: int) -> torch.Tensor:
+    """uint8 ``[num_blocks, page_bytes]`` over ``tensor``'s storage from byte ``start``, a row every ``stride``."""
+    storage = tensor.untyped_storage()
+    if start + (num_blocks - 1) * stride + page_bytes > storage.nbytes() or page_bytes > stride:
+        raise UnsupportedLayoutError(f"a state layer's pages ({num_blocks} x {page_bytes} bytes every {stride}, from "
+                                     f"byte {start}) do not fit its {storage.nbytes()}-byte allocation")
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+    return raw.as_strided((num_blocks, page_bytes), (stride, 1), start)
 
 
 def page_views(kv_caches: Mapping[str, object], geometry: SlotGeometry, num_blocks: int | None = None,

@@ -123,7 +123,7 @@ class ConnectorScheduler:
             pairs = [pair for pair in pairs if self.geometry.groups[pair.group].kind is GroupKind.FULL]
             invalid = tuple(
                 block for group, blocks in enumerate(block_ids) for block in blocks[fetching.skip : end]
-                if block != NULL_BLOCK and self.geometry.groups[group].kind is GroupKind.SLIDING
+                if block != NULL_BLOCK and self.geometry.groups[group].kind is not GroupKind.FULL
             )
         job = CopyJob(next(self._job_ids), tuple(p.slot for p in pairs), tuple(p.block for p in pairs),
                       tuple(p.group for p in pairs), invalid, request.request_id, fetching.asynchronous)

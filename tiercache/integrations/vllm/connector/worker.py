@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiercache.common.units import US_PER_SECOND
-from tiercache.integrations.vllm.connector.geometry import SlotGeometry, UnsupportedLayoutError
+from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry, UnsupportedLayoutError
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
-from tiercache.integrations.vllm.connector.pages import KVPages, page_views
+from tiercache.integrations.vllm.connector.pages import KVPages, page_views, state_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
 from tiercache.integrations.vllm.connector.shmfile import RegionFile
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
@@ -126,12 +126,17 @@ class ConnectorWorker:
         self._polled = False
         """The transfer engine was polled since the step's jobs were bound or handed over."""
 
-    def register_kv_caches(self, kv_caches: Mapping[str, Any], backends: Mapping[str, str] | None = None) -> None:
-        """Map the shared CPU slots and vLLM's tensors as pages. A layout it cannot map, or an error of its own once
-        the region is mapped, declines (logged, the scheduler told through the region), never stops vLLM; a region it
-        cannot make (``RegionSpaceError``: no room on its file system; no access) or device staging it cannot reserve
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], backends: Mapping[str, str] | None = None, *,
+                           kv_cache_config: Any = None) -> None:
+        """Map the shared CPU slots and vLLM's tensors as pages (state layers placed by ``kv_cache_config``: see
+        ``state_views``). A layout it cannot map, or an error of its own once the region is mapped, declines
+        (logged, the scheduler told through the region), never stops vLLM; a region it cannot make
+        (``RegionSpaceError``: no room on its file system; no access) or device staging it cannot reserve
         (``StagingMemoryError``, naming the size and ``staging_mib``) is a start-up error, raised."""
         try:
+            if any(group.kind is GroupKind.STATE for group in self.geometry.groups):
+                kv_caches = state_views(kv_caches, kv_cache_config, self.geometry,
+                                        self.num_blocks or getattr(kv_cache_config, "num_blocks", 0))
             views = page_views(kv_caches, self.geometry, self.num_blocks, backends)
             wrong_order = self.token_order.mismatch(dict(backends or {}))
             if wrong_order is not None:
