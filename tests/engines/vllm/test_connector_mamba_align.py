@@ -159,3 +159,33 @@ def test_a_lossy_level_is_declined_for_a_model_with_state(vllm: Instances, caplo
     first = align_instance(vllm, "lossy", remote)
     assert not wrong(first.serve(request("a", LONG)))
     assert "codec levels ['int8', 'exact'] declined, storing exact KV" in caplog.text
+
+
+def test_a_preempted_request_resumes_from_its_stored_prefix_and_state(vllm: Instances) -> None:
+    """A pool too small for two requests: vLLM preempts one (its blocks freed) and resumes it from the prefix and
+    state the connector stored for it, and neither reads a wrong state."""
+    config = vllm_config(vllm.model, "small", vllm.extra(cpu_topology(blocks=200, remotes=[simulated_remote()])))
+    kv_config = align_config(PATTERN, blocks=60)(config)
+    views, registered = align_tensors(kv_config)
+    instance = Instance(config, kv_config, views, registered=registered, state_model=AlignState)
+    vllm.built.append(instance)
+    first = instance.add(request("a", LONG, max_tokens=60))
+    second = instance.add(request("b", list(range(3000, 3400)), max_tokens=60))
+    records = instance.run(lambda: first.is_finished() and second.is_finished())
+    assert sum(len(record.output.preempted_req_ids or ()) for record in records) >= 1
+    assert state_blocks(records, "loads"), "the resumed request loaded a state"
+    assert not wrong(records)
+
+
+def test_vllms_own_hit_below_and_a_load_above_it_with_the_state_at_the_top(vllm: Instances) -> None:
+    """vLLM's own cache holds the first 10 blocks and their state; the connector loads the 14 blocks above and the
+    state after 24, and vLLM continues from the loaded state, not its own."""
+    first, second = pair(vllm)
+    saved = first.serve(request("a", LONG))
+    remote_written(first, "sim", totals(saved)["stored_blocks"])
+    second.serve(request("head", LONG[:170]))  # vLLM's own cache: 10 blocks and the state after them
+    records = second.serve(request("b", LONG))
+    assert second.new_request(records, "b").num_computed_tokens == 24 * BLOCK
+    assert sum(record.external_hits for record in records) == 14 * BLOCK
+    assert len(state_blocks(records, "loads")) == 1
+    assert not wrong(records)
