@@ -26,7 +26,8 @@ from tiercache.testing.tiny_llama import BOS_ID, EOS_ID, UNK_ID, build_once, sav
 
 FAMILIES = ("gemma2", "gemma3", "mistral_sliding", "nemotron_h", "falcon_h1", "zamba2", "granitemoehybrid")
 MAMBA_FAMILIES = ("nemotron_h", "falcon_h1", "zamba2", "granitemoehybrid")
-"""The families with Mamba (SSM) layers, whose state a KV connector does not restore."""
+"""The families with Mamba (SSM) layers: the connector restores their state with prefix caching on (vLLM's align
+mode), and declines them without it."""
 MARKER = "tiny_model.json"
 """Written last, with the build's arguments (and ``REVISION``): a directory holding it is complete."""
 REVISION = 1
@@ -58,7 +59,8 @@ class FamilyArgs:
 
 NO_PREFIX_CACHING = ("--no-enable-prefix-caching",)
 """Mamba hybrids: prefix caching puts Mamba state in "align" mode, whose CPU prefill of a prompt longer than a block
-fails (``IndexError`` at ``varlen_states[last_chunk_indices_p]`` in ``mamba_mixer2.py``) and kills the engine."""
+fails (``IndexError`` at ``varlen_states[last_chunk_indices_p]`` in ``mamba_mixer2.py``) and kills the engine, unless
+the prefill checkpoint block is turned off (``tests/support/vllm_cpu_mamba``, docs/engines.md)."""
 FAMILY_ARGS: dict[str, FamilyArgs] = {
     "gemma2": FamilyArgs((), "Gemma2ForCausalLM; 2 KV-cache groups of 2 layers: sliding 128 (layers 0, 2), full "
                              "(1, 3); block 32"),

@@ -12,14 +12,23 @@ layer's KV of every block), and stops; server 2, a fresh process over the same
 Redis, loads and answers as the baseline (the same model without the connector
 and without vLLM's own prefix cache).
 
-Mamba hybrids (NemotronH, FalconH1, Zamba2, GraniteMoeHybrid): the connector
-declines every request (it does not restore SSM state), stores and loads
-nothing, and the answers are the baseline's.
+Mamba hybrids (NemotronH, FalconH1, Zamba2, GraniteMoeHybrid), with prefix
+caching on (vLLM then keeps Mamba state in ``mamba_cache_mode="align"``): server
+1 stores the prompts' attention blocks and states, server 2, a fresh process
+over the same Redis, loads every whole block but the last token's with the
+state after it, and both answer as the baseline (prefix caching off, no
+connector). vLLM 0.32's CPU build dies on such a prompt by itself (its Mamba
+kernel returns no state per chunk for the prefill checkpoint vLLM asks of it):
+these servers run with ``support/vllm_cpu_mamba`` on ``PYTHONPATH``, which turns
+the checkpoint off so that vLLM splits the prefill at that boundary itself.
+With prefix caching off (one model) the connector declines every request,
+stores and loads nothing, and the answers are the baseline's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,12 +135,13 @@ class Served:
 
 
 def serve(model: Path, log: Path, names: Sequence[str], prompts: dict[str, list[int]], *,
-          config: dict[str, Any] | None = None, args: Sequence[str] = (), redis: RedisServer | None = None) -> Served:
+          config: dict[str, Any] | None = None, args: Sequence[str] = (), redis: RedisServer | None = None,
+          env: dict[str, str] | None = None) -> Served:
     """Start a server, ask ``names`` in order (greedy; ``chat_2`` is made from this server's ``chat_1`` answer if
     ``prompts`` lacks it), wait for ``redis`` to hold what it stored, stop it."""
     answers: dict[str, list[int]] = {}
     counted: dict[str, dict[str, int]] = {}
-    with serving(model, log, kv_transfer_config=config, args=args) as server:
+    with serving(model, log, kv_transfer_config=config, args=args, env=env) as server:
         for k, name in enumerate(names):
             if name == "chat_2" and name not in prompts:
                 prompts[name] = prompts["chat_1"] + answers["chat_1"] + CHAT_NEW_TURN
@@ -265,43 +275,102 @@ def test_sliding_servers_stayed_clean(sliding: SlidingRun) -> None:
     assert sliding.second.problems == []
 
 
+CPU_MAMBA_FIX = {"PYTHONPATH": os.pathsep.join(filter(None, [
+    str(Path(__file__).resolve().parents[2] / "support" / "vllm_cpu_mamba"), os.environ.get("PYTHONPATH")]))}
+"""The hook that lets vLLM 0.32's CPU build prefill a Mamba hybrid with prefix caching on (the module docstring)."""
+ATTENTION_BLOCK = {"zamba2": 32}
+"""The attention block vLLM settles on where it is not 64 (it raises 32 to 64 so that a Mamba page fits in one)."""
+DECLINED_FAMILY = "nemotron_h"
+"""The family also served with prefix caching off, where the connector declines."""
+
+
+@pytest.fixture(scope="module")
+def mamba_baselines() -> dict[str, dict[str, list[int]]]:
+    """Each Mamba family's baseline answers, once asked (``mamba_baseline``)."""
+    return {}
+
+
+def mamba_baseline(family: str, model: Path, logs: Path, kept: dict[str, dict[str, list[int]]]) -> dict[str, list[int]]:
+    """The answers of the family's server with prefix caching off and no connector (asked once per module)."""
+    if family not in kept:
+        kept[family] = serve(model, logs / f"{family}-baseline.log", MAMBA_REQUESTS[:2], dict(PROMPTS),
+                             args=FAMILY_ARGS[family].args).answers
+    return kept[family]
+
+
 @dataclass(frozen=True)
 class MambaRun:
-    """One Mamba hybrid's servers: the baseline's answers and the connector's server."""
+    """One Mamba hybrid's servers: the baseline's answers, server 1 (stores) and server 2 (loads)."""
 
     family: str
     baseline: dict[str, list[int]]
-    served: Served
+    first: Served
+    second: Served
 
 
 @pytest.fixture(scope="module", params=MAMBA_FAMILIES)
-def mamba(request: pytest.FixtureRequest, hybrid_models: dict[str, Path], logs: Path,
-          hybrid_redis: RedisServer) -> MambaRun:
-    """Baseline and one server with the connector (each prompt asked twice) for one Mamba hybrid."""
+def mamba(request: pytest.FixtureRequest, hybrid_models: dict[str, Path], logs: Path, hybrid_redis: RedisServer,
+          mamba_baselines: dict[str, dict[str, list[int]]]) -> MambaRun:
+    """Baseline, then server 1 and server 2 with the connector and prefix caching on (each prompt asked once)."""
     family: str = request.param
-    model, args, prompts = hybrid_models[family], FAMILY_ARGS[family].args, dict(PROMPTS)
-    baseline = serve(model, logs / f"{family}-baseline.log", MAMBA_REQUESTS[:2], prompts, args=args).answers
-    served = serve(model, logs / f"{family}-connector.log", MAMBA_REQUESTS, prompts,
-                   config=redis_config(hybrid_redis.url), args=args, redis=hybrid_redis)
-    return MambaRun(family, baseline, served)
+    model, prompts = hybrid_models[family], dict(PROMPTS)
+    names = MAMBA_REQUESTS[:2]
+    baseline = mamba_baseline(family, model, logs, mamba_baselines)
+    config = redis_config(hybrid_redis.url)
+    align = ("--enable-prefix-caching",)
+    first = serve(model, logs / f"{family}-first.log", names, prompts, config=config, args=align,
+                  redis=hybrid_redis, env=CPU_MAMBA_FIX)
+    second = serve(model, logs / f"{family}-second.log", names, prompts, config=config, args=align,
+                   env=CPU_MAMBA_FIX)
+    return MambaRun(family, baseline, first, second)
 
 
 def test_mamba_hybrid_answers_as_baseline(mamba: MambaRun) -> None:
-    assert mamba.served.answers == {label: mamba.baseline[label.split("#")[0]] for label in mamba.served.answers}
-    assert len(mamba.served.answers) == len(MAMBA_REQUESTS)
+    assert mamba.first.answers == mamba.baseline
+    assert mamba.second.answers == mamba.baseline
 
 
-def test_mamba_hybrid_requests_are_declined(mamba: MambaRun) -> None:
-    """Every request declined, none stored, none loaded, with the hybrid allocator on (it starts at all only so:
-    vLLM cannot put Mamba and attention layers in one group)."""
-    assert mamba.served.totals["declined"] == len(MAMBA_REQUESTS)
-    assert all(counted["declined"] == 1 for counted in mamba.served.counted.values())
-    assert mamba.served.totals["stored_blocks"] == 0
-    assert mamba.served.totals["stored_bytes"] == 0
-    assert mamba.served.totals["external"] == 0
-    assert mamba.served.lines(HMA_OFF) == []
-    assert len(mamba.served.lines(GROUPS_LINE)) == 1
+def test_mamba_hybrid_stores_its_states_and_a_restart_loads_them(mamba: MambaRun) -> None:
+    """Server 2 loads every whole block but the last token's, with the state after it (an attention block
+    without its state would never be offered), from Redis; vLLM's own cache is empty in a fresh process."""
+    block = ATTENTION_BLOCK.get(mamba.family, 64)
+    assert mamba.first.totals["stored_blocks"] > 0 and mamba.first.totals["external"] == 0
+    for name in MAMBA_REQUESTS[:2]:
+        counted = mamba.second.counted[name]
+        assert counted["external"] == (len(PROMPTS[name]) - 1) // block * block, name
+        assert counted["local"] == 0
+    assert mamba.first.totals["declined"] == mamba.second.totals["declined"] == 0
+    assert mamba.second.lines(HMA_OFF) == []
 
 
-def test_mamba_hybrid_server_stayed_clean(mamba: MambaRun) -> None:
-    assert mamba.served.problems == []
+def test_mamba_hybrid_servers_stayed_clean(mamba: MambaRun) -> None:
+    assert mamba.first.problems == [] and mamba.second.problems == []
+
+
+@pytest.fixture(scope="module")
+def declined(hybrid_models: dict[str, Path], logs: Path, hybrid_redis: RedisServer,
+             mamba_baselines: dict[str, dict[str, list[int]]]) -> tuple[dict[str, list[int]], Served]:
+    """One Mamba family with the connector and prefix caching off (each prompt asked twice), and its baseline."""
+    model = hybrid_models[DECLINED_FAMILY]
+    baseline = mamba_baseline(DECLINED_FAMILY, model, logs, mamba_baselines)
+    served = serve(model, logs / f"{DECLINED_FAMILY}-declined.log", MAMBA_REQUESTS, dict(PROMPTS),
+                   config=redis_config(hybrid_redis.url), args=FAMILY_ARGS[DECLINED_FAMILY].args)
+    return baseline, served
+
+
+def test_mamba_hybrid_requests_are_declined_without_prefix_caching(
+    declined: tuple[dict[str, list[int]], Served],
+) -> None:
+    """Prefix caching off: vLLM keeps only a running state, so every request is declined, none stored or loaded,
+    with the hybrid allocator on (it starts at all only so: vLLM cannot put Mamba and attention layers in one
+    group), and the answers are the baseline's."""
+    baseline, served = declined
+    assert served.answers == {label: baseline[label.split("#")[0]] for label in served.answers}
+    assert served.totals["declined"] == len(MAMBA_REQUESTS)
+    assert all(counted["declined"] == 1 for counted in served.counted.values())
+    assert served.totals["stored_blocks"] == 0
+    assert served.totals["stored_bytes"] == 0
+    assert served.totals["external"] == 0
+    assert served.lines(HMA_OFF) == []
+    assert len(served.lines(GROUPS_LINE)) == 1
+    assert served.problems == []
