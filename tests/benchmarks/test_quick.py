@@ -135,7 +135,8 @@ QUICK_RUNS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "manager_events.py": ((), {"requests": int, "repeat": int, "load": LOAD, "calls": {
         call: {"us_events_off": N, "us_events_on": N, "added_us": N} for call in ("allocate", "store")}}),
     "hybrid_state.py": ((), {"block_size": int, "layers": int, "runs": int, "rows": [{
-        "family": str, "prompt_tokens": int, "recompute_ms": N, "floor_ms": N, "miss_ms": N, "hit_gpu_ms": N,
+        "family": str, "prompt_tokens": int, "recompute_ms": N, "floor_ms": N, "chunked_ms": N, "miss_ms": N,
+        "hit_gpu_ms": N, "miss_vs_chunked": N,
         "hit_cpu_ms": N, "hit_gpu_ms_runs": [N], "reused_tokens": int, "reused_from_cpu": int, "states_saved": int,
         "state_bytes": int, "state_pages": int, "kv_block_bytes": int, "max_logit_diff": N, "same_token": bool,
         "miss_vs_recompute": N, "hit_vs_recompute": N, "hit_vs_floor": N}]}),
