@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from tiercache.blocks.paged import blocks_needed
@@ -49,7 +50,8 @@ class StateTurn:
     """States found but not used: pages that arrived short or did not check out (the request recomputed)."""
     saved: list[int] = field(default_factory=list)
     """Ends (in tokens) whose state this request saved."""
-    pending: tuple[int, torch.Tensor] | None = None
+    pending: tuple[int, list[torch.Tensor]] | None = None
+    """The state at the last block boundary a forward ended on, not yet saved (a ``StateFormat.snapshot``)."""
     hook: Any = None
 
     def forwarded(self, input_ids: torch.Tensor) -> None:
@@ -60,7 +62,7 @@ class StateTurn:
         if new > 0:
             self.tokens.extend(input_ids[0, -new:].tolist())
         if length % self.saver.block_size == 0 and length > max(self.saved, default=0):
-            self.pending = (length, self.saver.state.pack(self.cache, length))
+            self.pending = (length, self.saver.state.snapshot(self.cache))
 
     def save_now(self, length: int) -> None:
         """Save the state in the cache, after ``length`` positions (a block boundary)."""
@@ -69,7 +71,8 @@ class StateTurn:
     def finish(self) -> None:
         """Save the kept decode state (call before the turn's blocks are released)."""
         if self.pending is not None and self.pending[0] not in self.saved:
-            self.saver.save(self, *self.pending)
+            length, snapshot = self.pending
+            self.saver.save(self, length, self.saver.state.pack(snapshot, length))
         self.pending = None
 
     def close(self) -> None:
@@ -91,7 +94,7 @@ class StateSaver:
               force_latest: bool, lookup_timeout_s: float | None) -> tuple[StateTurn, Lookup | None]:
         """Allocate and fill one request's blocks and cache: the turn, and the hit it reused (None: a miss)."""
         mgr, size = self.manager, self.block_size
-        prompt = [int(t) for t in tokens]
+        prompt = tokens  # int64 ids (``token_array``)
         kv_hit = mgr.lookup_wait(prompt, extra, timeout_s=lookup_timeout_s, namespace=self.namespace)
         cap = min(kv_hit.num_blocks, (len(prompt) - 1) // size)
         mgr.release(kv_hit)
@@ -106,7 +109,7 @@ class StateSaver:
         cache = PagedCache(kv, table, end * size, self.kinds)
         if restored is not None:
             self.state.restore(cache.layers, restored, end * size, self.model.device)
-        turn = StateTurn(self, prompt[: end * size], table, cache, extra, restored_tokens=end * size,
+        turn = StateTurn(self, prompt[: end * size].tolist(), table, cache, extra, restored_tokens=end * size,
                          refused_states=refused)
         turn.hook = self.model.register_forward_hook(_hook(turn), with_kwargs=True)
         try:
@@ -117,7 +120,7 @@ class StateSaver:
             raise
         return turn, (hit if restored is not None else None)
 
-    def _find(self, prompt: list[int], extra: bytes | str | None, cap: int,
+    def _find(self, prompt: np.ndarray, extra: bytes | str | None, cap: int,
               timeout_s: float | None) -> tuple[int, Lookup | None]:
         """The longest end up to ``cap`` blocks whose K/V and state are all held, and its pinned lookup."""
         every = self.every_blocks
@@ -132,7 +135,7 @@ class StateSaver:
             self.manager.release(hit)
         return 0, None
 
-    def _load(self, hit: Lookup, prompt: list[int], extra: bytes | str | None, end: int, needed: int,
+    def _load(self, hit: Lookup, prompt: np.ndarray, extra: bytes | str | None, end: int, needed: int,
               force_latest: bool) -> tuple[list[int] | None, list[torch.Tensor] | None]:
         """Load a whole hit's K/V into the request's table and its state pages beside: the table and the state
         tensors, or (None, None) with every block handed back when the state does not arrive whole and exact."""
@@ -160,7 +163,7 @@ class StateSaver:
         mgr.release(state_pages)
         return table, restored
 
-    def _prefill_to_boundaries(self, turn: StateTurn, prompt: list[int], start: int) -> None:
+    def _prefill_to_boundaries(self, turn: StateTurn, prompt: np.ndarray, start: int) -> None:
         """Prefill the prompt up to its last block boundary, stopping at each anchor, saving the state at each."""
         size, last = self.block_size, (len(prompt) - 1) // self.block_size
         stops = [b for b in range(start + 1, last + 1) if b % self.every_blocks == 0 or b == last]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
@@ -146,10 +147,16 @@ class StateFormat:
     def _seed(self) -> int:
         return xxhash.xxh3_64_intdigest(repr(self.fields()).encode())
 
-    def pack(self, cache: Any, tokens: int) -> torch.Tensor:
-        """The state in ``cache`` (after ``tokens`` positions) as ``pages * page_bytes`` uint8 on the CPU."""
-        parts = [_tensor_of(cache, tensor).detach().to("cpu").contiguous().view(torch.uint8).flatten()
-                 for tensor in self.tensors]
+    def snapshot(self, cache: Any) -> list[torch.Tensor]:
+        """Copies of the state tensors in ``cache``, where they are (a decode keeps one per block boundary it crosses
+        and packs only the last: no copy to the host per boundary)."""
+        return [_tensor_of(cache, tensor).detach().clone() for tensor in self.tensors]
+
+    def pack(self, state: Any, tokens: int) -> torch.Tensor:
+        """The state in a cache, or a ``snapshot`` of one, after ``tokens`` positions, as ``pages * page_bytes``
+        uint8 on the CPU."""
+        values = state if isinstance(state, list) else [_tensor_of(state, tensor) for tensor in self.tensors]
+        parts = [value.detach().to("cpu").contiguous().view(torch.uint8).flatten() for value in values]
         payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
         digest = xxhash.xxh3_64_intdigest(payload.numpy().tobytes(), seed=self._seed())
         header = torch.frombuffer(bytearray(_HEADER.pack(STATE_MAGIC, tokens, payload.numel(), digest)),
@@ -194,10 +201,11 @@ class StateFormat:
             layer.dtype, layer.device = value.dtype, value.device
             layer.cumulative_length_linear = torch.tensor(tokens, dtype=torch.long, device=value.device)
 
-    def state_tokens(self, prefix: Any, block_size: int) -> list[int]:
-        """The chain of the state after ``prefix`` (a whole number of blocks): ``prefix`` then its marker pages."""
-        marker = [STATE_MARKER - page for page in range(self.pages) for _ in range(block_size)]
-        return [int(token) for token in prefix] + marker
+    def state_tokens(self, prefix: Any, block_size: int) -> np.ndarray:
+        """The chain of the state after ``prefix`` (token ids, a whole number of blocks): ``prefix`` then its marker
+        pages, as int64 (hashed as fast as a prompt)."""
+        marker = np.repeat(STATE_MARKER - np.arange(self.pages, dtype=np.int64), block_size)
+        return np.concatenate([np.asarray(prefix, dtype=np.int64), marker])
 
 
 def _tensor_of(cache: Any, tensor: StateTensor) -> torch.Tensor:
