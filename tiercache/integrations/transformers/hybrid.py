@@ -64,12 +64,9 @@ class StateTurn:
         if length % self.saver.block_size == 0 and length > max(self.saved, default=0):
             self.pending = (length, self.saver.state.snapshot(self.cache))
 
-    def save_now(self, length: int) -> None:
-        """Save the state in the cache, after ``length`` positions (a block boundary)."""
-        self.saver.save(self, length, self.saver.state.pack(self.cache, length))
-
     def finish(self) -> None:
-        """Save the kept decode state (call before the turn's blocks are released)."""
+        """Save the kept state: the last block boundary a forward ended on (after each prefill stop, and before the
+        turn's blocks are released)."""
         if self.pending is not None and self.pending[0] not in self.saved:
             length, snapshot = self.pending
             self.saver.save(self, length, self.saver.state.pack(snapshot, length))
@@ -171,7 +168,7 @@ class StateSaver:
         for stop in stops:
             with torch.no_grad():
                 self.model(ids[:, turn.cache.get_seq_length() : stop * size], **cache_argument(self.model, turn.cache))
-            turn.save_now(stop * size)
+            turn.finish()  # the forward's hook kept the state at this stop
 
     def save(self, turn: StateTurn, length: int, packed: torch.Tensor) -> None:
         """Store the state ``packed`` after ``length`` tokens as its chain over the turn's blocks (skipped when

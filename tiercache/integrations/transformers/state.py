@@ -29,14 +29,13 @@ import xxhash
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 
 from tiercache.blocks.keys import MAX_TOKEN_ID
-from tiercache.blocks.layout import UnsupportedModelError
+from tiercache.blocks.layout import HF_KV_AND_STATE_LAYERS, HF_PLAIN_KV_LAYERS, UnsupportedModelError
 
 __all__ = ["StateFormat", "StateTensor", "has_state_layers", "layer_kinds", "read_pages", "write_pages"]
 
-KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv"})
-BOTH_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
-"""transformers' ``layer_types`` whose cache layer keeps K/V, a state, or both (Falcon-H1's parallel layers)."""
+"""transformers' cache layer types that keep a state only (K/V only: ``HF_PLAIN_KV_LAYERS``; both, Falcon-H1's
+parallel layers: ``HF_KV_AND_STATE_LAYERS``)."""
 NO_CACHE_LAYER_TYPES = frozenset({"dummy", "moe", "mlp"})
 STATE_MAGIC = b"TCSTATE1"
 _HEADER = struct.Struct("<8sQQQ")
@@ -73,7 +72,7 @@ def has_state_layers(config: Any) -> bool:
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return bool(set(get_layer_types_and_kwargs(text)[0]) & (STATE_LAYER_TYPES | BOTH_LAYER_TYPES))
+    return bool(set(get_layer_types_and_kwargs(text)[0]) & (STATE_LAYER_TYPES | HF_KV_AND_STATE_LAYERS))
 
 
 def layer_kinds(config: Any) -> list[tuple[str, int]]:
@@ -91,11 +90,11 @@ def layer_kinds(config: Any) -> list[tuple[str, int]]:
     kinds = []
     for layer_type, kwargs in zip(*get_layer_types_and_kwargs(text), strict=True):
         states = kwargs.get("number_of_states", 1)
-        if layer_type in KV_LAYER_TYPES:
+        if layer_type in HF_PLAIN_KV_LAYERS:
             kinds.append(("kv", 0))
         elif layer_type in STATE_LAYER_TYPES:
             kinds.append(("state", states))
-        elif layer_type in BOTH_LAYER_TYPES:
+        elif layer_type in HF_KV_AND_STATE_LAYERS:
             kinds.append(("both", states))
         elif layer_type in NO_CACHE_LAYER_TYPES:
             kinds.append(("none", 0))
