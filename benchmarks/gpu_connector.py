@@ -29,6 +29,11 @@ moved by the connector's own ``StagedTransfers`` over real regions
 - ``asynchronous``: a step's loads copied beside the forward (scattered on the
   side stream), byte-equal; a matmul's time with them in flight against a
   synchronous load's (``gpu_connector_async.py``);
+- ``worker_order``: the connector's ``ConnectorWorker`` driven in vLLM's V1
+  call order and in its speculative-decoding order, the forward faked as
+  delayed kernels on the compute stream (``gpu_connector_worker.py``): the
+  pages a load's forward reads equal what the store's forward wrote, a failed
+  load's blocks are errors in its step, every job is reported once;
 - ``injected``: a refused registration (the region registered already: CUDA's
   own refusal), a failing copy (a direction that is none, through the runtime
   seam), a region larger than its directory's free space, and (CUDA) a
@@ -68,6 +73,7 @@ from gpu_connector_parts import (
     one_group,
     store_step,
 )
+from gpu_connector_worker import worker_order
 
 from tiercache.integrations.vllm.connector.cudart import MemcpyKind
 from tiercache.integrations.vllm.connector.geometry import GroupGeometry, GroupKind, SlotGeometry
@@ -362,6 +368,7 @@ def main() -> None:
         "injected": lambda: injected(check),
         "stream_order": lambda: stream_order(check),
         "big_run": lambda: big_run(check),
+        "worker_order": lambda: worker_order(check, shape),
     }
     try:
         for name, run in sections.items():

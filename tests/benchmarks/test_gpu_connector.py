@@ -36,6 +36,11 @@ BREAKAGES = {
         "from tiercache.integrations.vllm.connector import pinning; pinning._clear = lambda runtime: None",
     "every engine pinned (closed engines unregistered)":
         "from tiercache.integrations.vllm.connector import pinning; pinning.HostPins.close = lambda self: None",
+    "worker in vLLM's speculative order: the forward reads what the store's forward wrote":
+        "from tiercache.integrations.vllm.connector import worker; worker._group_copies = lambda job, groups: {}",
+    "worker in vLLM's speculative order: a failed load's blocks are errors in its step":
+        "from tiercache.integrations.vllm.connector import worker; worker.ConnectorWorker.take_load_errors = "
+        "lambda self: set()",
 }
 """A check, and a way to break what it checks."""
 
@@ -58,6 +63,9 @@ def test_the_cpu_half_runs_with_torch_alone_and_catches_every_injected_failure(t
     assert document["hybrid"]["load_failed_at_once"] == [4] and document["hybrid"]["reported_while_in_flight"] == []
     assert len(document["rows"]) == 12 and all(row["jobs_ok"] for row in document["rows"])
     assert "PASS  injected: failing device_to_host copy" in output
+    for order in ("v1", "speculative"):  # the connector's worker itself, in vLLM's call orders
+        assert document["worker_order"][order] == {"pages_equal": True, "errors_in_step": [30, 31],
+                                                   "done": {"1": 1, "2": 1}, "failed": {"3": 1}}
     assert not list(Path("/dev/shm").glob("tiercache-gpu-check-*")), "its regions removed"
 
 

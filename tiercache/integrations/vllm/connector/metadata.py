@@ -7,6 +7,9 @@ its own rank's pages and reports the job ids it finished in its
 ``TierCacheWorkerMetadata`` (summed over the workers by vLLM); the scheduler side
 acts on a job once every worker has reported it (a load's slots are unpinned, a
 store's slots committed and written down), and on a failed one as failed.
+
+Without vLLM (the GPU check's machine) these are plain dataclasses, so the
+worker side (``worker``) imports and runs with torch alone.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ModuleNotFoundError:  # the GPU check drives the worker on a machine with torch alone (no vLLM)
+    KVConnectorMetadata = KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 
 
 @dataclass(frozen=True)

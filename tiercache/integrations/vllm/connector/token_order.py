@@ -24,13 +24,15 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiercache.blocks.layout import DTYPES
 from tiercache.blocks.token_map import PageTokenMap, interleaved_map
 from tiercache.codecs.levels import Level
-from tiercache.config.topology import TierCacheConfig
 from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry
+
+if TYPE_CHECKING:  # the worker imports this module on the GPU check's machine, which has no YAML
+    from tiercache.config.topology import TierCacheConfig
 
 INTERLEAVED_BACKENDS = ("FLASH_ATTN", "FLEX_ATTENTION")
 """vLLM backends whose page holds each token's K then its V, ``[heads, tokens, 2 * head_size]``."""
