@@ -27,7 +27,7 @@ from gpu_connector_parts import FULL, SMALL, Check, equal_pages, load_step, one_
 
 from tiercache.integrations.vllm.connector import staged
 from tiercache.integrations.vllm.connector.cudart import MemcpyKind, checked
-from tiercache.integrations.vllm.connector.pinning import copy_run
+from tiercache.integrations.vllm.connector.pinning import copy_batch
 from tiercache.integrations.vllm.connector.transfers import GroupCopy
 
 BREAKS = ("no-wait", "no-record-stream", "one-stream", "2d-runs")
@@ -42,19 +42,20 @@ ORDER_WAIT_S = 5.0
 
 
 def break_runs() -> None:
-    """``2d-runs``: whole-slot runs sent as one 2-D row, as before the fix."""
-    def one_row(runtime: Any, kind: MemcpyKind, stream: int, max_pitch: int, rows: torch.Tensor, position: int,
-                shares: torch.Tensor, slot: int, count: int) -> None:
+    """``2d-runs``: whole-slot runs sent as one 2-D row each, as before the fix."""
+    def one_row(runtime: Any, kind: MemcpyKind, stream: int, max_pitch: int, rows: torch.Tensor,
+                shares: torch.Tensor, runs: Any) -> None:
         width, pitch = rows.shape[1], shares.stride(0)
         if pitch != width:
-            copy_run(runtime, kind, stream, max_pitch, rows, position, shares, slot, count)
+            copy_batch(runtime, kind, stream, max_pitch, rows, shares, runs)
             return
-        device, host = rows.data_ptr() + position * width, shares.data_ptr() + slot * pitch
-        dst, src = (device, host) if kind is MemcpyKind.HOST_TO_DEVICE else (host, device)
-        size = width * count
-        checked(runtime, runtime.memcpy_2d(dst, size, src, size, size, 1, kind, stream), "a 2-D row")
+        for position, slot, count in runs:
+            device, host = rows.data_ptr() + position * width, shares.data_ptr() + slot * pitch
+            dst, src = (device, host) if kind is MemcpyKind.HOST_TO_DEVICE else (host, device)
+            size = width * count
+            checked(runtime, runtime.memcpy_2d(dst, size, src, size, size, 1, kind, stream), "a 2-D row")
 
-    staged.copy_run = one_row  # type: ignore[assignment]
+    staged.copy_batch = one_row  # type: ignore[assignment]
 
 
 def stream_order(check: Check) -> dict[str, Any]:

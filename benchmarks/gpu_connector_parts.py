@@ -80,6 +80,9 @@ class FailingCopies:
     def memcpy(self, dst: int, src: int, count: int, kind: Any, stream: int) -> int:
         return self.runtime.memcpy(dst, src, count, BAD_DIRECTION if kind is self.kind else kind, stream)
 
+    def memcpy_batch(self, dsts: Any, srcs: Any, sizes: Any, kind: Any, stream: int) -> int:
+        return self.runtime.memcpy_batch(dsts, srcs, sizes, BAD_DIRECTION if kind is self.kind else kind, stream)
+
 
 class Widened(CopyStreams):
     """``CopyStreams`` whose side streams sleep (``torch.cuda._sleep``) before their copies, with fresh store rows

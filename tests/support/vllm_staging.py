@@ -9,6 +9,7 @@ page in vLLM's logical order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,10 +32,21 @@ LARGE = {"heads": 2, "content": 32768}
 @dataclass
 class Recording(HostRuntime):
     """``HostRuntime`` that keeps each copy's (kind, width, height, destination pitch, source pitch; None for a 1-D
-    copy) and the stream it was queued on."""
+    copy) and the stream it was queued on; a batch as one entry of ``batches``: (kind, each piece's size)."""
 
     copies: list[tuple[MemcpyKind, int, int, int | None, int | None]] = field(default_factory=list)
     streams: list[int] = field(default_factory=list)
+    batches: list[tuple[MemcpyKind, tuple[int, ...]]] = field(default_factory=list)
+
+    def memcpy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], kind: MemcpyKind,
+                     stream: int) -> int:
+        self.batches.append((kind, tuple(sizes)))
+        self.streams.append(stream)
+        for dst, src, size in zip(dsts, srcs, sizes, strict=True):  # one call: none of them recorded as a copy
+            code = HostRuntime.memcpy(self, dst, src, size, kind, stream)
+            if code:
+                return code
+        return 0
 
     def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
                   kind: MemcpyKind, stream: int) -> int:

@@ -115,6 +115,26 @@ def test_each_rank_pins_only_its_shares_where_that_saves_enough_and_two_ranks_sh
     assert plan_pins(whole.slots, 0, small.rank_bytes).scope is PinScope.WHOLE, "a 6 KiB saving: the whole region"
 
 
+def test_a_rank_pinning_its_shares_copies_a_step_in_one_batch_not_one_call_a_slot(tmp_path: Path) -> None:
+    geometry = one_group(3, world=2, page=2 * TOKENS * LARGE["content"])  # each share registered on its own
+    shared = region(tmp_path, geometry, slots=8)
+    runtime = Recording()
+    kv = kv_cache(list(geometry.layer_names), **LARGE, seed=6)
+    copies = engine(geometry, kv, shared, rank=1, runtime=runtime)
+    assert copies.pins is not None and copies.pins.plan.scope is PinScope.SHARES
+    job = GroupCopy(1, 0, (3, 4, 5, 0), (2, 6, 7, 1))
+    assert store(copies, [job]) == [] and copies.poll().done == [1]
+    assert runtime.copies == [] and runtime.batches == [(MemcpyKind.DEVICE_TO_HOST, (geometry.rank_bytes,) * 4)]
+    assert stored_right(shared, geometry, kv, job, rank=1)
+    other = kv_cache(list(geometry.layer_names), **LARGE, seed=7)
+    copies.close()
+    loader = engine(geometry, other, shared, rank=1, runtime=runtime)
+    assert load(loader, [GroupCopy(2, 0, job.slots, (0, 3, 4, 5))]) == [] and loader.poll().done == [2]
+    assert runtime.copies == [] and runtime.batches[1:] == [(MemcpyKind.HOST_TO_DEVICE, (geometry.rank_bytes,) * 4)]
+    for name in geometry.layer_names:
+        assert [page(other, name, block) for block in (0, 3, 4, 5)] == [page(kv, name, block) for block in job.blocks]
+
+
 def test_a_second_engine_over_the_same_memory_is_pinned_once_the_first_closed(tmp_path: Path) -> None:
     geometry = one_group(2)
     shared = region(tmp_path, geometry)
@@ -140,8 +160,8 @@ def test_runs_of_slots_strided_alike_are_one_2d_copy_each_and_a_lone_slot_one_1d
     assert store(copies, [job]) == [] and copies.poll().done == [1]
     width = geometry.rank_bytes
     assert runtime.copies == [(MemcpyKind.DEVICE_TO_HOST, width, 4, geometry.slot_bytes, width),
-                              (MemcpyKind.DEVICE_TO_HOST, width, 2, geometry.slot_bytes, width),
-                              (MemcpyKind.DEVICE_TO_HOST, width, 1, None, None)]
+                              (MemcpyKind.DEVICE_TO_HOST, width, 2, geometry.slot_bytes, width)]
+    assert runtime.batches == [(MemcpyKind.DEVICE_TO_HOST, (width,))]
     assert stored_right(shared, geometry, kv, job, rank=1)
 
 
@@ -202,11 +222,11 @@ def test_loads_are_staged_in_bounded_chunks(tmp_path: Path) -> None:
     assert store(writer, [job]) == []
     writer.close()
     other = kv_cache(list(geometry.layer_names), **SMALL, seed=9)
-    runtime.copies.clear()
+    runtime.batches.clear()
     loader = engine(geometry, other, shared, runtime=runtime, load_chunk_bytes=3 * geometry.rank_bytes)
     assert load(loader, [GroupCopy(2, 0, job.slots, tuple(range(10)))]) == [] and loader.poll().done == [2]
-    assert [height for _, width, height, _, _ in runtime.copies] == [1, 1, 1, 1], "4 chunks of at most 3 slots"
-    assert [width for _, width, _, _, _ in runtime.copies] == [3 * geometry.rank_bytes] * 3 + [geometry.rank_bytes]
+    assert runtime.batches == [(MemcpyKind.HOST_TO_DEVICE, (3 * geometry.rank_bytes,))] * 3 + [
+        (MemcpyKind.HOST_TO_DEVICE, (geometry.rank_bytes,))], "4 chunks of at most 3 slots, a run each"
     for name in geometry.layer_names:
         assert [page(other, name, b) for b in range(10)] == [page(kv, name, b) for b in job.blocks]
 

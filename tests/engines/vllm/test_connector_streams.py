@@ -47,7 +47,7 @@ def test_a_run_of_whole_slots_past_the_maximum_pitch_is_one_1d_copy_each_way(tmp
     copies = engine(geometry, kv, shared, runtime=runtime)
     job = GroupCopy(1, 0, (4, 5, 6, 7), (9, 3, 12, 1))
     assert store(copies, [job]) == [] and copies.poll().done == [1], "the run's store lands"
-    assert runtime.copies == [(MemcpyKind.DEVICE_TO_HOST, 4 * geometry.slot_bytes, 1, None, None)]
+    assert runtime.copies == [] and runtime.batches == [(MemcpyKind.DEVICE_TO_HOST, (4 * geometry.slot_bytes,))]
     assert stored_right(shared, geometry, kv, job)
     other = kv_cache(list(geometry.layer_names), **SMALL, seed=22)
     loader = engine(geometry, other, shared, runtime=HostRuntime(pitch_limit=geometry.slot_bytes))
@@ -65,7 +65,7 @@ def test_a_strided_share_past_the_maximum_pitch_is_copied_row_by_row(tmp_path: P
     copies = engine(geometry, kv, shared, rank=1, runtime=runtime)
     job = GroupCopy(1, 0, (3, 4, 5), (0, 2, 4))
     assert store(copies, [job]) == [] and copies.poll().done == [1]
-    assert runtime.copies == [(MemcpyKind.DEVICE_TO_HOST, geometry.rank_bytes, 1, None, None)] * 3
+    assert runtime.copies == [] and runtime.batches == [(MemcpyKind.DEVICE_TO_HOST, (geometry.rank_bytes,) * 3)]
     assert stored_right(shared, geometry, kv, job, rank=1)
 
 

@@ -10,6 +10,12 @@ library instance, so the error it clears is the one torch would see
 (``CudartLibrary``, as vLLM's ``cuda_wrapper`` does). Every call that fails has
 its error cleared before the caller hears of it (``checked``).
 
+Copies that are many pieces (a rank's share of each slot, registered apart:
+``PinScope.SHARES``) go as one batch (``memcpy_batch``): inside vLLM on CUDA,
+vLLM's own ``swap_blocks_batch`` (one ``cuMemcpyBatchAsync`` on the current
+stream, what its offloader copies with); without it (the GPU check's
+torch-only machine, a vLLM without the op) one ``cudaMemcpyAsync`` a piece.
+
 ``HostRuntime`` answers the same calls on host memory, so ``StagedTransfers``
 on CPU tensors (tests, the GPU check's CPU half) runs the very pointer
 arithmetic it runs on a GPU, and a refused registration or a failing copy is
@@ -20,10 +26,14 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+import torch
 
 log = logging.getLogger(f"vllm.{__name__}")
 
@@ -77,6 +87,12 @@ class CudaRuntime(Protocol):
         """``cudaMemcpyAsync`` of ``count`` contiguous bytes on ``stream``."""
         ...
 
+    def memcpy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], kind: MemcpyKind,
+                     stream: int) -> int:
+        """Contiguous copies ``srcs[i]`` -> ``dsts[i]`` of ``sizes[i]`` bytes on ``stream``, in one call where the
+        runtime can (in any order among themselves; none may overlap another's destination)."""
+        ...
+
     def max_pitch(self, device: int) -> int:
         """``cudaDevAttrMaxPitch`` of ``device``: a 2-D copy's pitches must not pass it."""
         ...
@@ -122,11 +138,47 @@ class CudartLibrary:
     def memcpy(self, dst: int, src: int, count: int, kind: MemcpyKind, stream: int) -> int:
         return int(self._memcpy(dst, src, count, int(kind), stream))
 
+    def memcpy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], kind: MemcpyKind,
+                     stream: int) -> int:
+        batch = _vllm_batch_copy()
+        if batch is None or torch.cuda.current_stream().cuda_stream != stream:
+            return _one_by_one(self, dsts, srcs, sizes, kind, stream)
+        try:
+            batch(*(torch.tensor(list(values), dtype=torch.int64) for values in (srcs, dsts, sizes)))
+        except RuntimeError as error:  # vLLM checks the driver's result and raises
+            log.warning("tiercache connector: vLLM's swap_blocks_batch of %d copies failed: %s", len(sizes), error)
+            self.last_error()
+            return INVALID_VALUE
+        return SUCCESS
+
     def max_pitch(self, device: int) -> int:
         value = ctypes.c_int(0)
         code = int(self._attribute(ctypes.byref(value), MAX_PITCH_ATTRIBUTE, device))
         checked(self, code, "cudaDeviceGetAttribute(cudaDevAttrMaxPitch)")
         return value.value
+
+
+def _one_by_one(runtime: CudaRuntime, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
+                kind: MemcpyKind, stream: int) -> int:
+    """A batch as one ``memcpy`` a piece, up to the first that fails (its code)."""
+    for dst, src, size in zip(dsts, srcs, sizes, strict=True):
+        code = runtime.memcpy(dst, src, size, kind, stream)
+        if code != SUCCESS:
+            return code
+    return SUCCESS
+
+
+@functools.cache
+def _vllm_batch_copy() -> Callable[..., None] | None:
+    """vLLM's ``swap_blocks_batch`` (pointer tensors on the host; the current stream), where vLLM's CUDA ops are
+    loaded and have it; else None."""
+    try:
+        from vllm import _custom_ops as ops
+    except Exception:  # no vLLM (the GPU check), or one whose CUDA ops do not load here
+        return None
+    if not hasattr(torch.ops._C_cache_ops, "swap_blocks_batch") or not hasattr(ops, "swap_blocks_batch"):
+        return None
+    return ops.swap_blocks_batch
 
 
 def _function(lib: ctypes.CDLL, name: str, argtypes: list[type]) -> ctypes._CFuncPtr:
@@ -195,6 +247,10 @@ class HostRuntime:
             return self._fail(INVALID_DIRECTION)
         ctypes.memmove(dst, src, count)
         return SUCCESS
+
+    def memcpy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], kind: MemcpyKind,
+                     stream: int) -> int:
+        return _one_by_one(self, dsts, srcs, sizes, kind, stream)
 
     def max_pitch(self, device: int) -> int:
         return self.pitch_limit

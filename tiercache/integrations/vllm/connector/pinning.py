@@ -5,7 +5,9 @@ A worker registers what it copies. Where a slot holds enough of other ranks'
 shares (``MIN_SAVED_BYTES`` a slot, vLLM's rule), only its own share of each
 slot, rounded out to pages (``PinScope.SHARES``); otherwise the whole region, in
 chunks of at most ``MAX_REGISTER_BYTES`` that end on slot and page boundaries
-(``PinScope.WHOLE``). A copy never spans two registrations (``copy_runs``). A
+(``PinScope.WHOLE``). A copy never spans two registrations (``copy_runs``); the
+pieces a step's copies make are one batch (``copy_batch``), so a rank's shares
+under ``SHARES`` are not one runtime call a slot. A
 refused registration has its error cleared, what was registered is rolled back
 and copies stay pageable (``staged`` then moves them through pinned bounce
 buffers); ``HostPins.close`` unregisters every range, so a second engine over the
@@ -100,27 +102,35 @@ def copy_runs(pairs: Sequence[tuple[int, int]], plan: PinPlan | None) -> list[tu
     return runs
 
 
-def copy_run(runtime: CudaRuntime, kind: MemcpyKind, stream: int, max_pitch: int, rows: torch.Tensor, position: int,
-             shares: torch.Tensor, slot: int, count: int) -> None:
-    """Rows ``position:position+count`` of ``rows`` (device) <-> slots ``slot:slot+count`` of ``shares`` (host) on
-    ``stream``: one 1-D copy of whole slots (a 2-D row of 2 GiB or more would pass CUDA's maximum pitch), one 2-D
-    copy where the share is strided in them, row by row past ``max_pitch``."""
+def copy_batch(runtime: CudaRuntime, kind: MemcpyKind, stream: int, max_pitch: int, rows: torch.Tensor,
+               shares: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+    """Each run (``copy_runs``: rows ``position:position+count`` of ``rows`` (device) <-> slots ``slot:slot+count`` of
+    ``shares`` (host)) on ``stream``: one 2-D copy where the share is strided in a run of slots, the rest in one batch
+    (``memcpy_batch``): whole slots as one piece a run (a 2-D row of 2 GiB or more would pass CUDA's maximum
+    pitch), a lone slot (every slot under ``PinScope.SHARES``) and each row of a run past ``max_pitch`` as one each."""
     width, pitch = rows.shape[1], shares.stride(0)
-    device = rows.data_ptr() + position * width
-    host = shares.data_ptr() + slot * pitch
-    dst, src = (device, host) if kind is MemcpyKind.HOST_TO_DEVICE else (host, device)
-    if pitch == width or count == 1:
-        size = width * count if pitch == width else width
-        checked(runtime, runtime.memcpy(dst, src, size, kind, stream), f"cudaMemcpyAsync of {size} bytes")
-        return
     dst_pitch, src_pitch = (width, pitch) if kind is MemcpyKind.HOST_TO_DEVICE else (pitch, width)
-    if pitch <= max_pitch:
-        code = runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, count, kind, stream)
-        checked(runtime, code, f"cudaMemcpy2DAsync of {count} x {width} bytes")
-        return
-    for row in range(count):
-        code = runtime.memcpy(dst + row * dst_pitch, src + row * src_pitch, width, kind, stream)
-        checked(runtime, code, f"cudaMemcpyAsync of {width} bytes")
+    dsts: list[int] = []
+    srcs: list[int] = []
+    sizes: list[int] = []
+    for position, slot, count in runs:
+        device = rows.data_ptr() + position * width
+        host = shares.data_ptr() + slot * pitch
+        dst, src = (device, host) if kind is MemcpyKind.HOST_TO_DEVICE else (host, device)
+        if pitch == width:
+            dsts.append(dst)
+            srcs.append(src)
+            sizes.append(width * count)
+        elif count > 1 and pitch <= max_pitch:
+            code = runtime.memcpy_2d(dst, dst_pitch, src, src_pitch, width, count, kind, stream)
+            checked(runtime, code, f"cudaMemcpy2DAsync of {count} x {width} bytes")
+        else:
+            dsts += [dst + row * dst_pitch for row in range(count)]
+            srcs += [src + row * src_pitch for row in range(count)]
+            sizes += [width] * count
+    if sizes:
+        code = runtime.memcpy_batch(dsts, srcs, sizes, kind, stream)
+        checked(runtime, code, f"a batch of {len(sizes)} copies ({sum(sizes)} bytes)")
 
 
 class HostPins:

@@ -13,7 +13,9 @@ Per KV-cache group and step:
   event, not a synchronize) and copies the rows into their slots, one copy per
   run of consecutive slots: 1-D where the run is whole slots (a 2-D row of 2 GiB
   or more would pass CUDA's maximum pitch), 2-D where the rank's share is strided
-  in the slots (``cudaMemcpy2DAsync``); its event is polled, never waited for.
+  in the slots (``cudaMemcpy2DAsync``), the other pieces (a rank's share of
+  each slot under ``PinScope.SHARES``) in one batch (``pinning.copy_batch``);
+  its event is polled, never waited for.
   What one step stages is bounded (``step_budget_bytes``; the scheduler plans
   within it, the worker drops what would pass it), and taken once at start
   (``staging``): a step's stores are dropped, never waited for, while an earlier
@@ -57,7 +59,7 @@ import torch
 from tiercache.integrations.vllm.connector.cudart import CudaRuntime, HostRuntime, MemcpyKind, loaded_cudart
 from tiercache.integrations.vllm.connector.geometry import SlotGeometry
 from tiercache.integrations.vllm.connector.pages import KVPages
-from tiercache.integrations.vllm.connector.pinning import HostPins, copy_run, copy_runs, plan_pins
+from tiercache.integrations.vllm.connector.pinning import HostPins, copy_batch, copy_runs, plan_pins
 from tiercache.integrations.vllm.connector.staging import StagingBusy, StagingPool
 from tiercache.integrations.vllm.connector.streams import CopyStreams
 from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, Transfers
@@ -197,8 +199,7 @@ class StagedTransfers(Transfers):
         """Slots -> staging rows, on the load stream."""
         with self.streams.on(MemcpyKind.HOST_TO_DEVICE):
             if self.pins is not None:
-                for first, slot, count in copy_runs(list(enumerate(slots)), self.pins.plan):
-                    self._memcpy(MemcpyKind.HOST_TO_DEVICE, staging, first, shares, slot, count)
+                self._copy(MemcpyKind.HOST_TO_DEVICE, staging, shares, list(enumerate(slots)))
                 return
             bounce = torch.empty(staging.shape, dtype=torch.uint8, pin_memory=self.cuda)
             torch.index_select(shares, 0, torch.tensor(slots, dtype=torch.long), out=bounce)  # the host's gather
@@ -278,8 +279,7 @@ class StagedTransfers(Transfers):
         """Staging rows -> slots, on the store stream (through a bounce buffer: the host's scatter when it ends)."""
         with self.streams.on(MemcpyKind.DEVICE_TO_HOST):
             if self.pins is not None:
-                for first, slot, count in copy_runs(pairs, self.pins.plan):
-                    self._memcpy(MemcpyKind.DEVICE_TO_HOST, rows, first, shares, slot, count)
+                self._copy(MemcpyKind.DEVICE_TO_HOST, rows, shares, pairs)
                 return
             bounce = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=self.cuda)
             bounce.copy_(rows, non_blocking=True)
@@ -338,10 +338,11 @@ class StagedTransfers(Transfers):
             return 0, geometry.slot_bytes
         return geometry.offset(self.rank, 0, 0), geometry.rank_bytes
 
-    def _memcpy(self, kind: MemcpyKind, rows: torch.Tensor, position: int, shares: torch.Tensor, slot: int,
-                count: int) -> None:
-        assert self.runtime is not None
-        copy_run(self.runtime, kind, self.streams.handle(kind), self.max_pitch, rows, position, shares, slot, count)
+    def _copy(self, kind: MemcpyKind, rows: torch.Tensor, shares: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Staging rows <-> slots, ``pairs`` being (row, slot): 2-D copies of strided runs, one batch of the rest."""
+        assert self.runtime is not None and self.pins is not None
+        copy_batch(self.runtime, kind, self.streams.handle(kind), self.max_pitch, rows, shares,
+                   copy_runs(pairs, self.pins.plan))
 
     def _checked(self, group: int, copies: Sequence[GroupCopy]) -> tuple[list[GroupCopy], list[int]]:
         """``copies`` whose slots and blocks are all in range, and the jobs of the others, failed here (logged): a bad
