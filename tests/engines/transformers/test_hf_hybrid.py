@@ -125,6 +125,21 @@ def test_file_hit_restores_the_state_bitwise(family: str, tmp_path: Any) -> None
                                                                         "max_blocks": 1024}})
 
 
+def test_a_state_held_already_is_not_saved_again() -> None:
+    """The same request twice: the second restores the prompt's last boundary and crosses the decode boundary the
+    first saved; that state is held, so it is not packed and stored again (``states_held``)."""
+    model, prompt = hybrid_model("qwen3_next"), random_tokens(PROMPT, seed=5)
+    with TierManager(hybrid_topology(model)) as manager:
+        cached = CachedModel(model, manager, state_every_blocks=EVERY_BLOCKS)
+        first = cached.generate(prompt, 8, **GENERATE)
+        second = cached.generate(prompt, 8, **GENERATE)
+        held = manager.stats()["tiers"]["all"]["states_held"]
+    assert first.state.saved == [*chunk_ends(0, PROMPT), (PROMPT + 8 - 1) // BLOCK_SIZE * BLOCK_SIZE]
+    assert second.cached_tokens == (PROMPT - 1) // BLOCK_SIZE * BLOCK_SIZE and second.state.saved == []
+    assert held == 1
+    assert torch.equal(second.output.sequences, first.output.sequences)
+
+
 def test_a_chats_next_turn_continues_from_the_last_decode_boundary() -> None:
     """The reply's last block boundary was crossed in decode: its state is what the next turn restores."""
     model, prompt = hybrid_model("qwen3_next"), random_tokens(PROMPT, seed=3)

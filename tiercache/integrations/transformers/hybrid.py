@@ -68,8 +68,7 @@ class StateTurn:
         """Save the kept state: the last block boundary a forward ended on (after each prefill stop, and before the
         turn's blocks are released)."""
         if self.pending is not None and self.pending[0] not in self.saved:
-            length, snapshot = self.pending
-            self.saver.save(self, length, self.saver.state.pack(snapshot, length))
+            self.saver.save(self, *self.pending)
         self.pending = None
 
     def close(self) -> None:
@@ -170,18 +169,25 @@ class StateSaver:
                 self.model(ids[:, turn.cache.get_seq_length() : stop * size], **cache_argument(self.model, turn.cache))
             turn.finish()  # the forward's hook kept the state at this stop
 
-    def save(self, turn: StateTurn, length: int, packed: torch.Tensor) -> None:
-        """Store the state ``packed`` after ``length`` tokens as its chain over the turn's blocks (skipped when
-        the pool has no room for its pages: the prefix is then reused only up to an earlier saved end)."""
+    def save(self, turn: StateTurn, length: int, snapshot: list[torch.Tensor]) -> None:
+        """Store the state ``snapshot`` after ``length`` tokens as its chain over the turn's blocks. Skipped where
+        the GPU or CPU tier holds that chain whole already (an earlier request saved it: counted as
+        ``states_held``), or where the pool has no room for its pages (``states_skipped``: the prefix is then
+        reused only up to an earlier saved end)."""
         mgr, size = self.manager, self.block_size
+        chain = self.state.state_tokens(turn.tokens[:length], size)
+        held = mgr.lookup(chain, turn.extra, local_only=True, namespace=self.namespace)
+        mgr.release(held)
+        if held.num_blocks == length // size + self.state.pages:
+            mgr.metrics.add("all", "states_held")
+            return
         try:
             pages = mgr.allocate(self.state.pages)
         except CapacityError:
             mgr.metrics.add("all", "states_skipped")
             return
         try:
-            write_pages(mgr.gpu.tensors, pages, packed.to(mgr.gpu.tensors[0].device))
-            chain = self.state.state_tokens(turn.tokens[:length], size)
+            write_pages(mgr.gpu.tensors, pages, self.state.pack(snapshot, length).to(mgr.gpu.tensors[0].device))
             mgr.store(chain, turn.table[: length // size] + pages, turn.extra, namespace=self.namespace)
             turn.saved.append(length)
         finally:
