@@ -18,7 +18,7 @@ from support.benchmark_runs import BENCHMARKS, NUMBER, Each, assert_shape, run_q
 
 TESTS = Path(__file__).resolve().parents[1]
 HELPERS = {"common.py", "oracle.py", "redis_ceiling.py", "gpu_connector_parts.py", "gpu_connector_async.py",
-           "gpu_connector_breaks.py", "beside_batch.py", "scale_vllm_parts.py"}
+           "gpu_connector_breaks.py", "gpu_connector_worker.py", "beside_batch.py", "scale_vllm_parts.py"}
 """Modules the scripts import; not benchmarks themselves."""
 ENGINE_RUNS = {
     "vllm_lookup.py": "engines/vllm/test_vllm_lookup_quick.py",
