@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +120,8 @@ class CudartLibrary:
         self._attribute = _function(lib, "cudaDeviceGetAttribute", [ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                                                                     ctypes.c_int])
         self.path = path
+        self.batch = vllm_batch_copy()
+        """vLLM's ``swap_blocks_batch`` for ``memcpy_batch`` (None: one ``cudaMemcpyAsync`` a piece)."""
 
     def host_register(self, address: int, size: int) -> int:
         return int(self._register(address, size, 0))
@@ -140,16 +141,19 @@ class CudartLibrary:
 
     def memcpy_batch(self, dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int], kind: MemcpyKind,
                      stream: int) -> int:
-        batch = _vllm_batch_copy()
-        if batch is None or torch.cuda.current_stream().cuda_stream != stream:
-            return _one_by_one(self, dsts, srcs, sizes, kind, stream)
-        try:
-            batch(*(torch.tensor(list(values), dtype=torch.int64) for values in (srcs, dsts, sizes)))
-        except RuntimeError as error:  # vLLM checks the driver's result and raises
-            log.warning("tiercache connector: vLLM's swap_blocks_batch of %d copies failed: %s", len(sizes), error)
-            self.last_error()
-            return INVALID_VALUE
-        return SUCCESS
+        """Through vLLM's op where ``stream`` is the current stream (the op copies on that one); an op that raises
+        (the driver's error, or an op of another signature) is let go for good, and the batch copied one piece at a
+        time instead (copying a piece the op copied already writes the same bytes again)."""
+        if self.batch is not None and torch.cuda.current_stream().cuda_stream == stream:
+            try:
+                self.batch(*(torch.tensor(list(values), dtype=torch.int64) for values in (srcs, dsts, sizes)))
+                return SUCCESS
+            except Exception as error:
+                log.warning("tiercache connector: vLLM's swap_blocks_batch failed (%s); copies go one by one from "
+                            "now on", error)
+                self.last_error()
+                self.batch = None
+        return _one_by_one(self, dsts, srcs, sizes, kind, stream)
 
     def max_pitch(self, device: int) -> int:
         value = ctypes.c_int(0)
@@ -168,8 +172,7 @@ def _one_by_one(runtime: CudaRuntime, dsts: Sequence[int], srcs: Sequence[int], 
     return SUCCESS
 
 
-@functools.cache
-def _vllm_batch_copy() -> Callable[..., None] | None:
+def vllm_batch_copy() -> Callable[..., None] | None:
     """vLLM's ``swap_blocks_batch`` (pointer tensors on the host; the current stream), where vLLM's CUDA ops are
     loaded and have it; else None."""
     try:
