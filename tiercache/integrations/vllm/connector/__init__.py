@@ -19,9 +19,10 @@ step and the reports back) and ``metrics`` (vLLM's connector stats and
 Prometheus counters); ``geometry``, ``pages``, ``transfers``, ``staged``,
 ``pinning`` (host memory registered as pinned), ``cudart`` (the CUDA runtime calls
 torch lacks), ``region`` and ``shmfile`` (the worker's page map, transfer engines
-and region) need torch only, not vLLM or the namespace's hashing (``scripts/gpu_check_connector.sh`` runs them on a GPU
-machine without vLLM), so the class is imported on first use, after the
-installed vLLM's version is checked.
+and region), and ``worker`` with ``metadata`` and ``token_order``, need torch
+only, not vLLM, YAML or the namespace's hashing (``scripts/gpu_check_connector.sh``
+runs them on a GPU machine without vLLM), so the class is imported on first use,
+after the installed vLLM's version is checked.
 """
 
 from typing import Any
