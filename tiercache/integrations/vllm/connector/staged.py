@@ -10,11 +10,11 @@ Per KV-cache group and step:
   layer into a device staging buffer in the slots' order (``[block][layer]
   [page]``, vLLM's logical page order: the layout's permutation happens in the
   gather); at the step's end the store stream waits for the compute stream (an
-  event, not a synchronize) and copies the rows into their slots, one copy per
-  run of consecutive slots: 1-D where the run is whole slots (a 2-D row of 2 GiB
-  or more would pass CUDA's maximum pitch), 2-D where the rank's share is strided
-  in the slots (``cudaMemcpy2DAsync``), the other pieces (a rank's share of
-  each slot under ``PinScope.SHARES``) in one batch (``pinning.copy_batch``);
+  event, not a synchronize) and copies the rows into their slots
+  (``pinning.copy_batch``): a 2-D copy (``cudaMemcpy2DAsync``) per run of
+  consecutive slots where the rank's share is strided in them, and one batch of
+  1-D pieces for the rest: whole-slot runs (a 2-D row of 2 GiB or more would
+  pass CUDA's maximum pitch), lone slots (every slot under ``PinScope.SHARES``);
   its event is polled, never waited for.
   What one step stages is bounded (``step_budget_bytes``; the scheduler plans
   within it, the worker drops what would pass it), and taken once at start
