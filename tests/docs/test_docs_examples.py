@@ -276,6 +276,11 @@ def test_stats_server_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     assert first.startswith("# HELP tiercache_")
 
 
+def test_host_server_example(capsys: pytest.CaptureFixture[str]) -> None:
+    run("host-server")
+    assert capsys.readouterr().out.splitlines() == ["['cpu', 'cpu', 'cpu', 'cpu'] True 4"]
+
+
 def test_kv_events_example(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("msgspec")
     monkeypatch.chdir(REPO)

@@ -38,7 +38,7 @@ from support.wheel import (
 
 from tiercache.cli import EXIT_UNAVAILABLE
 
-EXTRAS = "metrics,events,hf,test"
+EXTRAS = "metrics,events,host,hf,test"
 """The main suite's extras without an engine (scripts/setup.sh) but ``bench`` (nothing imports matplotlib at
 import time); ``test`` because tiercache.testing.mrc_reference imports libcachesim."""
 TORCH = "torch==" + re.search(r"^TORCH_VERSION=(\S+)", (REPO / "scripts" / "venv.sh").read_text(), re.M)[1]

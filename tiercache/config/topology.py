@@ -167,9 +167,10 @@ def config_from_dict(
     return config
 
 
-def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> TierCacheConfig:
-    """Read and validate a YAML topology file."""
-    return config_from_dict(read_yaml(path), str(path), environ)
+def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None, *,
+                engine_pool: bool = False) -> TierCacheConfig:
+    """Read and validate a YAML topology file (``engine_pool``: as ``config_from_dict``'s)."""
+    return config_from_dict(read_yaml(path), str(path), environ, engine_pool=engine_pool)
 
 
 def read_yaml(path: str | os.PathLike[str]) -> Any:

@@ -1,0 +1,406 @@
+"""``HostTiers``: an engine's ``LowerTiers`` served by the host cache server, across its Unix socket.
+
+The same calls as ``LowerTiers`` (lookup, ask, flush_presence, forget,
+wait_for_answers, release, fetch, begin_writes, end_writes, reset_cpu_tier,
+observe_prefill, buffer_view, level_blocks, stats), the same answers, and the
+same "ask again": a lookup still waiting for a remote is None. The engine copies
+KV straight into and out of the server's region, which the client maps.
+
+A server that is down, restarting or slow is a miss, never an exception: a call
+that gets no reply within ``reply_timeout_s`` detaches the client (its pending
+fetches end with no slots, its hits read as misses), and a background thread
+attaches again every ``retry_s`` (the engine's thread never waits on a
+connect). Calls whose reply the engine does not need (releases, ends of writes,
+prefill timings) are sent without waiting. The one error raised is at
+``start``: a server that holds another model or page format (``HostAttachError``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiercache.blocks.keys import BlockHasher
+from tiercache.config import TierCacheConfig
+from tiercache.host import wire
+from tiercache.host.region import HostRegion, HostRegionError
+from tiercache.host.wire import Event, Op, Status
+from tiercache.remote.build import model_namespace
+
+log = logging.getLogger(__name__)
+
+REPLY_TIMEOUT_S = 0.5
+"""A call's bound: a server slower than this is treated as down (the engine serves on, on misses)."""
+RETRY_S = 2.0
+"""How often a detached client tries to attach again."""
+
+
+class HostAttachError(RuntimeError):
+    """The server holds another model, page format or protocol: this engine cannot share its tier."""
+
+
+class _Detached(Exception):
+    """No server answered in time (or none is attached): the call is a miss."""
+
+
+@dataclass(eq=False)
+class ServedHit:
+    """What ``HostTiers.lookup`` found, leased on the server until ``fetch`` or ``release``."""
+
+    keys: list[bytes]
+    tiers: list[str]
+    hit_id: int = 0
+    link: _Attachment | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+
+@dataclass(eq=False)
+class ServedFetch:
+    """A hit's blocks being brought into the server's region for the engine to copy out of (as ``HostFetch``)."""
+
+    fetch_id: int
+    link: _Attachment | None
+    _slots: list[int]
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def slots(self) -> list[int]:
+        """The leading slots the engine may copy now (all that arrived once ready)."""
+        return list(self._slots)
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
+
+    def release(self) -> None:
+        """The engine is done with the slots: the server's pins go (at once if the server took them back)."""
+        if self.link is not None:
+            self.link.post(Op.RELEASE_FETCH, [self.fetch_id])
+            self.link = None
+
+    def arrived(self, slots: list[int]) -> None:
+        self._slots = slots
+        self._done.set()
+
+
+def _ended_fetch() -> ServedFetch:
+    fetch = ServedFetch(0, None, [])
+    fetch._done.set()
+    return fetch
+
+
+class _Attachment:
+    """One attachment: the socket, its reader and writer threads, the calls and fetches awaiting the server."""
+
+    def __init__(self, sock: socket.socket, region: HostRegion, names: list[str], on_break: Any) -> None:
+        self.sock, self.region, self.names = sock, region, names
+        self._on_break = on_break
+        self._ids = itertools.count(1)
+        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._fetches: dict[int, ServedFetch] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self.alive = True
+        threading.Thread(target=self._read, name="tiercache-host-client-in", daemon=True).start()
+        threading.Thread(target=self._write, name="tiercache-host-client-out", daemon=True).start()
+
+    def call(self, op: Op, args: list[Any], timeout_s: float) -> Any:
+        """The server's result (``_Detached``: no reply within ``timeout_s``, or the link broke; then it is broken)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if not self.alive:
+                raise _Detached
+            call_id = next(self._ids)
+            self._pending[call_id] = future
+        self._outbox.put([call_id, int(op), args])
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.broken(f"no reply to {op.name} within {timeout_s} s")
+            raise _Detached from None
+
+    def post(self, op: Op, args: list[Any]) -> None:
+        """Send a call whose reply is not waited for (its reply is dropped)."""
+        with self._lock:
+            if self.alive:
+                self._outbox.put([next(self._ids), int(op), args])
+
+    def expect(self, fetch: ServedFetch) -> None:
+        """``fetch`` ends when the server says its blocks arrived, or when the link breaks."""
+        with self._lock:
+            if self.alive:
+                self._fetches[fetch.fetch_id] = fetch
+                return
+        fetch.arrived([])
+
+    def broken(self, why: str) -> None:
+        with self._lock:
+            if not self.alive:
+                return
+            self.alive = False
+            pending, self._pending = self._pending, {}
+            fetches, self._fetches = self._fetches, {}
+        log.warning("tiercache host client: detached from the host server: %s", why)
+        for future in pending.values():
+            future.set_exception(_Detached())
+        for fetch in fetches.values():
+            fetch.arrived([])
+        with contextlib.suppress(OSError):  # before the writer closes it: wakes the reader, tells the server at once
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self._outbox.put(None)
+        self._on_break(self)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                call_id, code, body = wire.receive(self.sock)
+                if call_id == wire.EVENT_CALL_ID:
+                    if code == Event.FETCHED:
+                        fetch_id, slots = body
+                        with self._lock:
+                            fetch = self._fetches.pop(fetch_id, None)
+                        if fetch is not None:
+                            fetch.arrived(list(slots))
+                    continue
+                with self._lock:
+                    future = self._pending.pop(call_id, None)
+                if future is None:
+                    continue  # a posted call's reply
+                if code == Status.OK:
+                    future.set_result(body)
+                else:
+                    future.set_exception(HostAttachError(str(body)))
+        except (wire.WireError, OSError, ValueError) as error:
+            self.broken(str(error))
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                wire.send(self.sock, message)
+            except OSError as error:
+                self.broken(str(error))
+                return
+        self.sock.close()
+
+
+class HostTiers:
+    """The tiers below an engine's GPU pool, served by the host server at ``socket_path`` (see the module
+    docstring). ``config`` is the engine's topology: its model, layout and tier names, as the server's."""
+
+    def __init__(self, config: TierCacheConfig, socket_path: Path, *, reply_timeout_s: float = REPLY_TIMEOUT_S,
+                 retry_s: float = RETRY_S) -> None:
+        self.config, self.socket_path = config, Path(socket_path)
+        self.namespace = model_namespace(config)[0]
+        self.block_size = config.layout.block_size
+        self.hasher = BlockHasher(self.namespace, self.block_size)
+        self.bytes_per_block = config.layout.bytes_per_block
+        self.names = [tier.name for tier in config.tiers]
+        self.reply_timeout_s, self.retry_s = reply_timeout_s, retry_s
+        self._link: _Attachment | None = None
+        self._attached = threading.Condition()
+        self._closed = False
+        self._attacher: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Attach now if the server answers (``HostAttachError``: it holds another model); else serve misses and
+        attach in the background once it does."""
+        if not self._try_attach(raise_refusal=True):
+            self._keep_attaching()
+
+    def close(self) -> None:
+        with self._attached:
+            self._closed = True
+            link, self._link = self._link, None
+            self._attached.notify_all()
+        if link is not None:
+            link.broken("closed")
+
+    @property
+    def attached(self) -> bool:
+        return self._link is not None
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        """Block until attached, at most ``timeout_s`` (tests and tools; an engine never needs to)."""
+        with self._attached:
+            return self._attached.wait_for(lambda: self._link is not None or self._closed, timeout_s) and \
+                self._link is not None
+
+    # ---- the engine's calls ----------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes], *, local_only: bool = False, asker: Hashable | None = None,
+               send: bool = True) -> ServedHit | None:
+        """As ``LowerTiers.lookup``; a miss (no blocks) while no server answers."""
+        link = self._link
+        try:
+            found = self._call(link, Op.LOOKUP, [list(keys), local_only, asker, send])
+        except _Detached:
+            return ServedHit(list(keys), [])
+        if found is None:
+            return None
+        hit_id, tiers = found
+        return ServedHit(list(keys), list(tiers), hit_id, link)
+
+    def ask(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = True) -> None:
+        self._post(Op.ASK, [list(keys), asker, send])
+
+    def flush_presence(self) -> None:
+        self._post(Op.FLUSH_PRESENCE, [])
+
+    def forget(self, asker: Hashable) -> None:
+        self._post(Op.FORGET, [asker])
+
+    def wait_for_answers(self, timeout_s: float) -> bool:
+        """As ``LowerTiers.wait_for_answers``; while detached, waits for an attach instead."""
+        link = self._link
+        if link is None:
+            self.wait_attached(timeout_s)
+            return False
+        try:
+            return bool(link.call(Op.WAIT_FOR_ANSWERS, [timeout_s], timeout_s + self.reply_timeout_s))
+        except _Detached:
+            return False
+
+    def release(self, hit: ServedHit) -> None:
+        if hit.link is not None and hit.link is self._link:
+            hit.link.post(Op.RELEASE_HIT, [hit.hit_id])
+
+    def fetch(self, hit: ServedHit, count: int | None = None, *, force_latest: bool = False) -> ServedFetch:
+        """As ``LowerTiers.fetch``: the slots in the server's region, pinned for this engine until ``release``."""
+        link = hit.link
+        if link is None or link is not self._link or not hit.num_blocks:
+            return _ended_fetch()
+        try:
+            fetch_id, ready, slots = self._call(link, Op.FETCH, [hit.hit_id, count, force_latest])
+        except (_Detached, TypeError):
+            return _ended_fetch()
+        fetch = ServedFetch(fetch_id, link, list(slots))
+        if ready:
+            fetch.arrived(list(slots))
+        else:
+            link.expect(fetch)
+        return fetch
+
+    def begin_writes(self, keys: Sequence[bytes]) -> list[int | None]:
+        """As ``LowerTiers.begin_writes``; no slots while no server answers."""
+        try:
+            return list(self._call(self._link, Op.BEGIN_WRITES, [list(keys)]))
+        except _Detached:
+            return [None] * len(keys)
+
+    def end_writes(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
+        self._post(Op.END_WRITES, [list(keys), list(slots), [bool(ok) for ok in oks]])
+
+    def reset_cpu_tier(self) -> int:
+        """As ``LowerTiers.reset_cpu_tier``, for every engine on the host: the tier is theirs together."""
+        try:
+            return int(self._call(self._link, Op.RESET_CPU_TIER, []))
+        except _Detached:
+            return 0
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self._post(Op.OBSERVE_PREFILL, [tokens, seconds])
+
+    def buffer_view(self, slot: int) -> memoryview:
+        """The bytes of slot ``slot`` of the region attached now (``HostRegionError`` while detached)."""
+        link = self._link
+        if link is None:
+            raise HostRegionError("not attached to a host server")
+        return memoryview(link.region.slots[slot].numpy()).cast("B")
+
+    def level_blocks(self) -> dict[str, int]:
+        try:
+            return dict(self._call(self._link, Op.LEVEL_BLOCKS, []))
+        except _Detached:
+            return {}
+
+    def stats(self) -> dict[str, Any]:
+        """The server's stats (every engine's), with ``host.attached``."""
+        try:
+            stats = dict(self._call(self._link, Op.STATS, []))
+        except _Detached:
+            return {"host": {"attached": False}}
+        stats.setdefault("host", {})["attached"] = True
+        return stats
+
+    # ---- the link ---------------------------------------------------------------------------
+    def _call(self, link: _Attachment | None, op: Op, args: list[Any]) -> Any:
+        if link is None:
+            raise _Detached
+        try:
+            return link.call(op, args, self.reply_timeout_s)
+        except HostAttachError as refused:  # a call the server refused (a bug of ours): a miss, said in the log
+            log.warning("tiercache host client: the server refused %s: %s", op.name, refused)
+            raise _Detached from None
+
+    def _post(self, op: Op, args: list[Any]) -> None:
+        link = self._link
+        if link is not None:
+            link.post(op, args)
+
+    def _try_attach(self, *, raise_refusal: bool) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.reply_timeout_s)
+        try:
+            sock.connect(str(self.socket_path))
+            wire.send(sock, [1, int(Op.HELLO), [wire.PROTOCOL_VERSION, self.namespace.root(), self.bytes_per_block,
+                                                 self.block_size]])
+            _, status, body = wire.receive(sock)
+            if status != Status.OK:
+                sock.close()
+                refusal = HostAttachError(f"the host server at {self.socket_path} refused this engine: {body}")
+                if raise_refusal:
+                    raise refusal
+                log.error("%s", refusal)
+                return False
+            region = HostRegion.attach(Path(body["region"]), body["num_slots"], body["slot_bytes"], body["token"])
+        except (OSError, wire.WireError, HostRegionError, KeyError, TypeError) as error:
+            sock.close()
+            log.info("tiercache host client: no host server at %s yet: %s", self.socket_path, error)
+            return False
+        sock.settimeout(None)
+        with self._attached:
+            if self._closed:
+                sock.close()
+                return True
+            self._link = _Attachment(sock, region, list(body["names"]), self._lost)
+            self._attached.notify_all()
+        log.info("tiercache host client: attached to %s (region %s)", self.socket_path, region.path)
+        return True
+
+    def _lost(self, link: _Attachment) -> None:
+        with self._attached:
+            if self._link is not link:
+                return
+            self._link = None
+        self._keep_attaching()
+
+    def _keep_attaching(self) -> None:
+        with self._attached:
+            if self._closed or self._attacher is not None:
+                return
+            self._attacher = threading.Thread(target=self._attach_until_attached, name="tiercache-host-attach",
+                                              daemon=True)
+            self._attacher.start()
+
+    def _attach_until_attached(self) -> None:
+        while True:
+            with self._attached:
+                if self._closed or self._link is not None:
+                    self._attacher = None  # under the lock: a link lost from now on starts another attacher
+                    return
+            if not self._try_attach(raise_refusal=False):
+                with self._attached:
+                    self._attached.wait(self.retry_s)
