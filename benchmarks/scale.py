@@ -10,7 +10,9 @@ The dimensions (one module each in ``benchmarks/scaling/``):
   keeps a block beyond the value;
 - ``small_hit``: one block of 16 KiB, 128 KiB and 2 MiB through ``TierManager`` and ``LowerTiers`` against a bare
   memcpy plus a dict lookup, and bulk stores and loads of 80 MiB chunks against a memcpy of the same bytes;
-- ``events``: KV events a second to 1 and to 8 subscribers, and the publisher's cost a stored block.
+- ``events``: KV events a second to 1 and to 8 subscribers, and the publisher's cost a stored block;
+- ``host``: the host cache server (``tiercache serve``, its own process): a one-block hit, a lookup of 1 to 16,384
+  keys and one engine's lookup beside 1 to 32 attached, against the same calls through ``LowerTiers`` in process.
 
 Each reports its growth against its smallest size, and a ceiling or reference measured in the same run. The
 connector driven by vLLM's own scheduler and vLLM's prefix cache as the reference are ``scale_vllm.py`` (in
@@ -31,7 +33,7 @@ from typing import Any
 
 from common import arguments, parse, result_path, write_result
 
-SWEEPS = ("requests", "cpu_tier", "redis_keys", "small_hit", "events")
+SWEEPS = ("requests", "cpu_tier", "redis_keys", "small_hit", "events", "host")
 """The sweeps, in the order they run (``scaling.heap`` is a helper of theirs)."""
 
 

@@ -81,6 +81,12 @@ SCALE_SWEEPS = {
                                           "lower_tiers_ratio": N}], "bulk": [dict]},
     "events": {**SWEEP_LOAD, "rows": [{"blocks_held": int, "added_us_per_block": N, "zmq_8_events_per_s": N,
                                        "callback_8_events_per_s": N}]},
+    "host": {**SWEEP_LOAD, "socket_echo_p50_us": N,
+             "hits": [{"block": str, "host": {"p50_us": N, "p99_us": N}, "lower_tiers": {"p50_us": N, "p99_us": N},
+                       "ceiling_p50_us": N, "host_ratio": N, "lower_tiers_ratio": N}],
+             "rows": [{"keys": int, "host_us": N, "host_us_per_key": N, "lower_us_per_key": N,
+                       "host_call_vs_echo": N}],
+             "engines": [{"engines": int, "lookup_p50_us": N, "growth": N}]},
 }
 QUICK_RUNS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "scale.py": ((), {"sweeps": SCALE_SWEEPS}),

@@ -17,17 +17,19 @@ prefill timings) are sent without waiting. The one error raised is at
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import logging
-import queue
+import select
 import socket
 import threading
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tiercache.blocks.keys import BlockHasher
 from tiercache.config import TierCacheConfig
@@ -76,6 +78,9 @@ class ServedFetch:
     _done: threading.Event = field(default_factory=threading.Event)
 
     def ready(self) -> bool:
+        """Every block has arrived or failed (what the server sent is read first, without waiting)."""
+        if not self._done.is_set() and self.link is not None:
+            self.link.pump(0.0)
         return self._done.is_set()
 
     def slots(self) -> list[int]:
@@ -83,12 +88,16 @@ class ServedFetch:
         return list(self._slots)
 
     def wait(self, timeout_s: float) -> bool:
-        return self._done.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not self._done.is_set() and self.link is not None and (left := deadline - time.monotonic()) > 0:
+            self.link.pump(left)
+        return self._done.is_set()
 
     def release(self) -> None:
         """The engine is done with the slots: the server's pins go (at once if the server took them back)."""
         if self.link is not None:
-            self.link.post(Op.RELEASE_FETCH, [self.fetch_id])
+            with contextlib.suppress(_Detached):
+                self.link.post(Op.RELEASE_FETCH, [self.fetch_id])
             self.link = None
 
     def arrived(self, slots: list[int]) -> None:
@@ -103,40 +112,44 @@ def _ended_fetch() -> ServedFetch:
 
 
 class _Attachment:
-    """One attachment: the socket, its reader and writer threads, the calls and fetches awaiting the server."""
+    """One attachment: the socket, the replies and fetches awaiting the server. No thread of its own: a caller
+    waiting for the server reads the socket itself (one reader at a time) and hands each frame to whom it is for,
+    so a call costs one round trip and no hand-off between threads."""
 
-    def __init__(self, sock: socket.socket, region: HostRegion, names: list[str], on_break: Any) -> None:
+    def __init__(self, sock: socket.socket, region: HostRegion, names: list[str], frame_timeout_s: float,
+                 on_break: Callable[[_Attachment], None]) -> None:
+        sock.settimeout(frame_timeout_s)  # a frame begun but stalled, or a send the server does not take, breaks it
         self.sock, self.region, self.names = sock, region, names
+        self._frames = wire.FrameReader(sock)
         self._on_break = on_break
         self._ids = itertools.count(1)
-        self._pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self._replies: dict[int, tuple[int, Any]] = {}
         self._fetches: dict[int, ServedFetch] = {}
         self._lock = threading.Lock()
-        self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._sending = threading.Lock()
+        self._reading = threading.Lock()
         self.alive = True
-        threading.Thread(target=self._read, name="tiercache-host-client-in", daemon=True).start()
-        threading.Thread(target=self._write, name="tiercache-host-client-out", daemon=True).start()
 
     def call(self, op: Op, args: list[Any], timeout_s: float) -> Any:
-        """The server's result (``_Detached``: no reply within ``timeout_s``, or the link broke; then it is broken)."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            if not self.alive:
+        """The server's result (``_Detached``: no reply within ``timeout_s``, or the link broke; then it is broken;
+        ``HostAttachError``: the server refused the call)."""
+        deadline = time.monotonic() + timeout_s
+        call_id = next(self._ids)
+        self._send([call_id, int(op), args])
+        while (reply := self._reply(call_id)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.broken(f"no reply to {op.name} within {timeout_s} s")
                 raise _Detached
-            call_id = next(self._ids)
-            self._pending[call_id] = future
-        self._outbox.put([call_id, int(op), args])
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            self.broken(f"no reply to {op.name} within {timeout_s} s")
-            raise _Detached from None
+            self.pump(left, call_id)
+        status, body = reply
+        if status != Status.OK:
+            raise HostAttachError(str(body))
+        return body
 
     def post(self, op: Op, args: list[Any]) -> None:
-        """Send a call whose reply is not waited for (its reply is dropped)."""
-        with self._lock:
-            if self.alive:
-                self._outbox.put([next(self._ids), int(op), args])
+        """Send a call the server answers with no reply (call id 0)."""
+        self._send([wire.NO_REPLY_CALL_ID, int(op), args])
 
     def expect(self, fetch: ServedFetch) -> None:
         """``fetch`` ends when the server says its blocks arrived, or when the link breaks."""
@@ -146,54 +159,66 @@ class _Attachment:
                 return
         fetch.arrived([])
 
+    def pump(self, wait_s: float, call_id: int | None = None) -> None:
+        """Read what the server sent, waiting at most ``wait_s`` for the first frame (not at all while another
+        thread reads, but for a waiting caller's turn); stop at ``call_id``'s reply."""
+        taken = self._reading.acquire(timeout=wait_s) if wait_s > 0 else self._reading.acquire(blocking=False)
+        if not taken:
+            return
+        try:
+            first = True
+            while self.alive and (call_id is None or call_id not in self._replies):
+                if not self._frames.buffered():
+                    ready, _, _ = select.select([self.sock], [], [], wait_s if first else 0.0)
+                    if not ready:
+                        return
+                first = False
+                self._dispatch(*self._frames.frame())
+        except (wire.WireError, OSError, ValueError) as error:
+            self.broken(str(error))
+        finally:
+            self._reading.release()
+
     def broken(self, why: str) -> None:
         with self._lock:
             if not self.alive:
                 return
             self.alive = False
-            pending, self._pending = self._pending, {}
             fetches, self._fetches = self._fetches, {}
         log.warning("tiercache host client: detached from the host server: %s", why)
-        for future in pending.values():
-            future.set_exception(_Detached())
         for fetch in fetches.values():
             fetch.arrived([])
-        with contextlib.suppress(OSError):  # before the writer closes it: wakes the reader, tells the server at once
+        with contextlib.suppress(OSError):  # tells the server at once, wakes a reader
             self.sock.shutdown(socket.SHUT_RDWR)
-        self._outbox.put(None)
         self._on_break(self)
 
-    def _read(self) -> None:
-        try:
-            while True:
-                call_id, code, body = wire.receive(self.sock)
-                if call_id == wire.EVENT_CALL_ID:
-                    if code == Event.FETCHED:
-                        fetch_id, slots = body
-                        with self._lock:
-                            fetch = self._fetches.pop(fetch_id, None)
-                        if fetch is not None:
-                            fetch.arrived(list(slots))
-                    continue
-                with self._lock:
-                    future = self._pending.pop(call_id, None)
-                if future is None:
-                    continue  # a posted call's reply
-                if code == Status.OK:
-                    future.set_result(body)
-                else:
-                    future.set_exception(HostAttachError(str(body)))
-        except (wire.WireError, OSError, ValueError) as error:
-            self.broken(str(error))
+    def _reply(self, call_id: int) -> tuple[int, Any] | None:
+        with self._lock:
+            reply = self._replies.pop(call_id, None)
+            if reply is None and not self.alive:
+                raise _Detached
+        return reply
 
-    def _write(self) -> None:
-        while (message := self._outbox.get()) is not None:
-            try:
+    def _send(self, message: list[Any]) -> None:
+        if not self.alive:
+            raise _Detached
+        try:
+            with self._sending:
                 wire.send(self.sock, message)
-            except OSError as error:
-                self.broken(str(error))
-                return
-        self.sock.close()
+        except OSError as error:
+            self.broken(f"a send failed: {error}")
+            raise _Detached from None
+
+    def _dispatch(self, call_id: int, code: int, body: Any) -> None:
+        if call_id != wire.EVENT_CALL_ID:
+            with self._lock:
+                self._replies[call_id] = (code, body)
+        elif code == Event.FETCHED:
+            fetch_id, slots = body
+            with self._lock:
+                fetch = self._fetches.pop(fetch_id, None)
+            if fetch is not None:
+                fetch.arrived(list(slots))
 
 
 class HostTiers:
@@ -275,7 +300,8 @@ class HostTiers:
 
     def release(self, hit: ServedHit) -> None:
         if hit.link is not None and hit.link is self._link:
-            hit.link.post(Op.RELEASE_HIT, [hit.hit_id])
+            with contextlib.suppress(_Detached):
+                hit.link.post(Op.RELEASE_HIT, [hit.hit_id])
 
     def fetch(self, hit: ServedHit, count: int | None = None, *, force_latest: bool = False) -> ServedFetch:
         """As ``LowerTiers.fetch``: the slots in the server's region, pinned for this engine until ``release``."""
@@ -313,6 +339,13 @@ class HostTiers:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self._post(Op.OBSERVE_PREFILL, [tokens, seconds])
 
+    @property
+    def region_slots(self) -> torch.Tensor | None:
+        """The attached region's slots, ``[num_slots, slot_bytes]`` uint8 (None while detached): what an engine's
+        copies read and write; a slot a call named belongs to the region attached when it was named."""
+        link = self._link
+        return None if link is None else link.region.slots
+
     def buffer_view(self, slot: int) -> memoryview:
         """The bytes of slot ``slot`` of the region attached now (``HostRegionError`` while detached)."""
         link = self._link
@@ -348,7 +381,8 @@ class HostTiers:
     def _post(self, op: Op, args: list[Any]) -> None:
         link = self._link
         if link is not None:
-            link.post(op, args)
+            with contextlib.suppress(_Detached):
+                link.post(op, args)
 
     def _try_attach(self, *, raise_refusal: bool) -> bool:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -357,7 +391,7 @@ class HostTiers:
             sock.connect(str(self.socket_path))
             wire.send(sock, [1, int(Op.HELLO), [wire.PROTOCOL_VERSION, self.namespace.root(), self.bytes_per_block,
                                                  self.block_size]])
-            _, status, body = wire.receive(sock)
+            _, status, body = wire.FrameReader(sock).frame()
             if status != Status.OK:
                 sock.close()
                 refusal = HostAttachError(f"the host server at {self.socket_path} refused this engine: {body}")
@@ -370,12 +404,11 @@ class HostTiers:
             sock.close()
             log.info("tiercache host client: no host server at %s yet: %s", self.socket_path, error)
             return False
-        sock.settimeout(None)
         with self._attached:
             if self._closed:
                 sock.close()
                 return True
-            self._link = _Attachment(sock, region, list(body["names"]), self._lost)
+            self._link = _Attachment(sock, region, list(body["names"]), self.reply_timeout_s, self._lost)
             self._attached.notify_all()
         log.info("tiercache host client: attached to %s (region %s)", self.socket_path, region.path)
         return True

@@ -7,9 +7,9 @@ the socket (``client.HostTiers``) and make the calls they make of a
 between their pages and the region's slots, which they map.
 
 Each attached engine has a connection thread that answers its calls in order
-and a writer thread that sends its replies and the events the server pushes
-(a fetch that arrived), so an engine that stops reading stalls only its own
-writer, never the background loop that every engine shares. What an engine
+(none to a call of id 0) and a writer thread that sends the events the server
+pushes (a fetch that arrived), so an engine that stops reading stalls only its
+own threads, never the background loop that every engine shares. What an engine
 holds is leased (``leases``): when its connection ends, however it ends, the
 server releases its hits and fetches and fails the writes it had not ended.
 Only who may open the socket may attach: it is made owner- and group-only
@@ -50,6 +50,8 @@ LISTEN_BACKLOG = 64
 LEASE_GRACE_S = 10.0
 """How long the leases of an engine whose connection ended but whose process lives are kept: its workers may be
 copying out of slots it fetched (a client that timed out detaches, then attaches anew). A dead one's go at once."""
+SEND_TIMEOUT_S = 5
+"""A send to an engine that does not read for this long ends its connection (its leases then wait out the grace)."""
 GRACE_POLL_S = 0.2
 """How often a connection waiting out its engine's grace checks whether the server stops."""
 MAX_WAIT_FOR_ANSWERS_S = 1.0
@@ -166,6 +168,8 @@ class _Connection:
         self._peer = _peer_process(sock)
         """A pidfd of the engine's process (readable once it has exited), None where the kernel has none."""
         self._outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._sending = threading.Lock()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
         self.thread = threading.Thread(target=self._serve, name=f"tiercache-host-{connection_id}", daemon=True)
         self._writer = threading.Thread(target=self._write, name=f"tiercache-host-{connection_id}-out", daemon=True)
         self._handlers = {
@@ -187,10 +191,14 @@ class _Connection:
 
     def _serve(self) -> None:
         self._writer.start()
+        frames = wire.FrameReader(self.sock)
         try:
             while True:
-                call_id, op, args = wire.receive(self.sock)
-                self._outbox.put(self._answer(call_id, op, args))
+                call_id, op, args = frames.frame()
+                reply = self._answer(call_id, op, args)
+                if call_id != wire.NO_REPLY_CALL_ID:
+                    with self._sending:
+                        wire.send(self.sock, reply)
         except (wire.WireError, OSError):
             pass
         finally:
@@ -216,9 +224,11 @@ class _Connection:
             return [call_id, Status.REFUSED, f"{type(error).__name__}: {error}"]
 
     def _write(self) -> None:
+        """The events, sent apart from the replies: the loop that pushes them never waits on an engine's socket."""
         while (message := self._outbox.get()) is not None:
             try:
-                wire.send(self.sock, message)
+                with self._sending:
+                    wire.send(self.sock, message)
             except OSError:
                 self.shut()  # the reader sees it and takes the leases back
                 return

@@ -1,9 +1,10 @@
 """The host server's wire: length-prefixed MessagePack frames over a Unix socket, never pickle.
 
-A call is ``[call_id, op, args]``; its reply ``[call_id, status, result]``;
-an event the server pushes unasked is ``[0, event, payload]`` (a fetch that
-arrived). Frames are bounded (``MAX_FRAME_BYTES``): a peer that sends more, or
-bytes that do not decode, is a broken connection (``WireError``), never a value.
+A call is ``[call_id, op, args]``; its reply ``[call_id, status, result]``
+(none for call id 0: the engine does not wait for it); an event the server
+pushes unasked is ``[0, event, payload]`` (a fetch that arrived). Frames are
+bounded (``MAX_FRAME_BYTES``): a peer that sends more, or bytes that do not
+decode, is a broken connection (``WireError``), never a value.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ MAX_FRAME_BYTES = 64 << 20
 """Bound on one frame (a lookup of a million keys is 18 MB): more is a peer's error, not a message."""
 EVENT_CALL_ID = 0
 """The call id of what the server pushes unasked; calls count from 1."""
+NO_REPLY_CALL_ID = 0
+"""The call id of a call the engine wants no reply to (a release, the end of its writes)."""
+READ_BYTES = 1 << 16
+"""What one ``recv`` asks for."""
 _LENGTH = struct.Struct("!I")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -69,26 +74,40 @@ def send(sock: socket.socket, message: list[Any]) -> None:
     sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
-def receive(sock: socket.socket) -> list[Any]:
-    """Read one frame (``WireError``: closed, oversized or undecodable)."""
-    (length,) = _LENGTH.unpack(_read_exactly(sock, _LENGTH.size))
-    if length > MAX_FRAME_BYTES:
-        raise WireError(f"a frame of {length} bytes, above the bound of {MAX_FRAME_BYTES}")
-    try:
-        message = _decoder.decode(_read_exactly(sock, length))
-    except msgspec.DecodeError as error:
-        raise WireError(f"an undecodable frame: {error}") from None
-    if not isinstance(message, list) or len(message) != 3 or not isinstance(message[0], int):
-        raise WireError("a frame that is not [id, code, body]")
-    return message
+class FrameReader:
+    """The frames of one socket, read through a buffer: a frame that arrives whole (the usual case) costs one
+    ``recv``, and frames that arrive together are read once."""
 
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray()
 
-def _read_exactly(sock: socket.socket, count: int) -> bytes:
-    chunks, left = [], count
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            raise WireError("the peer closed the connection")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+    def buffered(self) -> bool:
+        """Whether a whole frame is read already (no need to wait on the socket for it)."""
+        return self._whole() is not None
+
+    def frame(self) -> list[Any]:
+        """The next frame (``WireError``: closed, oversized or undecodable)."""
+        while (length := self._whole()) is None:
+            chunk = self.sock.recv(READ_BYTES)
+            if not chunk:
+                raise WireError("the peer closed the connection")
+            self._buffer += chunk
+        payload = bytes(self._buffer[_LENGTH.size: _LENGTH.size + length])
+        del self._buffer[: _LENGTH.size + length]
+        try:
+            message = _decoder.decode(payload)
+        except msgspec.DecodeError as error:
+            raise WireError(f"an undecodable frame: {error}") from None
+        if not isinstance(message, list) or len(message) != 3 or not isinstance(message[0], int):
+            raise WireError("a frame that is not [id, code, body]")
+        return message
+
+    def _whole(self) -> int | None:
+        """The payload length of the buffered frame, if it is all there."""
+        if len(self._buffer) < _LENGTH.size:
+            return None
+        (length,) = _LENGTH.unpack_from(self._buffer)
+        if length > MAX_FRAME_BYTES:
+            raise WireError(f"a frame of {length} bytes, above the bound of {MAX_FRAME_BYTES}")
+        return length if len(self._buffer) >= _LENGTH.size + length else None
