@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="the host cache server: one CPU tier and its remotes for every engine "
                                 "on this host, over a Unix socket")
-    serve.add_argument("--config", required=True, help="YAML topology whose first tier is the CPU tier")
+    serve.add_argument("--config", required=True, help="YAML topology whose first tier is the CPU tier (without "
+                       "model and layout: the first engine to attach gives them)")
     serve.add_argument("--socket", required=True, help="the Unix socket engines attach to")
     serve.add_argument("--shared-dir", default="/dev/shm", help="where the CPU tier's shared-memory file goes")
     serve.add_argument("--group", help="the group that may attach (default: the server's own)")
@@ -299,15 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from tiercache.host.server import HostServer
 
-    config = load_config(args.config, engine_pool=True)
-    server = HostServer(config, Path(args.socket), shared_dir=Path(args.shared_dir), group=args.group)
+    server = HostServer(read_yaml(args.config), Path(args.socket), source=args.config,
+                        shared_dir=Path(args.shared_dir), group=args.group)
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, lambda *_: server.close())
     server.start()
     stats = None
     if args.stats_port is not None:
-        assert server.tiers is not None
-        stats = StatsServer(server.stats, server.tiers.parts.metrics, port=args.stats_port).start()
+        stats = StatsServer(server.stats, port=args.stats_port).start()
         print(f"serving stats at {stats.url}/stats and {stats.url}/metrics", flush=True)
     print(f"tiercache serve: {args.config} on {args.socket}", flush=True)
     try:

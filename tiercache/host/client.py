@@ -13,6 +13,8 @@ attaches again every ``retry_s`` (the engine's thread never waits on a
 connect). Calls whose reply the engine does not need (releases, ends of writes,
 prefill timings) are sent without waiting. The one error raised is at
 ``start``: a server that holds another model or page format (``HostAttachError``).
+A server whose topology names no layout takes this engine's model and layout
+if it is the first to attach (``engines``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from tiercache.blocks.keys import BlockHasher
 from tiercache.config import TierCacheConfig
 from tiercache.host import wire
+from tiercache.host.engines import describe
 from tiercache.host.region import HostRegion, HostRegionError
 from tiercache.host.wire import Event, Op, Status
 from tiercache.remote.build import model_namespace
@@ -223,7 +226,8 @@ class _Attachment:
 
 class HostTiers:
     """The tiers below an engine's GPU pool, served by the host server at ``socket_path`` (see the module
-    docstring). ``config`` is the engine's topology: its model, layout and tier names, as the server's."""
+    docstring). ``config`` is the engine's topology: its model and layout are what it stores (the server's, or
+    given to a server that has none yet); its tiers are the server's business."""
 
     def __init__(self, config: TierCacheConfig, socket_path: Path, *, reply_timeout_s: float = REPLY_TIMEOUT_S,
                  retry_s: float = RETRY_S) -> None:
@@ -233,6 +237,9 @@ class HostTiers:
         self.hasher = BlockHasher(self.namespace, self.block_size)
         self.bytes_per_block = config.layout.bytes_per_block
         self.names = [tier.name for tier in config.tiers]
+        """Every tier's name, fastest first: the engine's topology's until attached, then the server's."""
+        self.types = [tier.type for tier in config.tiers]
+        """Every tier's type, as ``names``."""
         self.reply_timeout_s, self.retry_s = reply_timeout_s, retry_s
         self._link: _Attachment | None = None
         self._attached = threading.Condition()
@@ -390,7 +397,7 @@ class HostTiers:
         try:
             sock.connect(str(self.socket_path))
             wire.send(sock, [1, int(Op.HELLO), [wire.PROTOCOL_VERSION, self.namespace.root(), self.bytes_per_block,
-                                                 self.block_size]])
+                                                 self.block_size, describe(self.config)]])
             _, status, body = wire.FrameReader(sock).frame()
             if status != Status.OK:
                 sock.close()
@@ -409,6 +416,7 @@ class HostTiers:
                 sock.close()
                 return True
             self._link = _Attachment(sock, region, list(body["names"]), self.reply_timeout_s, self._lost)
+            self.names, self.types = list(body["names"]), list(body["types"])
             self._attached.notify_all()
         log.info("tiercache host client: attached to %s (region %s)", self.socket_path, region.path)
         return True

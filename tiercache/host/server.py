@@ -31,12 +31,13 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tiercache.config import TierCacheConfig
+from tiercache.config import TierCacheConfig, config_from_dict
 from tiercache.host import wire
+from tiercache.host.engines import adopt, check_tiers, needs_engine
 from tiercache.host.leases import Leases
 from tiercache.host.region import HostRegion
 from tiercache.host.wire import Event, Op, Status
@@ -61,34 +62,67 @@ MAX_WAIT_FOR_ANSWERS_S = 1.0
 class HostServer:
     """The host cache server (see the module docstring); ``start`` then ``close``, or a ``with`` block."""
 
-    def __init__(self, config: TierCacheConfig, socket_path: Path, *, shared_dir: Path = Path("/dev/shm"),
-                 group: str | None = None, lease_grace_s: float = LEASE_GRACE_S) -> None:
-        self.config, self.socket_path, self.shared_dir, self.group = config, Path(socket_path), Path(shared_dir), group
+    def __init__(self, topology: TierCacheConfig | Mapping[str, Any], socket_path: Path, *,
+                 source: str = "<topology>", shared_dir: Path = Path("/dev/shm"), group: str | None = None,
+                 lease_grace_s: float = LEASE_GRACE_S) -> None:
+        self.socket_path, self.shared_dir, self.group = Path(socket_path), Path(shared_dir), group
         self.lease_grace_s = lease_grace_s
+        self._topology, self._source = topology, source
+        self.config: TierCacheConfig | None = None
+        """The topology served (None until the first engine attaches, for a topology without a layout)."""
+        if isinstance(topology, TierCacheConfig):
+            self.config = topology
+        elif needs_engine(topology):
+            check_tiers(topology, source)
+        else:
+            self.config = config_from_dict(topology, source, engine_pool=True)
         self.region: HostRegion | None = None
         self.tiers: LowerTiers | None = None
         self._listener: socket.socket | None = None
         self._connections: dict[int, _Connection] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._building = threading.Lock()
         self._closed = threading.Event()
 
     def start(self) -> HostServer:
-        """Make the region, start the tiers, listen (an error if another server answers on the socket)."""
+        """Make the region and start the tiers (at once, or when the first engine says its model and layout),
+        listen (an error if another server answers on the socket)."""
         if self.socket_path.exists():
             _remove_stale_socket(self.socket_path)
-        self.region = HostRegion.create(self.shared_dir, *_slot_geometry(self.config))
         try:
-            self.tiers = LowerTiers(self.config, cpu_buffer=self.region.slots)
-            self.tiers.start()
+            if self.config is not None:
+                self._build(self.config)
             self._listener = self._listen()
         except BaseException:
             self.close()
             raise
         threading.Thread(target=self._accept, name="tiercache-host-accept", daemon=True).start()
-        log.info("tiercache host server: %s, region %s (%d slots of %d bytes)", self.socket_path, self.region.path,
-                 self.region.num_slots, self.region.slot_bytes)
         return self
+
+    def tiers_for(self, description: Mapping[str, Any]) -> LowerTiers:
+        """The tiers, built for this engine's model and layout if none are yet (``ConfigError``: it cannot be)."""
+        with self._building:
+            if self.tiers is None:
+                assert not isinstance(self._topology, TierCacheConfig)
+                self.config = adopt(self._topology, self._source, description)
+                self._build(self.config)
+            assert self.tiers is not None
+            return self.tiers
+
+    def _build(self, config: TierCacheConfig) -> None:
+        region = HostRegion.create(self.shared_dir, *_slot_geometry(config))
+        try:
+            tiers = LowerTiers(config, cpu_buffer=region.slots)
+            tiers.start()
+        except BaseException:
+            region.close()
+            raise
+        if self.group is not None:
+            os.chown(region.path, -1, grp.getgrnam(self.group).gr_gid)
+        self.region, self.tiers = region, tiers
+        log.info("tiercache host server: %s, model %s, region %s (%d slots of %d bytes)", self.socket_path,
+                 config.model.id, region.path, region.num_slots, region.slot_bytes)
 
     def close(self) -> None:
         """Stop accepting, end every connection (their leases taken back), close the tiers, remove the files."""
@@ -120,11 +154,11 @@ class HostServer:
     def stats(self) -> dict[str, Any]:
         """The tiers' stats, the engines attached, and the leases of each (those of engines gone, in their grace,
         too)."""
-        assert self.tiers is not None
         with self._lock:
             connections = list(self._connections.values())
         leases = {str(c.id): c.leases.counts() for c in connections}
-        return {**self.tiers.stats(), "host": {"engines": sum(not c.ended for c in connections), "leases": leases}}
+        tiers = self.tiers.stats() if self.tiers is not None else {"tiers": {}}
+        return {**tiers, "host": {"engines": sum(not c.ended for c in connections), "leases": leases}}
 
     # ---- connections ----------------------------------------------------------------------------------
     def _listen(self) -> socket.socket:
@@ -133,8 +167,6 @@ class HostServer:
         os.chmod(self.socket_path, SOCKET_MODE)
         if self.group is not None:
             os.chown(self.socket_path, -1, grp.getgrnam(self.group).gr_gid)
-            assert self.region is not None
-            os.chown(self.region.path, -1, grp.getgrnam(self.group).gr_gid)
         listener.listen(LISTEN_BACKLOG)
         return listener
 
@@ -160,8 +192,7 @@ class _Connection:
 
     def __init__(self, server: HostServer, connection_id: int, sock: socket.socket) -> None:
         self.server, self.id, self.sock = server, connection_id, sock
-        assert server.tiers is not None and server.region is not None
-        self.tiers, self.region = server.tiers, server.region
+        self.tiers: LowerTiers = _NotAttached()  # type: ignore[assignment]  # until HELLO
         self.leases: Leases[HostHit, HostFetch] = Leases()
         self.ended = False
         """The connection has ended; its leases wait out the engine's grace (``_await_peer_exit``)."""
@@ -265,16 +296,20 @@ class _Connection:
         self.leases.asked(key)
         return key
 
-    def _hello(self, version: int, root: bytes, bytes_per_block: int, block_size: int) -> dict[str, Any]:
-        tiers = self.tiers
+    def _hello(self, version: int, root: bytes, bytes_per_block: int, block_size: int,
+               description: dict[str, Any]) -> dict[str, Any]:
         if version != wire.PROTOCOL_VERSION:
             raise ValueError(f"protocol {version}; this server speaks {wire.PROTOCOL_VERSION}")
+        tiers = self.server.tiers_for(description)
         if bytes(root) != tiers.namespace.root() or bytes_per_block != tiers.bytes_per_block \
                 or block_size != tiers.block_size:
             raise ValueError(f"another model or page format: this server holds {tiers.namespace.model_id!r} "
                              f"({tiers.bytes_per_block} bytes, {tiers.block_size} tokens a block)")
-        return {"region": str(self.region.path), "num_slots": self.region.num_slots,
-                "slot_bytes": self.region.slot_bytes, "token": self.region.token, "names": tiers.names}
+        self.tiers = tiers
+        region = self.server.region
+        assert region is not None
+        return {"region": str(region.path), "num_slots": region.num_slots, "slot_bytes": region.slot_bytes,
+                "token": region.token, "names": tiers.names, "types": [tier.type for tier in tiers.config.tiers]}
 
     def _lookup(self, keys: list[bytes], local_only: bool, asker: Any, send: bool) -> list[Any] | None:
         hit = self.tiers.lookup(keys, local_only=local_only, asker=self._asker(asker), send=send)
@@ -320,6 +355,13 @@ class _Connection:
         ended = self.leases.end_writes(keys, slots, oks)
         if ended[0]:
             self.tiers.end_writes(*ended)
+
+
+class _NotAttached:
+    """An engine's connection before its HELLO: every call but HELLO is refused."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("attach first (HELLO)")
 
 
 def _slot_geometry(config: TierCacheConfig) -> tuple[int, int]:
