@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 from collections.abc import Mapping
@@ -283,7 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--socket", required=True, help="the Unix socket engines attach to")
     serve.add_argument("--shared-dir", default="/dev/shm", help="where the CPU tier's shared-memory file goes")
     serve.add_argument("--group", help="the group that may attach (default: the server's own)")
-    serve.add_argument("--stats-port", type=int, help="serve /stats and /metrics on 127.0.0.1:PORT")
+    serve.add_argument("--stats-port", type=int, help="serve /stats and /metrics on 127.0.0.1:PORT (0: a free one)")
+    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                       help="what the server logs to stderr (engines attaching and going away, leases taken back)")
     serve.set_defaults(handler=_serve)
 
     tables = commands.add_parser("tables", help="the compact level's tables, learned on a model's own K/V")
@@ -300,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> int:
     from tiercache.host.server import HostServer
 
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = HostServer(read_yaml(args.config), Path(args.socket), source=args.config,
                         shared_dir=Path(args.shared_dir), group=args.group)
     for stop in (signal.SIGTERM, signal.SIGINT):

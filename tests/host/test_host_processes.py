@@ -7,6 +7,7 @@ process whose death the server learns from its socket, never from a message.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from support.lower_tiers_helpers import block_bytes, chain, simulated, store_nam
 
 from tiercache.host.client import HostTiers
 from tiercache.host.server import HostServer
+from tiercache.telemetry.stats_server import fetch_stats
 
 HOLDER = textwrap.dedent("""
     import sys, time
@@ -106,14 +108,17 @@ def test_a_live_engine_s_leases_outlast_its_connection_for_the_grace(
     assert held_slots(server) == 2, "its process lives: the slots stay pinned for the grace"
 
 
-def test_tiercache_serve_frozen_is_a_miss_then_serves_again_and_stops_cleanly(
+def test_tiercache_serve_frozen_is_a_miss_then_serves_again_with_its_stats_and_stops_cleanly(
         socket_dir: Path, opened: list[HostTiers], processes: list[subprocess.Popen[str]]) -> None:
     topology = socket_dir / "host.yaml"  # tiers only: the engine gives its model and layout when it attaches
     topology.write_text(yaml.safe_dump({"tiers": [{"type": "cpu", "capacity_blocks": 8}]}))
     socket_path = socket_dir / "host.sock"
     server = spawn(processes, "-m", "tiercache", "serve", "--config", str(topology), "--socket", str(socket_path),
-                   "--shared-dir", str(socket_dir))
-    assert server.stdout is not None and "tiercache serve" in server.stdout.readline()
+                   "--shared-dir", str(socket_dir), "--stats-port", "0")
+    assert server.stdout is not None
+    stats_url = re.search(r"http://127\.0\.0\.1:\d+", server.stdout.readline())
+    assert stats_url is not None and "tiercache serve" in server.stdout.readline()
+    assert fetch_stats(stats_url[0])["host"]["engines"] == 0
     engine = client(socket_path, opened, config=host_config(), reply_timeout_s=0.3, retry_s=0.05)
     assert engine.attached
     keys = chain(engine, 3, salt=2)
@@ -128,6 +133,8 @@ def test_tiercache_serve_frozen_is_a_miss_then_serves_again_and_stops_cleanly(
     hit = until(lambda: engine.lookup(keys))
     assert hit.num_blocks == 3, "the server kept its tier while frozen"
     engine.release(hit)
+    served = fetch_stats(stats_url[0])
+    assert served["host"]["engines"] == 1 and served["tiers"]["cpu"]["cached_blocks"] == 3
     server.send_signal(signal.SIGTERM)
     assert server.wait(timeout=WAIT_S) == 0
     assert not socket_path.exists() and not list(socket_dir.glob("tiercache-host-*"))
