@@ -227,3 +227,13 @@ def test_garbage_on_the_socket_ends_that_connection_only(
     write(engine, keys)
     assert until(lambda: engine.lookup(keys).num_blocks == 2)
     assert wire.MAX_FRAME_BYTES < 0xFFFFFFFF
+
+
+def test_misses_leave_no_lease_behind(socket_dir: Path, servers: list[HostServer], opened: list[HostTiers]) -> None:
+    server = serve(socket_dir, servers)
+    engine = client(server.socket_path, opened)
+    for salt in range(50):  # requests whose prompts nothing holds, never fetched or released (a scheduler may not)
+        assert engine.lookup(chain(engine, 2, salt=100 + salt)).num_blocks == 0
+    assert engine.fetch(engine.lookup(chain(engine, 2, salt=99))).ready()
+    (leases,) = server.stats()["host"]["leases"].values()
+    assert leases == {"hits": 0, "fetches": 0, "writes": 0, "askers": 0}

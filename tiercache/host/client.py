@@ -283,7 +283,7 @@ class HostTiers:
         if found is None:
             return None
         hit_id, tiers = found
-        return ServedHit(list(keys), list(tiers), hit_id, link)
+        return ServedHit(list(keys), list(tiers), hit_id, link if hit_id else None)  # an empty hit is not leased
 
     def ask(self, keys: Sequence[bytes], asker: Hashable, *, send: bool = True) -> None:
         self._post(Op.ASK, [list(keys), asker, send])
@@ -302,7 +302,7 @@ class HostTiers:
             return False
         try:
             return bool(link.call(Op.WAIT_FOR_ANSWERS, [timeout_s], timeout_s + self.reply_timeout_s))
-        except _Detached:
+        except (_Detached, HostAttachError):
             return False
 
     def release(self, hit: ServedHit) -> None:

@@ -313,7 +313,12 @@ class _Connection:
 
     def _lookup(self, keys: list[bytes], local_only: bool, asker: Any, send: bool) -> list[Any] | None:
         hit = self.tiers.lookup(keys, local_only=local_only, asker=self._asker(asker), send=send)
-        return None if hit is None else [self.leases.add_hit(hit), hit.tiers]
+        if hit is None:
+            return None
+        if not hit.num_blocks:  # nothing pinned, nothing to fetch: not leased (a miss per request would pile up)
+            self.tiers.release(hit)
+            return [0, []]
+        return [self.leases.add_hit(hit), hit.tiers]
 
     def _ask(self, keys: list[bytes], asker: Any, send: bool) -> None:
         self.tiers.ask(keys, self._asker(asker), send=send)
