@@ -163,7 +163,11 @@ class HostServer:
     # ---- connections ----------------------------------------------------------------------------------
     def _listen(self) -> socket.socket:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.socket_path))
+        umask = os.umask(0o777 & ~SOCKET_MODE)  # born owner- and group-only: no moment when others may connect
+        try:
+            listener.bind(str(self.socket_path))
+        finally:
+            os.umask(umask)
         os.chmod(self.socket_path, SOCKET_MODE)
         if self.group is not None:
             os.chown(self.socket_path, -1, grp.getgrnam(self.group).gr_gid)
@@ -177,7 +181,12 @@ class HostServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            connection = _Connection(self, next(self._ids), sock)
+            try:
+                connection = _Connection(self, next(self._ids), sock)
+            except OSError as error:  # that engine's socket, not the server's
+                log.warning("tiercache host server: an engine's connection failed: %s", error)
+                sock.close()
+                continue
             with self._lock:
                 self._connections[connection.id] = connection
             connection.thread.start()
