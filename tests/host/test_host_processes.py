@@ -60,6 +60,11 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
         process.wait(timeout=WAIT_S)
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (its state in /proc is T)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def spawn(processes: list[subprocess.Popen[str]], *args: str) -> subprocess.Popen[str]:
     process = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True)
     processes.append(process)
@@ -125,6 +130,7 @@ def test_tiercache_serve_frozen_is_a_miss_then_serves_again_with_its_stats_and_s
     write(engine, keys)
     assert until(lambda: engine.lookup(keys).num_blocks == 3)
     os.kill(server.pid, signal.SIGSTOP)
+    until(lambda: stopped(server.pid))  # a signal is delivered when its process next runs
     assert engine.lookup(keys).num_blocks == 0, "a frozen server is a miss within the reply bound"
     assert not engine.attached
     assert engine.begin_writes(keys) == [None] * 3

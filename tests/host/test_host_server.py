@@ -17,16 +17,17 @@ from support.host_helpers import (
     WAIT_S,
     cached_blocks,
     client,
-    drop_cpu_tier,
     held_slots,
     host_config,
     write,
 )
 from support.lower_tiers_helpers import block_bytes, chain, until
+from support.lower_tiers_helpers import write as lower_write
 
 from tiercache.host import wire
 from tiercache.host.client import HostAttachError, HostTiers
 from tiercache.host.server import HostServer
+from tiercache.manager.lower_tiers import LowerTiers
 from tiercache.testing.redis_servers import RedisServer
 
 
@@ -122,12 +123,14 @@ def test_a_lookup_waiting_for_a_remote_is_asked_again_across_the_socket(
         socket_dir: Path, servers: list[HostServer], opened: list[HostTiers], redis_server: RedisServer,
         redis_client: redis.Redis) -> None:
     redis = {"type": "redis", "name": "redis", "options": {"url": redis_server.url}}
-    server = serve(socket_dir, servers, topology={"cpu_blocks": 8, "remotes": [redis]})
-    engine = client(server.socket_path, opened)
-    keys = chain(engine, 3, salt=6)
-    write(engine, keys)
+    topology = {"cpu_blocks": 8, "remotes": [redis]}
+    elsewhere = LowerTiers(host_config(**topology))  # an engine on another host stores the prompt in Redis
+    elsewhere.start()
+    keys = chain(elsewhere, 3, salt=6)
+    lower_write(elsewhere, keys)
     until(lambda: redis_client.dbsize() >= 3)
-    drop_cpu_tier(server, 3)
+    elsewhere.close()
+    server = serve(socket_dir, servers, topology=topology)
     other = client(server.socket_path, opened)
     assert other.lookup(keys, asker="request-1") is None, "the remote's answer is in flight"
     other.wait_for_answers(WAIT_S)
@@ -135,7 +138,7 @@ def test_a_lookup_waiting_for_a_remote_is_asked_again_across_the_socket(
     assert hit.tiers == ["redis"] * 3
     fetch = other.fetch(hit)
     assert fetch.wait(WAIT_S)
-    assert read(other, fetch.slots()) == [block_bytes(engine, key) for key in keys]
+    assert read(other, fetch.slots()) == [block_bytes(elsewhere, key) for key in keys]
     fetch.release()
     other.forget("request-1")
     until(lambda: held_slots(server) == 0)

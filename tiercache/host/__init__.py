@@ -3,7 +3,9 @@
 ``server`` (``HostServer``, what ``tiercache serve`` runs: a ``LowerTiers`` over a
 shared-memory region it creates, a Unix socket, a thread per attached engine),
 ``client`` (``HostTiers``: the surface of ``LowerTiers`` across the socket, a
-miss whenever the server is down or slow), ``wire`` (the frames between them),
+miss whenever the server is down or slow), ``attachment`` (one attachment's
+socket and the handles an engine holds), ``engines`` (an engine's model and
+layout, which a tiers-only server adopts), ``wire`` (the frames between them),
 ``region`` (the region's file, checked by every engine that maps it) and
 ``leases`` (pure bookkeeping: what an attached engine holds, taken back when it
 goes away). The design is docs/architecture.md, "The host cache server".

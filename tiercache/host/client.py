@@ -20,14 +20,10 @@ if it is the first to attach (``engines``).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import select
 import socket
 import threading
-import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +32,10 @@ import torch
 from tiercache.blocks.keys import BlockHasher
 from tiercache.config import TierCacheConfig
 from tiercache.host import wire
+from tiercache.host.attachment import Attachment, Detached, HostAttachError, ServedFetch, ServedHit, ended_fetch
 from tiercache.host.engines import describe
 from tiercache.host.region import HostRegion, HostRegionError
-from tiercache.host.wire import Event, Op, Status
+from tiercache.host.wire import Op, Status
 from tiercache.remote.build import model_namespace
 
 log = logging.getLogger(__name__)
@@ -47,181 +44,6 @@ REPLY_TIMEOUT_S = 0.5
 """A call's bound: a server slower than this is treated as down (the engine serves on, on misses)."""
 RETRY_S = 2.0
 """How often a detached client tries to attach again."""
-
-
-class HostAttachError(RuntimeError):
-    """The server holds another model, page format or protocol: this engine cannot share its tier."""
-
-
-class _Detached(Exception):
-    """No server answered in time (or none is attached): the call is a miss."""
-
-
-@dataclass(eq=False)
-class ServedHit:
-    """What ``HostTiers.lookup`` found, leased on the server until ``fetch`` or ``release``."""
-
-    keys: list[bytes]
-    tiers: list[str]
-    hit_id: int = 0
-    link: _Attachment | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.tiers)
-
-
-@dataclass(eq=False)
-class ServedFetch:
-    """A hit's blocks being brought into the server's region for the engine to copy out of (as ``HostFetch``)."""
-
-    fetch_id: int
-    link: _Attachment | None
-    _slots: list[int]
-    _done: threading.Event = field(default_factory=threading.Event)
-
-    def ready(self) -> bool:
-        """Every block has arrived or failed (what the server sent is read first, without waiting)."""
-        if not self._done.is_set() and self.link is not None:
-            self.link.pump(0.0)
-        return self._done.is_set()
-
-    def slots(self) -> list[int]:
-        """The leading slots the engine may copy now (all that arrived once ready)."""
-        return list(self._slots)
-
-    def wait(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while not self._done.is_set() and self.link is not None and (left := deadline - time.monotonic()) > 0:
-            self.link.pump(left)
-        return self._done.is_set()
-
-    def release(self) -> None:
-        """The engine is done with the slots: the server's pins go (at once if the server took them back)."""
-        if self.link is not None:
-            with contextlib.suppress(_Detached):
-                self.link.post(Op.RELEASE_FETCH, [self.fetch_id])
-            self.link = None
-
-    def arrived(self, slots: list[int]) -> None:
-        self._slots = slots
-        self._done.set()
-
-
-def _ended_fetch() -> ServedFetch:
-    fetch = ServedFetch(0, None, [])
-    fetch._done.set()
-    return fetch
-
-
-class _Attachment:
-    """One attachment: the socket, the replies and fetches awaiting the server. No thread of its own: a caller
-    waiting for the server reads the socket itself (one reader at a time) and hands each frame to whom it is for,
-    so a call costs one round trip and no hand-off between threads."""
-
-    def __init__(self, sock: socket.socket, region: HostRegion, names: list[str], frame_timeout_s: float,
-                 on_break: Callable[[_Attachment], None]) -> None:
-        sock.settimeout(frame_timeout_s)  # a frame begun but stalled, or a send the server does not take, breaks it
-        self.sock, self.region, self.names = sock, region, names
-        self._frames = wire.FrameReader(sock)
-        self._on_break = on_break
-        self._ids = itertools.count(1)
-        self._replies: dict[int, tuple[int, Any]] = {}
-        self._fetches: dict[int, ServedFetch] = {}
-        self._lock = threading.Lock()
-        self._sending = threading.Lock()
-        self._reading = threading.Lock()
-        self.alive = True
-
-    def call(self, op: Op, args: list[Any], timeout_s: float) -> Any:
-        """The server's result (``_Detached``: no reply within ``timeout_s``, or the link broke; then it is broken;
-        ``HostAttachError``: the server refused the call)."""
-        deadline = time.monotonic() + timeout_s
-        call_id = next(self._ids)
-        self._send([call_id, int(op), args])
-        while (reply := self._reply(call_id)) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.broken(f"no reply to {op.name} within {timeout_s} s")
-                raise _Detached
-            self.pump(left, call_id)
-        status, body = reply
-        if status != Status.OK:
-            raise HostAttachError(str(body))
-        return body
-
-    def post(self, op: Op, args: list[Any]) -> None:
-        """Send a call the server answers with no reply (call id 0)."""
-        self._send([wire.NO_REPLY_CALL_ID, int(op), args])
-
-    def expect(self, fetch: ServedFetch) -> None:
-        """``fetch`` ends when the server says its blocks arrived, or when the link breaks."""
-        with self._lock:
-            if self.alive:
-                self._fetches[fetch.fetch_id] = fetch
-                return
-        fetch.arrived([])
-
-    def pump(self, wait_s: float, call_id: int | None = None) -> None:
-        """Read what the server sent, waiting at most ``wait_s`` for the first frame (not at all while another
-        thread reads, but for a waiting caller's turn); stop at ``call_id``'s reply."""
-        taken = self._reading.acquire(timeout=wait_s) if wait_s > 0 else self._reading.acquire(blocking=False)
-        if not taken:
-            return
-        try:
-            first = True
-            while self.alive and (call_id is None or call_id not in self._replies):
-                if not self._frames.buffered():
-                    ready, _, _ = select.select([self.sock], [], [], wait_s if first else 0.0)
-                    if not ready:
-                        return
-                first = False
-                self._dispatch(*self._frames.frame())
-        except (wire.WireError, OSError, ValueError) as error:
-            self.broken(str(error))
-        finally:
-            self._reading.release()
-
-    def broken(self, why: str) -> None:
-        with self._lock:
-            if not self.alive:
-                return
-            self.alive = False
-            fetches, self._fetches = self._fetches, {}
-        log.warning("tiercache host client: detached from the host server: %s", why)
-        for fetch in fetches.values():
-            fetch.arrived([])
-        with contextlib.suppress(OSError):  # tells the server at once, wakes a reader
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self._on_break(self)
-
-    def _reply(self, call_id: int) -> tuple[int, Any] | None:
-        with self._lock:
-            reply = self._replies.pop(call_id, None)
-            if reply is None and not self.alive:
-                raise _Detached
-        return reply
-
-    def _send(self, message: list[Any]) -> None:
-        if not self.alive:
-            raise _Detached
-        try:
-            with self._sending:
-                wire.send(self.sock, message)
-        except OSError as error:
-            self.broken(f"a send failed: {error}")
-            raise _Detached from None
-
-    def _dispatch(self, call_id: int, code: int, body: Any) -> None:
-        if call_id != wire.EVENT_CALL_ID:
-            with self._lock:
-                self._replies[call_id] = (code, body)
-        elif code == Event.FETCHED:
-            fetch_id, slots = body
-            with self._lock:
-                fetch = self._fetches.pop(fetch_id, None)
-            if fetch is not None:
-                fetch.arrived(list(slots))
 
 
 class HostTiers:
@@ -241,7 +63,7 @@ class HostTiers:
         self.types = [tier.type for tier in config.tiers]
         """Every tier's type, as ``names``."""
         self.reply_timeout_s, self.retry_s = reply_timeout_s, retry_s
-        self._link: _Attachment | None = None
+        self._link: Attachment | None = None
         self._attached = threading.Condition()
         self._closed = False
         self._attacher: threading.Thread | None = None
@@ -278,7 +100,7 @@ class HostTiers:
         link = self._link
         try:
             found = self._call(link, Op.LOOKUP, [list(keys), local_only, asker, send])
-        except _Detached:
+        except Detached:
             return ServedHit(list(keys), [])
         if found is None:
             return None
@@ -302,23 +124,23 @@ class HostTiers:
             return False
         try:
             return bool(link.call(Op.WAIT_FOR_ANSWERS, [timeout_s], timeout_s + self.reply_timeout_s))
-        except (_Detached, HostAttachError):
+        except (Detached, HostAttachError):
             return False
 
     def release(self, hit: ServedHit) -> None:
         if hit.link is not None and hit.link is self._link:
-            with contextlib.suppress(_Detached):
+            with contextlib.suppress(Detached):
                 hit.link.post(Op.RELEASE_HIT, [hit.hit_id])
 
     def fetch(self, hit: ServedHit, count: int | None = None, *, force_latest: bool = False) -> ServedFetch:
         """As ``LowerTiers.fetch``: the slots in the server's region, pinned for this engine until ``release``."""
         link = hit.link
         if link is None or link is not self._link or not hit.num_blocks:
-            return _ended_fetch()
+            return ended_fetch()
         try:
             fetch_id, ready, slots = self._call(link, Op.FETCH, [hit.hit_id, count, force_latest])
-        except (_Detached, TypeError):
-            return _ended_fetch()
+        except (Detached, TypeError):
+            return ended_fetch()
         fetch = ServedFetch(fetch_id, link, list(slots))
         if ready:
             fetch.arrived(list(slots))
@@ -330,7 +152,7 @@ class HostTiers:
         """As ``LowerTiers.begin_writes``; no slots while no server answers."""
         try:
             return list(self._call(self._link, Op.BEGIN_WRITES, [list(keys)]))
-        except _Detached:
+        except Detached:
             return [None] * len(keys)
 
     def end_writes(self, keys: Sequence[bytes], slots: Sequence[int], oks: Sequence[bool]) -> None:
@@ -340,11 +162,17 @@ class HostTiers:
         """As ``LowerTiers.reset_cpu_tier``, for every engine on the host: the tier is theirs together."""
         try:
             return int(self._call(self._link, Op.RESET_CPU_TIER, []))
-        except _Detached:
+        except Detached:
             return 0
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self._post(Op.OBSERVE_PREFILL, [tokens, seconds])
+
+    @property
+    def region_token(self) -> bytes:
+        """The token of the region attached now (b"" while detached): what the slots of a call made now name."""
+        link = self._link
+        return b"" if link is None else link.region.token
 
     @property
     def region_slots(self) -> torch.Tensor | None:
@@ -363,32 +191,32 @@ class HostTiers:
     def level_blocks(self) -> dict[str, int]:
         try:
             return dict(self._call(self._link, Op.LEVEL_BLOCKS, []))
-        except _Detached:
+        except Detached:
             return {}
 
     def stats(self) -> dict[str, Any]:
         """The server's stats (every engine's), with ``host.attached``."""
         try:
             stats = dict(self._call(self._link, Op.STATS, []))
-        except _Detached:
+        except Detached:
             return {"host": {"attached": False}}
         stats.setdefault("host", {})["attached"] = True
         return stats
 
     # ---- the link ---------------------------------------------------------------------------
-    def _call(self, link: _Attachment | None, op: Op, args: list[Any]) -> Any:
+    def _call(self, link: Attachment | None, op: Op, args: list[Any]) -> Any:
         if link is None:
-            raise _Detached
+            raise Detached
         try:
             return link.call(op, args, self.reply_timeout_s)
         except HostAttachError as refused:  # a call the server refused (a bug of ours): a miss, said in the log
             log.warning("tiercache host client: the server refused %s: %s", op.name, refused)
-            raise _Detached from None
+            raise Detached from None
 
     def _post(self, op: Op, args: list[Any]) -> None:
         link = self._link
         if link is not None:
-            with contextlib.suppress(_Detached):
+            with contextlib.suppress(Detached):
                 link.post(op, args)
 
     def _try_attach(self, *, raise_refusal: bool) -> bool:
@@ -415,13 +243,13 @@ class HostTiers:
             if self._closed:
                 sock.close()
                 return True
-            self._link = _Attachment(sock, region, list(body["names"]), self.reply_timeout_s, self._lost)
+            self._link = Attachment(sock, region, list(body["names"]), self.reply_timeout_s, self._lost)
             self.names, self.types = list(body["names"]), list(body["types"])
             self._attached.notify_all()
         log.info("tiercache host client: attached to %s (region %s)", self.socket_path, region.path)
         return True
 
-    def _lost(self, link: _Attachment) -> None:
+    def _lost(self, link: Attachment) -> None:
         with self._attached:
             if self._link is not link:
                 return

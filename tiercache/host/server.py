@@ -187,9 +187,12 @@ class HostServer:
                 log.warning("tiercache host server: an engine's connection failed: %s", error)
                 sock.close()
                 continue
-            with self._lock:
+            with self._lock:  # ``close`` joins every connection it finds: each is started when found
+                if self._closed.is_set():
+                    connection.abandon()
+                    return
                 self._connections[connection.id] = connection
-            connection.thread.start()
+                connection.thread.start()
 
     def _ended(self, connection: _Connection) -> None:
         with self._lock:
@@ -224,6 +227,12 @@ class _Connection:
             Op.LEVEL_BLOCKS: lambda: self.tiers.level_blocks(),
             Op.STATS: lambda: json.loads(json.dumps(self.server.stats(), default=str)),
         }
+
+    def abandon(self) -> None:
+        """Close a connection never served (the server stopped as it came)."""
+        self.sock.close()
+        if self._peer is not None:
+            os.close(self._peer)
 
     def shut(self) -> None:
         with contextlib.suppress(OSError):
