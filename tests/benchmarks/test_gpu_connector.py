@@ -37,7 +37,7 @@ BREAKAGES = {
     "every engine pinned (closed engines unregistered)":
         "from tiercache.integrations.vllm.connector import pinning; pinning.HostPins.close = lambda self: None",
     "worker in vLLM's speculative order: the forward reads what the store's forward wrote":
-        "from tiercache.integrations.vllm.connector import worker; worker._group_copies = lambda job, groups: {}",
+        "from tiercache.integrations.vllm.connector import worker; worker.group_copies = lambda job, groups: {}",
     "worker in vLLM's speculative order: a failed load's blocks are errors in its step":
         "from tiercache.integrations.vllm.connector import worker; worker.ConnectorWorker.take_load_errors = "
         "lambda self: set()",

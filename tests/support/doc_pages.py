@@ -21,11 +21,15 @@ ENGINE_PAGE = REPO / "docs" / "engines.md"
 """Where the engine suites (``tests/*/{vllm,sglang}/test_*_readme.py``) read their configurations."""
 ENGINE_CONFIGS = {
     "vllm": (r"--kv-transfer-config '(\{\s*\"kv_connector\": \"OffloadingConnector\".*?\})'", 3, 3),
-    "vllm-connector": (r"--kv-transfer-config '(\{\"kv_connector\":\"TierCacheConnector\".*?\})'", 3, 4),
+    "vllm-connector": (r"--kv-transfer-config '(\{\"kv_connector\":\"TierCacheConnector\"(?:(?!\"host\":).)*?\})'",
+                       3, 4),
+    "vllm-connector-host": (r"--kv-transfer-config '(\{\"kv_connector\":\"TierCacheConnector\"[^']*?\"host\":[^']*\})'",
+                            1, 1),
     "sglang": (r"--hicache-storage-backend-extra-config '(\{.*?\})'", 2, 2),
 }
 """Per engine: the pattern its suite extracts a configuration with, how many configurations it expects,
-and how many blocks docs/engines.md marks for it (the connector's fourth is the ``LLM(...)`` form)."""
+and how many blocks docs/engines.md marks for it (the connector's fourth is the ``LLM(...)`` form; its line on
+a host cache server is read by tests/engines/vllm_serve/test_host_served.py)."""
 MARK = re.compile(r"<!-- (example|engine|not run): (.+?) -->")
 FENCE = re.compile(r"```(\S*)\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")

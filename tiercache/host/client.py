@@ -169,6 +169,12 @@ class HostTiers:
         self._post(Op.OBSERVE_PREFILL, [tokens, seconds])
 
     @property
+    def region(self) -> HostRegion | None:
+        """The region attached now (its ``token`` and ``slots``; None while detached)."""
+        link = self._link
+        return None if link is None else link.region
+
+    @property
     def region_token(self) -> bytes:
         """The token of the region attached now (b"" while detached): what the slots of a call made now name."""
         link = self._link

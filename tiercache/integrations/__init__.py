@@ -10,5 +10,5 @@ offloading tiers, and eviction policies for its CPU tier.
 ``tiercache.integrations.sglang`` (the ``sglang`` extra): a HiCache storage backend.
 
 Imports from: ``common``, ``policies``, ``blocks``, ``codecs``, ``telemetry``, ``bookkeeping``, ``tiers``, ``movement``,
-``config``, ``remote``, ``manager``.
+``config``, ``remote``, ``manager``, ``host``.
 """

@@ -68,6 +68,9 @@ class HostFetch:
     arrived: concurrent.futures.Future[list[bool]]
     _release: Callable[[list[LoadItem]], None]
 
+    region = b""
+    """The region its slots are in: the caller's own buffer (a host server's fetch names its region's token)."""
+
     def ready(self) -> bool:
         """Every block has arrived or failed."""
         return self.arrived.done()
@@ -112,6 +115,10 @@ class LowerTiers:
         self.bytes_per_block = self.parts.layout.bytes_per_block
         self.names = self.parts.names
         """Every tier's name, fastest first (the CPU tier, then the remotes)."""
+        self.types = [tier.type for tier in config.tiers]
+        """Every tier's type, as ``names``."""
+        self.region_token = b""
+        """The region the slots it names are in: the caller's own buffer (``HostTiers`` names its server's)."""
         self._started = self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------

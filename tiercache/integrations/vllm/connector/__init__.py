@@ -5,7 +5,9 @@
 ``scheduler`` (the scheduler side: ``LowerTiers``, lookups, load and store jobs),
 ``requests`` (what it keeps per request, by phase: keys, lookup, fetch, stores),
 ``jobs`` (loads and stores sent to the workers, until all reported them),
-``worker`` (the worker side: each step's copies, layer by layer),
+``worker`` (the worker side: each step's copies, layer by layer; ``step_store``,
+its share of a step's stores; ``host_mapping``, the host cache server's region
+it maps with the ``host`` option),
 ``region`` (the CPU tier's memory, shared between vLLM's processes) and
 ``shmfile`` (its file: room checked and allocated, held while workers live,
 stale ones removed),
@@ -19,7 +21,8 @@ step and the reports back) and ``metrics`` (vLLM's connector stats and
 Prometheus counters); ``geometry``, ``pages``, ``transfers``, ``staged``,
 ``pinning`` (host memory registered as pinned), ``cudart`` (the CUDA runtime calls
 torch lacks), ``region`` and ``shmfile`` (the worker's page map, transfer engines
-and region), and ``worker`` with ``metadata`` and ``token_order``, need torch
+and region), and ``worker`` with ``metadata``, ``token_order``, ``step_store`` and
+``host_mapping`` (which imports the host client only when the option is set), need torch
 only, not vLLM, YAML or the namespace's hashing (``scripts/gpu_check_connector.sh``
 runs them on a GPU machine without vLLM), so the class is imported on first use,
 after the installed vLLM's version is checked.

@@ -177,7 +177,7 @@ class HitAdmission:
     def _may_wait(self, fetching: Fetching) -> bool:
         """Whether a request may still be held back for its remote blocks (the topology's prefetch policy)."""
         waited = time.monotonic() - fetching.asked_at
-        return waited < self.queues.prefetch_wait_s(len(fetching.fetch.items) * self.block_size)
+        return waited < self.queues.prefetch_wait_s(len(fetching.entries) * self.block_size)
 
     def group_keys(self, state: RequestState, group: int, blocks: int) -> list[bytes]:
         """At least the keys of ``group``'s first ``blocks`` blocks of the request, those first (the chained keys for

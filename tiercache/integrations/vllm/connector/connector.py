@@ -3,8 +3,10 @@ and on vLLM's CPU build.
 
 vLLM builds one per role: in its engine-core process the scheduler's
 (``ConnectorScheduler``: tiercache's ``LowerTiers``, the bookkeeping, policies and
-remotes), in each worker process the worker's (``ConnectorWorker``: page copies
-between vLLM's KV tensors and the CPU tier's shared slots). Both derive the same
+remotes; with the ``host`` option a ``HostTiers``, the same calls made of a host
+cache server), in each worker process the worker's (``ConnectorWorker``: page copies
+between vLLM's KV tensors and the CPU tier's shared slots, the host server's region
+with ``host``). Both derive the same
 slot geometry (``geometry``) and namespace (``namespace``) from vLLM's configs. Every hook is
 guarded: an error inside tiercache is logged and becomes a miss, a failed job or
 a load vLLM recomputes, never an exception in vLLM's loop. The one error raised
@@ -19,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -33,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiercache.integrations.vllm.connector.geometry import describe_groups, instance_geometry
+from tiercache.integrations.vllm.connector.host_mapping import HostMapping
 from tiercache.integrations.vllm.connector.levels import LevelReads
 from tiercache.integrations.vllm.connector.metadata import TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.metrics import (
@@ -48,6 +51,9 @@ from tiercache.integrations.vllm.connector.step_budget import StoreBudget
 from tiercache.integrations.vllm.connector.token_order import compact_order
 from tiercache.integrations.vllm.connector.worker import ConnectorWorker
 from tiercache.manager.lower_tiers import LowerTiers
+
+if TYPE_CHECKING:
+    from tiercache.host.client import HostTiers
 
 log = logging.getLogger(f"vllm.{__name__}")
 """Under vLLM's logger: its handlers and level (``VLLM_LOGGING_LEVEL``) apply in its processes."""
@@ -103,15 +109,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                            vllm_config.parallel_config.data_parallel_rank)
         if role == KVConnectorRole.SCHEDULER:
             log.info("tiercache connector: KV-cache groups %s", groups)
-            try:
-                region = SharedRegion.for_scheduler(path, num_slots, geometry.slot_bytes, geometry.world)
-            except RegionDeclined as declined:
-                self._declined = f"a worker cannot map vLLM's KV cache: {declined}"
-                log.warning("tiercache connector: declines every request: %s", self._declined)
+            tiers = self._scheduler_tiers(options, config, path, num_slots, geometry)
+            if tiers is None:
                 return
-            tiers = LowerTiers(config, cpu_buffer=region.slots)
-            tiers.start()
-            self._region = region
             events = vllm_config.kv_events_config is not None and vllm_config.kv_events_config.enable_kv_cache_events
             staged = str(getattr(vllm_config.device_config, "device_type", "")) == "cuda"  # only CUDA stages stores
             budget = StoreBudget(geometry, options.staging_bytes, vllm_config.scheduler_config.max_num_batched_tokens,
@@ -121,14 +121,34 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                                  store_budget=budget)
             self._levels = LevelReads(tiers.level_blocks)
         else:
-            self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(),
+            host = HostMapping(config, options.host) if options.host is not None else None
+            self._worker = ConnectorWorker(geometry, num_slots, path, _tensor_parallel_rank(), host=host,
                                            staging_bytes=options.staging_bytes,
                                            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                            num_blocks=getattr(kv_cache_config, "num_blocks", None),
                                            token_order=order,
                                            micro_batches=bool(getattr(vllm_config.parallel_config, "use_ubatching",
                                                                       False)))
-        self._tier_sources = [_hit_source(tier.type) for tier in config.tiers]
+
+    def _scheduler_tiers(self, options: ConnectorOptions, config: Any, path: Any, num_slots: int,
+                         geometry: Any) -> LowerTiers | HostTiers | None:
+        """The tiers under vLLM's pool, started: the host server's (``host``), or this instance's own over the
+        region its workers made (None: a worker declined, and so does every request)."""
+        if options.host is not None:
+            from tiercache.host.client import HostTiers
+
+            tiers: LowerTiers | HostTiers = HostTiers(config, options.host)
+        else:
+            try:
+                region = SharedRegion.for_scheduler(path, num_slots, geometry.slot_bytes, geometry.world)
+            except RegionDeclined as declined:
+                self._declined = f"a worker cannot map vLLM's KV cache: {declined}"
+                log.warning("tiercache connector: declines every request: %s", self._declined)
+                return None
+            tiers = LowerTiers(config, cpu_buffer=region.slots)
+            self._region = region
+        tiers.start()
+        return tiers
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -180,8 +200,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None or not num_external_tokens:
             return {}
         sources: dict[CacheHitSource, int] = {}
+        types = self._scheduler.tiers.types  # a host server's are known once attached
         for tier, tokens in self._scheduler.hit_tokens(request.request_id).items():
-            source = self._tier_sources[tier]
+            source = _hit_source(types[tier])
             sources[source] = sources.get(source, 0) + tokens
         if sum(sources.values()) != num_external_tokens:  # vLLM accepted fewer tokens than offered
             return {self._cache_hit_source: num_external_tokens}

@@ -38,6 +38,9 @@ class CopyJob:
     """An asynchronous load's request: the workers report it to vLLM as received once copied (or failed)."""
     asynchronous: bool = False
     """A load copied while the batch runs on (its request waits in WAITING_FOR_REMOTE_KVS), not before the forward."""
+    region: bytes = b""
+    """The token of the host server's region its slots are in (b"": the connector's own region); a worker that has
+    not mapped that region fails the job (a server restarted since has made another)."""
 
 
 @dataclass

@@ -17,6 +17,10 @@
   CPU tier (a store past it is skipped: a later miss, never an error); loads stage in chunks of half
   of it. By default it is what the step's largest prefill fills: ``max_num_batched_tokens`` over the
   block size, plus one block, of this rank's KV (logged at start).
+- ``host``: the Unix socket of a host cache server (``tiercache serve``): its CPU tier and remotes, shared by
+  every engine on the host, instead of this engine's own; ``topology`` is then optional and may not name tiers
+  (its ``model`` section still applies). The scheduler side attaches over the socket, the workers map the
+  server's region; a server down or restarted is a miss (docs/engines.md, "On a host cache server").
 - ``codec``: a remote tier's ``codec`` (``tiercache.codecs.levels.CodecConfig``) for every remote tier of
   the topology that names none. The connector's pages stay vLLM's bytes (its layout, packed per the CPU
   attention kernel's instruction set on the CPU build), but the connector tells the layout their element
@@ -52,7 +56,10 @@ from tiercache.tiers import tier_class
 
 SOURCE = "--kv-transfer-config kv_connector_extra_config"
 """Where the options come from, as errors name it."""
-OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms", "loads", "codec")
+OWN_KEYS = ("topology", "overrides", "force_latest", "shared_dir", "staging_mib", "idle_wait_ms", "loads", "codec",
+            "host")
+HOST_TIERS = [{"type": "cpu", "capacity_blocks": 1}]
+"""An engine's tiers on a host server: the server's own, so the engine's topology names none (this stands in)."""
 
 
 class LoadMode(enum.Enum):
@@ -93,6 +100,8 @@ class ConnectorOptions:
     loads: LoadMode = LoadMode.AUTO
     codec: Mapping[str, Any] | None = None
     """The ``codec`` of every remote tier that names none (None: each tier's own, exact by default)."""
+    host: Path | None = None
+    """The host cache server's socket (``tiercache serve``): its CPU tier and remotes instead of this engine's own."""
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -102,10 +111,18 @@ class ConnectorOptions:
                 meant = difflib.get_close_matches(str(key), OWN_KEYS, n=1)
                 hint = f" (did you mean {meant[0]!r}?)" if meant else ""
                 raise ConfigError(SOURCE, str(key), f"one of {list(OWN_KEYS)}{hint}", "an unknown key")
-        if "topology" not in extra:
+        host = extra.get("host")
+        if host is not None and (not isinstance(host, str) or not host):
+            raise ConfigError(SOURCE, "host", "the path of a tiercache host server's Unix socket", host)
+        if host is None and "topology" not in extra:
             raise ConfigError(SOURCE, "topology", "the tiers under vLLM's pool: a YAML path or a mapping whose "
                               "first tier is {'type': 'cpu', 'capacity_bytes': ...}", "nothing")
-        topology, source = _raw_topology(extra["topology"])
+        topology, source = _raw_topology(extra.get("topology", {}))
+        if host is not None:
+            if "tiers" in topology:
+                raise ConfigError(source, "tiers", "nothing with host: the host server's topology has them",
+                                  topology["tiers"])
+            topology = {**topology, "tiers": HOST_TIERS}
         overrides = extra.get("overrides") or {}
         if not isinstance(overrides, Mapping):
             raise ConfigError(SOURCE, "overrides", "a mapping of dotted field paths to values", overrides)
@@ -130,7 +147,7 @@ class ConnectorOptions:
         if loads not in {mode.value for mode in LoadMode}:
             raise ConfigError(SOURCE, "loads", f"one of {[mode.value for mode in LoadMode]}", loads)
         return cls(topology, source, force_latest, shared_dir, staging * MIB if staging is not None else None,
-                   idle_wait / MS_PER_SECOND, LoadMode(loads), codec)
+                   idle_wait / MS_PER_SECOND, LoadMode(loads), codec, Path(host) if host is not None else None)
 
     def config(self, model: ModelIdentity, geometry: SlotGeometry, page_format: PageFormat) -> TierCacheConfig:
         """The whole topology: the user's tiers with vLLM's model and its slots as pages of ``page_format`` with
@@ -155,7 +172,8 @@ class ConnectorOptions:
         config.layout = dataclasses.replace(config.layout, engine_format=page_format,
                                             element_dtype=geometry.element_dtype,
                                             group_elements=geometry.group_elements)
-        if self.force_latest and not any(tier_class(t.type).capabilities.versioned for t in config.tiers[1:]):
+        if self.force_latest and self.host is None and not any(tier_class(t.type).capabilities.versioned
+                                                                for t in config.tiers[1:]):
             raise ConfigError(SOURCE, "force_latest", "false, or a topology with a versioned tier (type: regional)",
                               True)
         return config

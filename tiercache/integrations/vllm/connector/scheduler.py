@@ -126,7 +126,8 @@ class ConnectorScheduler:
                 if block != NULL_BLOCK and self.geometry.groups[group].kind is not GroupKind.FULL
             )
         job = CopyJob(next(self._job_ids), tuple(p.slot for p in pairs), tuple(p.block for p in pairs),
-                      tuple(p.group for p in pairs), invalid, request.request_id, fetching.asynchronous)
+                      tuple(p.group for p in pairs), invalid, request.request_id, fetching.asynchronous,
+                      fetching.fetch.region)
         if fetching.asynchronous:
             self.counters.add("async_loads")
         fetch = state.admitted()
@@ -210,6 +211,7 @@ class ConnectorScheduler:
             progress.stored[group] = max(progress.stored[group], end)
         if not wanted:
             return None
+        region = self.tiers.region_token  # the region the slots will be in (a host server's, checked after)
         chosen, left = self._within_budget(wanted)
         for block in left:
             later = self.store_budget.ever_fits(block.group)  # a block past a whole step's budget would wait forever
@@ -218,10 +220,16 @@ class ConnectorScheduler:
                 self.counters.add("deferred_store_blocks")
             else:
                 self.counters.add("dropped_store_blocks")
+        if chosen and self.tiers.region_token != region:  # a host server restarted while the slots were asked for
+            self.tiers.end_writes([block.key for block, _ in chosen], [slot for _, slot in chosen],
+                                  [False] * len(chosen))
+            self.counters.add("dropped_store_blocks", len(chosen))
+            return None
         if not chosen:
             return None
         job = CopyJob(next(self._job_ids), tuple(slot for _, slot in chosen),
-                      tuple(block.block for block, _ in chosen), tuple(block.group for block, _ in chosen))
+                      tuple(block.block for block, _ in chosen), tuple(block.group for block, _ in chosen),
+                      region=region)
         self._in_flight[job.job_id] = InFlightStore(
             request=state.request, keys=[block.key for block, _ in chosen], slots=list(job.slots),
             positions=[block.position for block, _ in chosen if block.group == self._event_group],

@@ -35,11 +35,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiercache.common.units import US_PER_SECOND
 from tiercache.integrations.vllm.connector.geometry import GroupKind, SlotGeometry, UnsupportedLayoutError
+from tiercache.integrations.vllm.connector.host_mapping import HostMapping
 from tiercache.integrations.vllm.connector.metadata import CopyJob, TierCacheConnectorMetadata, TierCacheWorkerMetadata
 from tiercache.integrations.vllm.connector.pages import KVPages, page_views, state_views
 from tiercache.integrations.vllm.connector.region import SharedRegion
@@ -47,35 +47,16 @@ from tiercache.integrations.vllm.connector.shmfile import RegionFile
 from tiercache.integrations.vllm.connector.staged import StagedTransfers
 from tiercache.integrations.vllm.connector.staging import StagingMemoryError
 from tiercache.integrations.vllm.connector.step_budget import staging_budget, step_blocks
+from tiercache.integrations.vllm.connector.step_store import StepStore, group_copies
 from tiercache.integrations.vllm.connector.token_order import TokenOrder
-from tiercache.integrations.vllm.connector.transfers import Completed, GroupCopy, HostTransfers, Transfers
+from tiercache.integrations.vllm.connector.transfers import Completed, HostTransfers, Transfers
+
+if TYPE_CHECKING:
+    from tiercache.host.region import HostRegion
 
 log = logging.getLogger(f"vllm.{__name__}")
 
 MIB = 1 << 20
-
-
-@dataclass
-class _StepStore:
-    """A store job of this step and the layers it still has to copy."""
-
-    job: CopyJob
-    copies: dict[int, GroupCopy]
-    """Per KV-cache group this rank copies, its pages."""
-    layers_left: set[int] = field(default_factory=set)
-    failed: bool = False
-    dropped: bool = False
-    """Past the step's staging budget: never handed to the transfer engine (reported failed by the worker)."""
-
-
-def _group_copies(job: CopyJob, groups: set[int]) -> dict[int, GroupCopy]:
-    """A job's pairs per KV-cache group, for the groups in ``groups``."""
-    copies: dict[int, GroupCopy] = {}
-    for group in sorted(set(job.groups) & groups):
-        ours = [index for index, g in enumerate(job.groups) if g == group]
-        copies[group] = GroupCopy(job.job_id, group, tuple(job.slots[i] for i in ours),
-                                  tuple(job.block_ids[i] for i in ours))
-    return copies
 
 
 class ConnectorWorker:
@@ -84,8 +65,12 @@ class ConnectorWorker:
     def __init__(self, geometry: SlotGeometry, num_slots: int, region_path: Any, rank: int, *,
                  staging_bytes: int | None = None, max_num_batched_tokens: int | None = None,
                  num_blocks: int | None = None, token_order: TokenOrder | None = None,
-                 micro_batches: bool = False) -> None:
+                 micro_batches: bool = False, host: HostMapping | None = None) -> None:
         self.geometry = geometry
+        self.host = host
+        """The host server's region, mapped instead of a region of this instance's own (the ``host`` option)."""
+        self._views: Any = None
+        """vLLM's tensors as pages, kept until a host server's region is mapped."""
         self.token_order = token_order or TokenOrder(None)
         """The order the compact level decodes pages in, and the backends it holds for."""
         self.num_slots = num_slots
@@ -114,7 +99,7 @@ class ConnectorWorker:
         """This step's loads no engine was given, reported failed already."""
         self._invalid: set[int] = set()
         """Loads in flight that vLLM counts blocks of that no slot fills: reported failed when complete."""
-        self._stores: list[_StepStore] = []
+        self._stores: list[StepStore] = []
         self._done: Counter[int] = Counter()
         self._failed: Counter[int] = Counter()
         self._load_errors: set[int] = set()
@@ -145,13 +130,34 @@ class ConnectorWorker:
             log.error("tiercache connector: cannot map vLLM's KV cache, so it declines every request: %s", error)
             self._decline(str(error))
             return
+        if self.host is not None:
+            self._views = views
+            self.host.start()
+            self._map_host()
+            return
         self.region = SharedRegion.for_worker(self.region_path, self.num_slots, self.geometry.slot_bytes, self.rank)
         try:
-            self.pages = KVPages(views, self.geometry, self.rank, self.region.slots)
-            self.transfers = self._engine(self.pages, self.region)
-        except StagingMemoryError:  # a start that cannot afford the staging fails here, not in a forward
+            self._map(views, self.region)
+        except StagingMemoryError:
             self.region.close()
-            self.pages, self.region = None, None
+            self.region = None
+            raise
+
+    def _map_host(self) -> None:
+        """Map the host server's region once it has answered (``host_mapping``)."""
+        assert self.host is not None
+        region = self.host.mapped()
+        if region is not None:
+            self._map(self._views, region)
+            self._views = None
+
+    def _map(self, views: Any, region: SharedRegion | HostRegion) -> None:
+        """vLLM's pages and the region's CPU slots, and the transfer engine between them."""
+        try:
+            self.pages = KVPages(views, self.geometry, self.rank, region.slots)
+            self.transfers = self._engine(self.pages, region)
+        except StagingMemoryError:  # a start that cannot afford the staging fails here, not in a forward
+            self.pages = None
             raise
         except Exception as error:
             log.exception("tiercache connector: rank %d cannot copy vLLM's KV cache, so it declines every request",
@@ -162,7 +168,7 @@ class ConnectorWorker:
         log.info("tiercache connector: rank %d, %s (%s); pages: %s", self.rank, type(self.transfers).__name__,
                  self.transfers.describe(), self.pages.describe())
 
-    def _engine(self, pages: KVPages, region: SharedRegion) -> Transfers:
+    def _engine(self, pages: KVPages, region: SharedRegion | HostRegion) -> Transfers:
         """The transfer engine for ``pages``' device; on CUDA with its staging bounds, logged."""
         if pages.device.type != "cuda":
             return HostTransfers(pages)
@@ -181,6 +187,8 @@ class ConnectorWorker:
         return engine
 
     def _decline(self, reason: str) -> None:
+        if self.host is not None:  # no header of its own to say it in: its jobs fail (recomputed, dropped)
+            return
         held = self.region.held if self.region is not None else None  # the decline takes the mapped file over
         self.region = None
         self.declined = SharedRegion.decline(self.region_path, self.rank, reason, held)
@@ -189,12 +197,20 @@ class ConnectorWorker:
         """A step's jobs, bound before its forward. The scheduler plans stores within the step's staging budget
         (``step_budget``); stores past it all the same (a scheduler and workers of different options) are dropped
         (one warning)."""
+        if self.host is not None and self.transfers is None and self._views is not None:
+            self._map_host()
         self._loads, self._loads_started, self._polled = list(metadata.loads), set(), False
         self._stores = []
+        region = self.host.token if self.host is not None else b""
+        self._settle_loads([job for job in self._loads if job.region != region])  # slots of a region not mapped
         budget = self.transfers.step_budget_bytes if self.transfers is not None else None
         dropped = []
         for job in metadata.stores:
-            store = _StepStore(job, _group_copies(job, self._stored_groups))
+            store = StepStore(job, group_copies(job, self._stored_groups))
+            if job.region != region:
+                store.dropped = store.failed = True
+                self._stores.append(store)
+                continue
             store.layers_left = {i for i, layer in enumerate(self._layers()) if layer.group in store.copies}
             if budget is not None:
                 cost = sum(self.geometry.groups[g].layers_bytes * len(c.slots) for g, c in store.copies.items())
@@ -224,7 +240,7 @@ class ConnectorWorker:
             failed: set[int] = set()
             for asynchronously in (False, True):
                 copies = [copy for job in jobs if job.asynchronous is asynchronously
-                          for copy in _group_copies(job, self._loaded_groups).values()]
+                          for copy in group_copies(job, self._loaded_groups).values()]
                 if copies:
                     failed.update(self.transfers.load(copies, asynchronous=asynchronously))
         except Exception:  # the engine itself broke: nothing of these loads can be trusted
@@ -272,7 +288,9 @@ class ConnectorWorker:
     def end(self) -> None:
         """The step's forward is over: copy what no hook copied, hand the step's jobs over."""
         self._settle_loads()
-        if self.transfers is None:
+        if self.transfers is None:  # nothing copied: a store is reported failed (its slots are given back)
+            for store in self._stores:
+                self._failed[store.job.job_id] += 1
             self._loads, self._stores = [], []
             return
         for layer in range(len(self._layers())):
@@ -366,6 +384,6 @@ class ConnectorWorker:
                 self.transfers.drain()
                 self.transfers.close()
         finally:
-            for held in (self.region, self.declined):
+            for held in (self.region, self.declined, self.host):
                 if held is not None:
                     held.close()
