@@ -162,8 +162,8 @@ def hit_row(label: str, layout: dict[str, Any], rounds: int, prompts: int) -> di
     with Served(layout, prompts) as served:
         host, lower = served.client(), served.lower()
         try:
-            assert host.region_slots is not None
-            host_slots = host.region_slots.numpy()
+            assert host.region is not None
+            host_slots = host.region.slots.numpy()
             lower_slots = lower.parts.cpu.buffer.numpy()  # type: ignore[union-attr]
             block_bytes = host.bytes_per_block
             paths = {

@@ -27,8 +27,6 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tiercache.blocks.keys import BlockHasher
 from tiercache.config import TierCacheConfig
 from tiercache.host import wire
@@ -179,13 +177,6 @@ class HostTiers:
         """The token of the region attached now (b"" while detached): what the slots of a call made now name."""
         link = self._link
         return b"" if link is None else link.region.token
-
-    @property
-    def region_slots(self) -> torch.Tensor | None:
-        """The attached region's slots, ``[num_slots, slot_bytes]`` uint8 (None while detached): what an engine's
-        copies read and write; a slot a call named belongs to the region attached when it was named."""
-        link = self._link
-        return None if link is None else link.region.slots
 
     def buffer_view(self, slot: int) -> memoryview:
         """The bytes of slot ``slot`` of the region attached now (``HostRegionError`` while detached)."""
